@@ -1,0 +1,37 @@
+# Set-up and entry points. Every target creates .venv (Python >= 3.12) and installs the
+# project with the pinned versions in constraints.txt on first use.
+#   make ablate   the main job
+#   make test     the test suite (what CI runs, with make lint)
+
+SHELL := /bin/bash
+VENV := .venv
+STAMP := $(VENV)/.installed
+# First Python >= 3.12 found: python3.12 on PATH, pyenv's 3.12.1, python3.13, python3.
+PYTHON := $(shell for c in "python3.12" "env PYENV_VERSION=3.12.1 python3.12" "python3.13" "python3"; do \
+	$$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$$c"; break; }; done)
+
+.PHONY: ablate formats test lint install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -n "$(PYTHON)" || { echo "error: need Python >= 3.12 (python3.12 on PATH or pyenv 3.12.1)"; exit 1; }
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+ablate: $(STAMP)
+	$(VENV)/bin/fmtkit formats
+
+formats: $(STAMP)
+	$(VENV)/bin/fmtkit formats
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fmtkit pallas_kernels studies tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,131 @@
+"""The ``fmtkit`` command line: format tables, number inspection, benchmarks and studies."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import pkgutil
+import sys
+
+from fmtkit.formats import ALIASES, FORMATS, decompose, get_format
+
+_DEFAULT_INSPECT = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _fmt_num(v: float) -> str:
+    if math.isnan(v) or math.isinf(v) or v == 0:
+        return str(v)
+    return f"{v:.6g}"
+
+
+def format_table() -> list[dict]:
+    """One row per format: the range/precision constants (what ``fmtkit formats`` prints)."""
+    rows = []
+    for f in FORMATS.values():
+        rows.append({
+            "name": f.name, "bits": f.bits, "exponent_bits": f.exponent_bits,
+            "mantissa_bits": f.mantissa_bits, "bias": f.bias, "max": f.max,
+            "min_normal": f.min_normal, "min_subnormal": f.min_subnormal, "eps": f.eps,
+            "has_inf": f.has_inf, "has_nan": f.has_nan,
+            "has_negative_zero": f.has_negative_zero,
+            "aliases": [a for a, n in ALIASES.items() if n == f.name],
+        })
+    return rows
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def _cmd_formats(args: argparse.Namespace) -> int:
+    table = format_table()
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 0
+    yn = {True: "y", False: "-"}
+    _print_table(
+        ["format", "bits", "E", "M", "bias", "max", "min normal", "min subnormal", "eps",
+         "inf", "nan", "-0", "aliases"],
+        [[r["name"], str(r["bits"]), str(r["exponent_bits"]), str(r["mantissa_bits"]),
+          str(r["bias"]), _fmt_num(r["max"]), _fmt_num(r["min_normal"]),
+          _fmt_num(r["min_subnormal"]), _fmt_num(r["eps"]), yn[r["has_inf"]],
+          yn[r["has_nan"]], yn[r["has_negative_zero"]], ",".join(r["aliases"])]
+         for r in table])
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    names = args.format or list(_DEFAULT_INSPECT)
+    fmts = [get_format(n) for n in names]
+    rows, records = [], []
+    for value in args.values:
+        for f in fmts:
+            d = decompose(value, f)
+            records.append(d.__dict__ | {"bits": d.bits})
+            rows.append([repr(d.value), f.name, d.bits, repr(d.stored), d.kind,
+                         _fmt_num(d.abs_error), _fmt_num(d.rel_error)])
+    if args.json:
+        print(json.dumps(records, indent=2))
+    else:
+        _print_table(["value", "format", "sign exponent mantissa", "stored", "kind",
+                      "abs error", "rel error"], rows)
+    return 0
+
+
+def _bench_names() -> list[str]:
+    import studies
+
+    return sorted(m.name.removeprefix("bench_").replace("_", "-")
+                  for m in pkgutil.iter_modules(studies.__path__)
+                  if m.name.startswith("bench_"))
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    names = _bench_names()
+    if args.name is None or args.name == "list":
+        print("benchmarks: " + ", ".join(names))
+        return 0
+    if args.name not in names:
+        raise SystemExit(f"fmtkit bench: unknown benchmark {args.name!r}; "
+                         f"valid: {', '.join(names)}")
+    module = importlib.import_module("studies.bench_" + args.name.replace("-", "_"))
+    return int(module.main(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fmtkit`` console script."""
+    parser = argparse.ArgumentParser(prog="fmtkit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("formats", help="range/precision table of every format")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("inspect", help="how a number is stored in each format")
+    p.add_argument("values", nargs="+", type=float, help="numbers to inspect, e.g. 0.1 70000")
+    p.add_argument("--format", "-f", action="append",
+                   help=f"format name or alias (repeatable; default {','.join(_DEFAULT_INSPECT)})")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("bench", help="side-by-side benchmarks (fmtkit bench list)")
+    p.add_argument("name", nargs="?", help="benchmark name; 'list' lists them")
+
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "bench":
+            return _cmd_bench(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return {"formats": _cmd_formats, "inspect": _cmd_inspect}[args.command](args)
+    except (ValueError, TypeError) as e:
+        print(f"fmtkit {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

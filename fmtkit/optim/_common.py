@@ -1,0 +1,98 @@
+"""Helpers shared by the optax transformations of ``fmtkit.optim`` (private)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+F32 = jnp.float32
+
+
+def is_masked(x: Any) -> bool:
+    """True for optax's placeholder of a leaf that a transformation does not track."""
+    return isinstance(x, optax.MaskedNode)
+
+
+def check_float_leaves(tree: Any, name: str) -> list[jax.Array]:
+    """Returns the leaves of ``tree``, raising ``TypeError`` on a non-floating one."""
+    leaves = jax.tree.leaves(tree)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(
+                f"{name} must hold floating-point arrays only; the leaf at "
+                f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}.")
+    return leaves
+
+
+def is_low_precision(dtype: Any) -> bool:
+    """Floating dtypes narrower than f32 (bf16, f16, FP8, ...): those that get a master copy."""
+    dtype = np.dtype(dtype)
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool: every element of every leaf of ``tree`` is finite (True for no leaves).
+
+    Example:
+      >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def increment(count: jax.Array) -> jax.Array:
+    """int32 + 1, saturating at the int32 maximum (never wraps to a negative count)."""
+    return optax.safe_increment(count)
+
+
+def positive_float(value: Any, name: str, *, allow_none: bool = False) -> float | None:
+    """Validates a finite, positive Python scalar hyperparameter (closure constant)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | jax.Array):
+        raise TypeError(f"{name} must be a positive finite number, got {value!r}.")
+    try:
+        v = float(value)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(f"{name} must be a concrete number (a hyperparameter, not a traced "
+                        f"value), got {value!r}.") from e
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}.")
+    return v
+
+
+def positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {value!r}.")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int (>= 1), got {value!r}.")
+    return int(value)
+
+
+def check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {seed!r}.")
+    if not -(2**31) <= seed < 2**31:
+        raise ValueError(f"seed must fit in int32, got {seed!r}.")
+    return int(seed)
+
+
+def step_key(seed: jax.Array, count: jax.Array) -> jax.Array:
+    """The PRNG key of step ``count``: deterministic from two int32 state scalars."""
+    return jax.random.fold_in(jax.random.key(seed), count)
+
+
+def leaf_keys(key: jax.Array, n: int) -> list[jax.Array]:
+    """``n`` independent keys, one per leaf (in tree-flatten order)."""
+    if n == 0:
+        return []
+    return list(jax.random.split(key, n))

@@ -1,0 +1,471 @@
+"""Scaling recipes and quantization: ``x ≈ values * scale`` with one scale per block.
+
+Every recipe is a frozen dataclass and reduces to a *block shape* for a given array shape:
+``TensorScaling`` is one block covering the array, ``AxisScaling(axis)`` blocks span ``axis``
+completely (one scale per slice along the other axes), ``BlockScaling(block)`` tiles the
+trailing dims, ``MXScaling(block)`` tiles one axis in OCP MX blocks. The scale array keeps the
+rank of ``x``: ``scale.shape[i] == x.shape[i] // block[i]``, so it broadcasts per block.
+
+Scale rule (all recipes but MX), after Transformer Engine / DeepGEMM:
+
+    amax  = max |x| over the block                       (f32; NaN if the block has a NaN)
+    scale = amax * f32(1 / fmt.max) * 2^margin            (the dequantization multiplier)
+    scale = 1                    where amax == 0          (all-zero block: finite scale, TE's rule)
+    scale = max(scale, 2^-126)                            (no 0 or f32-subnormal scale: XLA CPU
+                                                           flushes those, and x / 0 is inf)
+    scale = 2^ceil(log2 scale)   if power_of_two          (DeepGEMM ``ceil_to_ue8m0``: never
+                                                           pushes values past fmt.max)
+    values = cast(clip(x * (1 / scale), ±fmt.max), fmt)   (round to nearest even; the
+                                                           reciprocal is taken once per block)
+
+MX (OCP Microscaling Formats v1.0, section 6.3): ``X = 2^(floor(log2 amax) - emax_elem)`` where
+``emax_elem`` is the exponent of the element format's largest normal, an E8M0 scale; elements
+``P = cast(clip(V / X, ±max_elem))``. Other scale rules in use: "ceil" (``ceil(log2 amax) -
+emax_elem``), "even" (amax rounded to the element precision first, torchao's EVEN) and "rceil"
+(``X = 2^ceil(log2(amax / max_elem))``, the smallest power of two with no overflow, used by
+cuBLAS/TE). All-zero blocks get X = 1, NaN blocks the E8M0 NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fmtkit.casting import check_floating
+from fmtkit.formats import Format, get_format
+
+__all__ = [
+    "AxisScaling",
+    "BlockScaling",
+    "DelayedScaling",
+    "DelayedScalingState",
+    "MXScaling",
+    "Recipe",
+    "ScaledArray",
+    "TensorScaling",
+    "compute_scale",
+    "dequantize",
+    "qdq",
+    "quantize",
+]
+
+_F32_TINY = np.float32(2.0**-126)  # smallest normal f32: floor for scales (see module doc)
+
+
+def _check_margin(margin: int) -> None:
+    if not isinstance(margin, int) or isinstance(margin, bool):
+        raise TypeError(f"margin must be an int (a power-of-two headroom), got {margin!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorScaling:
+    """One scale for the whole tensor (current scaling: from this tensor's amax)."""
+
+    power_of_two: bool = False
+    margin: int = 0
+
+    def __post_init__(self):
+        _check_margin(self.margin)
+
+    def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisScaling:
+    """One scale per slice: amax is reduced over ``axis`` (an int or tuple of ints).
+
+    ``AxisScaling(-1)`` on x [M, K] gives one scale per row (scale shape [M, 1]);
+    ``AxisScaling(0)`` on w [K, N] one per column (scale shape [1, N]).
+    """
+
+    axis: int | tuple[int, ...] = -1
+    power_of_two: bool = False
+    margin: int = 0
+
+    def __post_init__(self):
+        _check_margin(self.margin)
+        axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
+        if not axes or not all(isinstance(a, int) for a in axes):
+            raise TypeError(f"axis must be an int or a tuple of ints, got {self.axis!r}.")
+
+    def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
+        ndim = len(shape)
+        for a in axes:
+            if not -ndim <= a < ndim:
+                raise ValueError(f"axis={a} is out of range for an array of shape {shape}.")
+        norm = {a % ndim for a in axes}
+        return tuple(n if i in norm else 1 for i, n in enumerate(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+    """One scale per block; ``block`` tiles the trailing ``len(block)`` dims (leading dims: 1).
+
+    ``BlockScaling((1, 128))`` is DeepSeek-V3's activation tiling (x [M, K] -> scale
+    [M, K/128]); ``BlockScaling((128, 128))`` its weight tiling.
+    """
+
+    block: tuple[int, ...] = (1, 128)
+    power_of_two: bool = False
+    margin: int = 0
+
+    def __post_init__(self):
+        _check_margin(self.margin)
+        block = (self.block,) if isinstance(self.block, int) else tuple(self.block)
+        if not block or not all(isinstance(b, int) and b > 0 for b in block):
+            raise ValueError(f"block must be a tuple of positive ints, got {self.block!r}.")
+        object.__setattr__(self, "block", block)
+
+    def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(self.block) > len(shape):
+            raise ValueError(
+                f"block={self.block} has more dims than the array (shape {shape}).")
+        lead = len(shape) - len(self.block)
+        return (1,) * lead + self.block
+
+
+_MX_RULES = ("floor", "ceil", "even", "rceil")
+
+
+@dataclasses.dataclass(frozen=True)
+class MXScaling:
+    """OCP MX v1.0 block scaling: ``block`` consecutive elements along ``axis`` share an E8M0
+    power-of-two scale (block 32 in the spec). ``scale_rounding`` picks the scale rule (see the
+    module docstring); "floor" is the spec's.
+    """
+
+    block: int = 32
+    scale_rounding: Literal["floor", "ceil", "even", "rceil"] = "floor"
+    axis: int = -1
+
+    def __post_init__(self):
+        if not isinstance(self.block, int) or self.block <= 0:
+            raise ValueError(f"block must be a positive int, got {self.block!r}.")
+        if self.scale_rounding not in _MX_RULES:
+            raise ValueError(
+                f"scale_rounding must be one of {_MX_RULES}, got {self.scale_rounding!r}.")
+
+    def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        ndim = len(shape)
+        if not -ndim <= self.axis < ndim:
+            raise ValueError(f"axis={self.axis} is out of range for shape {shape}.")
+        ax = self.axis % ndim
+        return tuple(self.block if i == ax else 1 for i in range(ndim))
+
+
+class DelayedScalingState(NamedTuple):
+    """Amax history of one tensor for delayed scaling (a pytree the caller threads).
+
+    Attributes:
+      amax_history: f32[history]; entry 0 is the most recent amax.
+      count: int32 number of recorded steps (0 means: bootstrap from the current amax).
+    """
+
+    amax_history: jax.Array
+    count: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Per-tensor delayed scaling: the scale comes from the amax history of earlier steps.
+
+    Defaults are Transformer Engine's ``DelayedScaling`` (history 1024, "max", margin 0).
+    The first step (empty history) bootstraps from the current amax instead of casting
+    unscaled, the failure of Flax's recipe (its scale starts at 1).
+
+    Example:
+      >>> recipe = DelayedScaling(history=16)
+      >>> state = recipe.init()
+      >>> x = jnp.ones((4, 8))
+      >>> sa = quantize(x, "e4m3", recipe, state=state)
+      >>> state = recipe.update(state, x)
+    """
+
+    history: int = 1024
+    algo: Literal["max", "most_recent"] = "max"
+    margin: int = 0
+    power_of_two: bool = False
+
+    def __post_init__(self):
+        _check_margin(self.margin)
+        if not isinstance(self.history, int) or self.history <= 0:
+            raise ValueError(f"history must be a positive int, got {self.history!r}.")
+        if self.algo not in ("max", "most_recent"):
+            raise ValueError(f"algo must be 'max' or 'most_recent', got {self.algo!r}.")
+
+    def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape)
+
+    def init(self) -> DelayedScalingState:
+        return DelayedScalingState(jnp.zeros((self.history,), jnp.float32),
+                                   jnp.zeros((), jnp.int32))
+
+    def history_amax(self, state: DelayedScalingState) -> jax.Array:
+        """The amax the next quantization uses (before bootstrapping)."""
+        if self.algo == "max":
+            return jnp.max(state.amax_history)
+        return state.amax_history[0]
+
+    def update(self, state: DelayedScalingState, x_or_amax: jax.typing.ArrayLike
+               ) -> DelayedScalingState:
+        """Rolls the history and records ``amax(x)`` (pass an array, or its scalar amax).
+
+        Under gradient accumulation, combine the micro-batches' amaxes with ``max`` before
+        recording (or call ``record_max``) so the history holds the max over the batch.
+        """
+        x = jnp.asarray(x_or_amax)
+        amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if x.ndim else x.astype(jnp.float32)
+        hist = jnp.roll(state.amax_history, 1).at[0].set(amax)
+        return DelayedScalingState(hist, state.count + 1)
+
+    def record_max(self, state: DelayedScalingState, amax: jax.typing.ArrayLike
+                   ) -> DelayedScalingState:
+        """Combines ``amax`` into the newest history entry with max (accumulation steps)."""
+        amax = jnp.asarray(amax, jnp.float32)
+        return state._replace(amax_history=state.amax_history.at[0].max(amax))
+
+
+Recipe = TensorScaling | AxisScaling | BlockScaling | MXScaling | DelayedScaling
+_RECIPE_TYPES = (TensorScaling, AxisScaling, BlockScaling, MXScaling, DelayedScaling)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScaledArray:
+    """Quantized values with their scales: ``x ≈ values * scale`` (scale broadcast per block).
+
+    A pytree: ``values`` and ``scale`` are leaves; ``fmt`` and ``recipe`` are static.
+
+    Attributes:
+      values: array of ``fmt.dtype`` with the shape of x.
+      scale: f32 (E8M0 for MX) array with x's rank, ``shape[i] = x.shape[i] // block[i]``.
+      fmt: the element format.
+      recipe: the recipe that produced it.
+    """
+
+    values: jax.Array
+    scale: jax.Array
+    fmt: Format = dataclasses.field(metadata=dict(static=True))
+    recipe: Any = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def block(self) -> tuple[int, ...]:
+        return tuple(n // s for n, s in zip(self.values.shape, self.scale.shape))
+
+    def expanded_scale(self) -> jax.Array:
+        """The f32 scale broadcast to the full shape of ``values``."""
+        return blockwise(lambda v, s: jnp.broadcast_to(s, v.shape), self.values,
+                         self.scale.astype(jnp.float32), self.block)
+
+
+def _check_recipe(recipe: Any) -> None:
+    if not isinstance(recipe, _RECIPE_TYPES):
+        names = ", ".join(t.__name__ for t in _RECIPE_TYPES)
+        raise TypeError(f"recipe must be one of {names}; got {recipe!r}.")
+
+
+def _check_blocks(shape: tuple[int, ...], block: tuple[int, ...]) -> None:
+    for i, (n, b) in enumerate(zip(shape, block)):
+        if n % b:
+            raise ValueError(
+                f"x.shape[{i}]={n} is not divisible by the block size {b} "
+                f"(block shape {block} for an array of shape {shape}).")
+
+
+def _block_layout(shape: tuple[int, ...], block: tuple[int, ...]
+                  ) -> tuple[list[int], tuple[int, ...], list[int]]:
+    """Splits each blocked dim into (blocks, block) and returns (split shape, axes to reduce,
+    per-block shape in that split layout). Dims with block 1 or one block are not split, so
+    XLA sees the simplest reshape (a (1, 128) tiling of [M, K] is just [M, K/128, 128])."""
+    split, reduce_axes, kept = [], [], []
+    for n, b in zip(shape, block):
+        if b == 1:
+            split.append(n)
+            kept.append(n)
+        elif b == n:
+            reduce_axes.append(len(split))
+            split.append(n)
+            kept.append(1)
+        else:
+            split += [n // b, b]
+            reduce_axes.append(len(split) - 1)
+            kept += [n // b, 1]
+    return split, tuple(reduce_axes), kept
+
+
+def blockwise(fn, x: jax.Array, scale: jax.Array, block: tuple[int, ...]) -> jax.Array:
+    """Applies ``fn(x_block_view, scale_view)`` with the scale broadcast over its blocks.
+
+    Both are reshaped to the split layout of ``_block_layout`` (x [M, K] with (1, 128) blocks
+    becomes [M, K/128, 128] and the scale [M, K/128, 1]) so XLA fuses a plain broadcast
+    instead of per-element index arithmetic; the result is reshaped back to x's shape.
+    """
+    split, axes, kept = _block_layout(x.shape, block)
+    if not axes:
+        return fn(x, scale)
+    return fn(x.reshape(split), scale.reshape(kept)).reshape(x.shape)
+
+
+def _ceil_pow2(s: jax.Array) -> jax.Array:
+    """Rounds positive f32 up to a power of two, exactly (frexp: s = m * 2^e, m in [0.5, 1))."""
+    m, e = jnp.frexp(s)
+    e = jnp.where(m == 0.5, e - 1, e)
+    return jnp.where(jnp.isfinite(s), jnp.ldexp(jnp.float32(1.0), e), s)
+
+
+def _amax_to_scale(amax: jax.Array, fmt: Format, margin: int, power_of_two: bool) -> jax.Array:
+    # amax * (1/max) rather than amax / max: XLA CPU rewrites division by a constant into this
+    # product, so writing it out keeps every backend (and the Pallas quantizers) identical.
+    scale = amax * jnp.float32(1.0 / fmt.max) * jnp.float32(2.0**margin)
+    scale = jnp.where(amax == 0, jnp.float32(1.0), jnp.maximum(scale, _F32_TINY))
+    # NaN amax: jnp.maximum propagates NaN, so the block dequantizes to NaN.
+    return _ceil_pow2(scale) if power_of_two else scale
+
+
+def _floor_log2(a: jax.Array) -> jax.Array:
+    _, e = jnp.frexp(a)
+    return e - 1
+
+
+def _mx_scale(amax: jax.Array, fmt: Format, rule: str) -> jax.Array:
+    """E8M0 scale exponent per OCP MX v1.0 (and the other rules); returns an f32 power of two."""
+    emax_elem = math.floor(math.log2(fmt.max))  # exponent of the largest normal (448 -> 8)
+    if rule == "floor":
+        e = _floor_log2(amax) - emax_elem
+    elif rule == "ceil":
+        m, e = jnp.frexp(amax)
+        e = jnp.where(m == 0.5, e - 1, e) - emax_elem
+    elif rule == "even":
+        # Round amax half-up at the element's mantissa width on the f32 bit pattern (torchao).
+        bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+        bits = (bits + jnp.uint32(1 << (22 - fmt.mantissa_bits))) & jnp.uint32(0x7F800000)
+        e = _floor_log2(jax.lax.bitcast_convert_type(bits, jnp.float32)) - emax_elem
+    else:  # rceil: smallest k with amax <= max * 2^k
+        m, e = jnp.frexp(amax / jnp.float32(fmt.max))
+        k = jnp.where(m == 0.5, e - 1, e)
+        e = jnp.where(amax > jnp.ldexp(jnp.float32(fmt.max), k), k + 1, k)
+    e = jnp.clip(e, -127, 127)  # E8M0 range
+    scale = jnp.ldexp(jnp.float32(1.0), e)
+    scale = jnp.where(amax == 0, jnp.float32(1.0), scale)
+    return jnp.where(jnp.isfinite(amax), scale, jnp.float32(jnp.nan))
+
+
+def _split_scale(xs: jax.Array, axes: tuple[int, ...], fmt: Format, recipe: Recipe,
+                 state: DelayedScalingState | None) -> jax.Array:
+    """Scale per block of ``xs`` (x in its split layout), keepdims over ``axes``."""
+    a = jnp.abs(xs.astype(jnp.float32))
+    amax = jnp.max(a, axis=axes, keepdims=True) if axes else a
+    if isinstance(recipe, MXScaling):
+        return _mx_scale(amax, fmt, recipe.scale_rounding)
+    if isinstance(recipe, DelayedScaling):
+        if state is None:
+            raise ValueError("DelayedScaling needs its state: quantize(x, fmt, recipe, "
+                             "state=recipe.init()); thread recipe.update(state, x) per step.")
+        amax = jnp.where(state.count > 0, recipe.history_amax(state), amax)
+    return _amax_to_scale(amax, fmt, recipe.margin, recipe.power_of_two)
+
+
+def _prepare(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe):
+    fmt = get_format(fmt)
+    _check_recipe(recipe)
+    x = check_floating(x)
+    block = recipe.block_shape(x.shape)
+    _check_blocks(x.shape, block)
+    split, axes, _ = _block_layout(x.shape, block)
+    scale_shape = tuple(n // b for n, b in zip(x.shape, block))
+    return x, fmt, x.reshape(split), axes, scale_shape
+
+
+def compute_scale(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe, *,
+                  state: DelayedScalingState | None = None) -> jax.Array:
+    """The per-block f32 scale ``quantize`` would use (E8M0-valued f32 for MX)."""
+    _, fmt, xs, axes, scale_shape = _prepare(x, fmt, recipe)
+    return _split_scale(xs, axes, fmt, recipe, state).reshape(scale_shape)
+
+
+def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = TensorScaling(), *,
+             state: DelayedScalingState | None = None) -> ScaledArray:
+    """Quantizes ``x`` to ``fmt`` with one scale per block of ``recipe``.
+
+    Args:
+      x: floating array.
+      fmt: element format (name, alias, dtype or Format), e.g. "e4m3".
+      recipe: a scaling recipe (default: per-tensor current scaling).
+      state: the ``DelayedScalingState`` (only for ``DelayedScaling``); its history is not
+        updated here: call ``recipe.update(state, x)`` after the step.
+
+    Returns:
+      A ``ScaledArray`` with ``values`` in ``fmt.dtype`` and ``scale`` (f32; E8M0 for MX).
+
+    Raises:
+      TypeError: x is not floating, or recipe is not a recipe.
+      ValueError: unknown format, a block that does not divide x's shape, missing state.
+
+    Example:
+      >>> sa = quantize(jnp.ones((2, 256)), "e4m3", BlockScaling((1, 128)))
+      >>> sa.scale.shape
+      (2, 2)
+    """
+    x, fmt, xs, axes, scale_shape = _prepare(x, fmt, recipe)
+    scale = _split_scale(xs, axes, fmt, recipe, state)
+    # Multiply by the per-block reciprocal (what XLA CPU turns a division into anyway, and
+    # what the Pallas quantizers do), then clip: formats without inf turn |v| > max into NaN
+    # (f32 -> e4m3fn beyond 464).
+    inv = jnp.float32(1.0) / scale
+    v = jnp.clip(xs.astype(jnp.float32) * inv, -fmt.max, fmt.max)
+    values = v.astype(fmt.dtype).reshape(x.shape)
+    scale = scale.reshape(scale_shape)
+    if isinstance(recipe, MXScaling):
+        scale = scale.astype(jnp.float8_e8m0fnu)
+    return ScaledArray(values, scale, fmt, recipe)
+
+
+def dequantize(sa: ScaledArray, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
+    """Returns ``values * scale`` (computed in f32, then cast to ``dtype``)."""
+    if not isinstance(sa, ScaledArray):
+        raise TypeError(f"dequantize expects a ScaledArray, got {type(sa).__name__}.")
+    out = blockwise(lambda v, s: v.astype(jnp.float32) * s, sa.values,
+                    sa.scale.astype(jnp.float32), sa.block)
+    return out.astype(dtype)
+
+
+def _qdq_impl(x, fmt, recipe, state):
+    return dequantize(quantize(x, fmt, recipe, state=state), x.dtype)
+
+
+def qdq(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = TensorScaling(), *,
+        state: DelayedScalingState | None = None) -> jax.Array:
+    """Quantize then dequantize, back in x's dtype; the gradient is straight-through.
+
+    Example:
+      >>> float(qdq(jnp.float32(0.1), "e4m3"))  # per-tensor: scale = 0.1 / 448
+      0.10000000149011612
+    """
+    fmt = get_format(fmt)
+    x = check_floating(x)
+    return _qdq_st(x, state, fmt, recipe)
+
+
+def _qdq_st_fwd(x, state, fmt, recipe):
+    return _qdq_impl(x, fmt, recipe, state)
+
+
+_qdq_st = jax.custom_jvp(_qdq_st_fwd, nondiff_argnums=(2, 3))
+
+
+@_qdq_st.defjvp
+def _qdq_st_jvp(fmt, recipe, primals, tangents):
+    x, state = primals
+    tx, _ = tangents
+    return _qdq_st(x, state, fmt, recipe), tx

@@ -1,0 +1,44 @@
+"""The fmtkit CLI: format table, inspect, bench listing, and errors."""
+
+import json
+
+import pytest
+
+from fmtkit.cli import main
+
+
+def test_formats_json(capsys):
+    assert main(["formats", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert len(rows) == 14
+    assert rows["float8_e4m3fn"]["max"] == 448.0  # OCP FP8 spec: 0x7E
+    assert rows["float8_e5m2"]["max"] == 57344.0  # OCP FP8 spec: 0x7B
+    assert "e4m3" in rows["float8_e4m3fn"]["aliases"]
+
+
+def test_formats_table(capsys):
+    assert main(["formats"]) == 0
+    out = capsys.readouterr().out
+    assert "float4_e2m1fn" in out and "65504" in out
+
+
+def test_inspect(capsys):
+    assert main(["inspect", "0.1", "70000", "-f", "fp16", "--json"]) == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert recs[0]["bits"] == "0 01011 1001100110"
+    assert recs[1]["kind"] == "inf (overflow)"
+
+
+def test_inspect_unknown_format(capsys):
+    assert main(["inspect", "1", "-f", "fp9"]) == 2
+    assert "Valid names" in capsys.readouterr().err
+
+
+def test_bench_list(capsys):
+    assert main(["bench", "list"]) == 0
+    assert "quantize" in capsys.readouterr().out
+
+
+def test_bench_unknown():
+    with pytest.raises(SystemExit, match="valid:"):
+        main(["bench", "nope"])
