@@ -115,10 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="side-by-side benchmarks (fmtkit bench list)")
     p.add_argument("name", nargs="?", help="benchmark name; 'list' lists them")
 
+    # The studies parse their own options (fmtkit study NAME --help).
+    sub.add_parser("study", help="run a study (fmtkit study --list)", add_help=False)
+    sub.add_parser("ablate", help="the main job: train the small LM under each policy",
+                   add_help=False)
+
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "bench":
             return _cmd_bench(args, rest)
+        if args.command in ("study", "ablate"):
+            name = "runner" if args.command == "study" else "ablate"
+            module = importlib.import_module(f"studies.{name}")
+            return int(module.main(rest) or 0)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return {"formats": _cmd_formats, "inspect": _cmd_inspect}[args.command](args)
