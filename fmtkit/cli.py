@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import pkgutil
 import sys
 
@@ -98,8 +99,22 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return int(module.main(rest) or 0)
 
 
+def exact_low_precision_flags() -> None:
+    """Turns off XLA's "excess precision" before the backend starts.
+
+    By default XLA (on CPU) may keep bf16/f16 intermediates in f32 inside ``jit``, so a bf16
+    update ``(p + u).astype(f32)`` is not rounded to bf16: the very effect the studies
+    measure would vanish. Entry points call this; library code never touches XLA_FLAGS.
+    """
+    flag = "--xla_allow_excess_precision=false"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_allow_excess_precision" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fmtkit`` console script."""
+    exact_low_precision_flags()
     parser = argparse.ArgumentParser(prog="fmtkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

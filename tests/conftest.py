@@ -1,7 +1,15 @@
 """Test configuration: strict numerics, so silent up-casts fail (STYLE.md rule 12)."""
 
-import jax
-import pytest
+import os
+
+# XLA on CPU may keep bf16/f16 intermediates in f32 inside jit ("excess precision"), which
+# hides exactly the rounding a format toolkit measures: (bf16(1) + bf16(1e-3)) -> f32 gives
+# 1.0009995 under jit instead of 1.0. Must be set before JAX initializes its backend.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_allow_excess_precision=false").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
