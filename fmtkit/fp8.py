@@ -107,6 +107,10 @@ class FP8Recipe:
         into f32 every ``promote_every`` elements of the contraction (N_C = 128).
       use_kernel: "auto" calls the Pallas blockwise kernel on Hopper GPUs when the shapes fit,
         "never" always uses the jitted pure-JAX path (same semantics).
+      amax_reduce_axes: mesh axis names to take per-tensor amaxes over (``lax.pmax``) when
+        the dot runs inside ``shard_map`` on a shard of the tensor, so every device uses the
+        global scale. Under ``jax.jit`` with shardings leave it empty: reductions there are
+        already global. Block scales need no reduction (they shard with their blocks).
     """
 
     name: str = "custom"
@@ -125,6 +129,7 @@ class FP8Recipe:
     accum_mantissa_bits: int | None = None
     promote_every: int | None = 128
     use_kernel: Literal["auto", "never"] = "auto"
+    amax_reduce_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
         for arg in ("x_format", "w_format", "grad_format"):
@@ -148,6 +153,10 @@ class FP8Recipe:
             raise ValueError(f"promote_every must be positive or None, got {self.promote_every}.")
         if self.use_kernel not in ("auto", "never"):
             raise ValueError(f"use_kernel must be 'auto' or 'never', got {self.use_kernel!r}.")
+        if not isinstance(self.amax_reduce_axes, tuple) or not all(
+                isinstance(a, str) for a in self.amax_reduce_axes):
+            raise TypeError("amax_reduce_axes must be a tuple of mesh axis names, got "
+                            f"{self.amax_reduce_axes!r}.")
 
     def __str__(self) -> str:
         return self.name
@@ -261,7 +270,8 @@ def _quantize_operand(t: jax.Array, fmt: str, spec: str, recipe: FP8Recipe, role
                       delayed_amax: jax.Array | None) -> ScaledArray:
     """Quantizes a 2-D [free, contraction] operand per the tiling."""
     if delayed_amax is not None:
-        # A history row reduced to one amax: quantize with DelayedScaling semantics.
+        # Per-tensor with a given amax (history or current): DelayedScaling semantics, which
+        # equal TensorScaling's for the same amax.
         d = DelayedScaling(1, "max", recipe.margin, recipe.power_of_two)
         state = DelayedScalingState(delayed_amax.reshape(1), jnp.ones((), jnp.int32))
         return quantize(t, fmt, d, state=state)
@@ -397,8 +407,20 @@ def _history_amax(recipe: FP8Recipe, hist: jax.Array, current: jax.Array) -> jax
     return jnp.where(jnp.all(hist == 0), current, past)
 
 
-def _amax(t: jax.Array) -> jax.Array:
-    return jnp.max(jnp.abs(t.astype(jnp.float32)))
+def _amax(t: jax.Array, recipe: FP8Recipe) -> jax.Array:
+    amax = jnp.max(jnp.abs(t.astype(jnp.float32)))
+    for axis in recipe.amax_reduce_axes:
+        amax = lax.pmax(amax, axis)
+    return amax
+
+
+def _tensor_amax(recipe: FP8Recipe, spec: str, hist_row: jax.Array, current: jax.Array
+                 ) -> jax.Array | None:
+    """The amax a per-tensor operand is quantized with (history for delayed recipes, else the
+    current, possibly mesh-reduced, amax); None for other tilings (they use their blocks)."""
+    if recipe.delayed:
+        return _history_amax(recipe, hist_row, current)
+    return current if _parse_tile(spec, "tile")[0] == "tensor" else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -407,11 +429,9 @@ def _core(recipe: FP8Recipe, x: jax.Array, w: jax.Array, hist: jax.Array) -> jax
 
 
 def _core_fwd(recipe, x, w, hist):
-    amax_x, amax_w = _amax(x), _amax(w)
-    dx = dw = None
-    if recipe.delayed:
-        dx = _history_amax(recipe, hist[0], amax_x)
-        dw = _history_amax(recipe, hist[1], amax_w)
+    amax_x, amax_w = _amax(x, recipe), _amax(w, recipe)
+    dx = _tensor_amax(recipe, recipe.x_tile, hist[0], amax_x)
+    dw = _tensor_amax(recipe, recipe.w_tile, hist[1], amax_w)
     xq = _quantize_operand(x, recipe.x_format, recipe.x_tile, recipe, "x", dx)
     wq = _quantize_operand(w, recipe.w_format, recipe.w_tile, recipe, "w", dw)
     y = _gemm(xq, wq, recipe)
@@ -420,12 +440,10 @@ def _core_fwd(recipe, x, w, hist):
 
 def _core_bwd(recipe, res, g):
     x, w, hist, amax_x, amax_w = res
-    amax_g = _amax(g)
-    d_g = d_x = d_w = None
-    if recipe.delayed:
-        d_g = _history_amax(recipe, hist[2], amax_g)
-        d_x = _history_amax(recipe, hist[0], amax_x)
-        d_w = _history_amax(recipe, hist[1], amax_w)
+    amax_g = _amax(g, recipe)
+    d_g = _tensor_amax(recipe, recipe.grad_tile, hist[2], amax_g)
+    d_x = _tensor_amax(recipe, recipe.x_tile, hist[0], amax_x)
+    d_w = _tensor_amax(recipe, recipe.w_tile, hist[1], amax_w)
     # dgrad: dx [M, K] = g [M, N] · w [N, K], contracting N.
     gq_n = _quantize_operand(g, recipe.grad_format, recipe.grad_tile, recipe, "grad", d_g)
     wq_n = _quantize_operand(w.T, recipe.w_format, recipe.w_tile, recipe, "w", d_w)

@@ -449,8 +449,9 @@ def qdq(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = TensorScali
     """Quantize then dequantize, back in x's dtype; the gradient is straight-through.
 
     Example:
-      >>> float(qdq(jnp.float32(0.1), "e4m3"))  # per-tensor: scale = 0.1 / 448
-      0.10000000149011612
+      >>> # scale 2^-8 (amax 1 / 448 rounded up); 0.3 * 256 = 76.8 lies on E4M3's grid of 8
+      >>> qdq(jnp.array([1.0, 0.3]), "e4m3", TensorScaling(power_of_two=True)).tolist()
+      [1.0, 0.3125]
     """
     fmt = get_format(fmt)
     x = check_floating(x)
