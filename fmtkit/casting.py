@@ -27,7 +27,15 @@ import numpy as np
 
 from fmtkit.formats import Format, get_format
 
-__all__ = ["OVERFLOW_MODES", "ROUNDING_MODES", "cast", "check_floating", "saturate"]
+__all__ = [
+    "OVERFLOW_MODES",
+    "ROUNDING_MODES",
+    "cast",
+    "check_decodable",
+    "check_floating",
+    "round_to_grid",
+    "saturate",
+]
 
 ROUNDING_MODES = ("nearest", "stochastic", "toward_zero")
 OVERFLOW_MODES = ("inf_or_nan", "saturate")
@@ -48,28 +56,51 @@ def check_floating(x: jax.typing.ArrayLike, name: str = "x") -> jax.Array:
     return arr
 
 
-def saturate(x: jax.Array, fmt: Format) -> jax.Array:
-    """Clips finite values to ``[-fmt.max, fmt.max]``; NaN stays NaN.
+_FP6 = ("float6_e2m3fn", "float6_e3m2fn")
+
+
+def check_decodable(x: jax.Array, name: str = "x") -> None:
+    """Raises ``TypeError`` for FP6 arrays on CPU, which XLA can encode but not decode.
+
+    XLA's CPU backend fails to compile any conversion *from* FP6 (an LLVM "invalid bitcast
+    i6 to i8"), and JAX cannot even hand such an array to a host callback. Decode on the
+    host instead: ``np.asarray(x).astype(np.float32)`` (ml_dtypes).
+    """
+    if jnp.dtype(x.dtype).name in _FP6 and jax.default_backend() == "cpu":
+        raise TypeError(
+            f"{name} has dtype {jnp.dtype(x.dtype).name}: XLA's CPU backend cannot convert from "
+            "FP6. Decode on the host with np.asarray(x).astype(np.float32), or keep FP6 values "
+            "in a wider container (quantize(..., fmt='fp6_...') stores them in E4M3, exactly).")
+
+
+def saturate(x: jax.Array, fmt: Format, finite: jax.Array | None = None) -> jax.Array:
+    """Replaces values beyond ``±fmt.max`` by ``±fmt.max``; NaN stays NaN.
 
     Infinities stay infinite where the format has inf, and are clipped to ±max where it has
     neither inf nor NaN (FP6/FP4, as ml_dtypes does). In formats with NaN but no inf, an inf
     input is left to become NaN in the cast: overflow of a finite value saturates, but a
     non-finite input is never made finite where the format can say otherwise.
+
+    A select, not ``jnp.clip``: XLA CPU flushes f32 subnormals in arithmetic, and a select
+    leaves them intact. ``finite`` is the mask of originally finite inputs when ``x`` has
+    already been rounded (a rounding can carry a finite value to inf).
     """
-    clipped = jnp.clip(x, -fmt.max, fmt.max)
+    clipped = jnp.where(jnp.abs(x) > fmt.max, jnp.copysign(jnp.float32(fmt.max), x), x)
     if not fmt.has_nan:
         return clipped
-    return jnp.where(jnp.isfinite(x), clipped, x)
+    finite = jnp.isfinite(x) if finite is None else finite
+    return jnp.where(finite, clipped, x)
 
 
-def _to_format(x32: jax.Array, fmt: Format, overflow: Overflow) -> jax.Array:
+def _to_format(x32: jax.Array, fmt: Format, overflow: Overflow,
+               finite: jax.Array | None = None) -> jax.Array:
     """Round-to-nearest-even cast of f32 values with the overflow policy applied."""
     if overflow == "saturate" or not fmt.has_nan:
-        x32 = saturate(x32, fmt)
+        x32 = saturate(x32, fmt, finite)
     if not fmt.has_nan:
-        # ml_dtypes maps NaN to -0 in formats that cannot encode it (FP6/FP4); XLA's convert
-        # does not agree, so make it explicit.
-        x32 = jnp.where(jnp.isnan(x32), jnp.float32(-0.0), x32)
+        # ml_dtypes maps NaN to a zero of the opposite sign (+NaN -> -0) in formats that
+        # cannot encode it (FP6/FP4); XLA's convert does not agree, so make it explicit.
+        x32 = jnp.where(jnp.isnan(x32), jnp.copysign(jnp.float32(0.0), -x32), x32)
     return x32.astype(fmt.dtype)
 
 
@@ -88,6 +119,21 @@ def _bf16_bit_rounding(x32: jax.Array, rounding: Rounding, key: jax.Array | None
     rounded = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
     # The sign bit is never touched by a carry from finite magnitudes; NaN/inf pass through.
     return jnp.where(jnp.isfinite(x32), rounded, x32)
+
+
+def round_to_grid(x32: jax.Array, fmt: Format) -> jax.Array:
+    """Rounds f32 to the nearest value on fmt's grid (ties to even), staying in f32.
+
+    For values within ±fmt.max of formats whose spacing is at least 2^-126 (all but bf16,
+    f32 and E8M0), this equals ``x.astype(fmt.dtype)`` decoded back to f32; used where a
+    format cannot be decoded (FP6 on CPU).
+    """
+    a = jnp.abs(x32)
+    _, e = jnp.frexp(a)
+    e_min = -fmt.bias if not fmt.signed else 1 - fmt.bias
+    ulp = jnp.ldexp(jnp.float32(1.0), jnp.maximum(e - 1, e_min) - fmt.mantissa_bits)
+    r = jnp.copysign(jnp.round(a / ulp) * ulp, x32)  # jnp.round: half to even
+    return jnp.where(jnp.isfinite(x32), r, x32)
 
 
 def _grid_rounding(x32: jax.Array, fmt: Format, rounding: Rounding,
@@ -116,12 +162,14 @@ def _cast_impl(x: jax.Array, key: jax.Array | None, fmt: Format, rounding: Round
     if x.dtype == fmt.dtype and rounding == "nearest":
         return x
     x32 = x.astype(jnp.float32) if x.dtype != jnp.float32 else x
+    finite = None
     if rounding != "nearest" and fmt.name != "float32":
+        finite = jnp.isfinite(x32)
         if fmt.name == "bfloat16":
             x32 = _bf16_bit_rounding(x32, rounding, key)
         else:
             x32 = _grid_rounding(x32, fmt, rounding, key)
-    return _to_format(x32, fmt, overflow)
+    return _to_format(x32, fmt, overflow, finite)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
@@ -168,6 +216,7 @@ def cast(x: jax.typing.ArrayLike, fmt: str | Format | jax.typing.DTypeLike, *,
     """
     fmt = get_format(fmt)
     x = check_floating(x)
+    check_decodable(x)
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}.")
     if overflow not in OVERFLOW_MODES:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fmtkit.casting import check_floating
+from fmtkit.casting import _FP6, check_decodable, check_floating, round_to_grid
 from fmtkit.formats import Format, get_format
 
 __all__ = [
@@ -244,7 +244,8 @@ class ScaledArray:
     A pytree: ``values`` and ``scale`` are leaves; ``fmt`` and ``recipe`` are static.
 
     Attributes:
-      values: array of ``fmt.dtype`` with the shape of x.
+      values: array of ``fmt.dtype`` with the shape of x (FP6 values are held exactly in a
+        float8_e4m3fn container: XLA's CPU backend cannot decode FP6 arrays).
       scale: f32 (E8M0 for MX) array with x's rank, ``shape[i] = x.shape[i] // block[i]``.
       fmt: the element format.
       recipe: the recipe that produced it.
@@ -338,8 +339,8 @@ def _floor_log2(a: jax.Array) -> jax.Array:
     return e - 1
 
 
-def _mx_scale(amax: jax.Array, fmt: Format, rule: str) -> jax.Array:
-    """E8M0 scale exponent per OCP MX v1.0 (and the other rules); returns an f32 power of two."""
+def _mx_exponent(amax: jax.Array, fmt: Format, rule: str) -> jax.Array:
+    """int32 exponent e of the E8M0 scale 2^e per OCP MX v1.0 (and the other rules)."""
     emax_elem = math.floor(math.log2(fmt.max))  # exponent of the largest normal (448 -> 8)
     if rule == "floor":
         e = _floor_log2(amax) - emax_elem
@@ -355,25 +356,32 @@ def _mx_scale(amax: jax.Array, fmt: Format, rule: str) -> jax.Array:
         m, e = jnp.frexp(amax / jnp.float32(fmt.max))
         k = jnp.where(m == 0.5, e - 1, e)
         e = jnp.where(amax > jnp.ldexp(jnp.float32(fmt.max), k), k + 1, k)
-    e = jnp.clip(e, -127, 127)  # E8M0 range
-    scale = jnp.ldexp(jnp.float32(1.0), e)
-    scale = jnp.where(amax == 0, jnp.float32(1.0), scale)
-    return jnp.where(jnp.isfinite(amax), scale, jnp.float32(jnp.nan))
+    e = jnp.where(amax == 0, 0, e)  # all-zero block: scale 1
+    return jnp.clip(e, -127, 127)  # E8M0 range
 
 
 def _split_scale(xs: jax.Array, axes: tuple[int, ...], fmt: Format, recipe: Recipe,
-                 state: DelayedScalingState | None) -> jax.Array:
-    """Scale per block of ``xs`` (x in its split layout), keepdims over ``axes``."""
+                 state: DelayedScalingState | None) -> tuple[jax.Array, jax.Array]:
+    """(stored scale, f32 reciprocal) per block of ``xs`` (x in its split layout), keepdims
+    over ``axes``. MX scales are E8M0, built from their exponent bits: 2^-127 is an f32
+    subnormal, which XLA CPU arithmetic would flush to 0 (then 1/0), so the reciprocal
+    2^-e is formed directly as well."""
     a = jnp.abs(xs.astype(jnp.float32))
     amax = jnp.max(a, axis=axes, keepdims=True) if axes else a
     if isinstance(recipe, MXScaling):
-        return _mx_scale(amax, fmt, recipe.scale_rounding)
+        e = _mx_exponent(amax, fmt, recipe.scale_rounding)
+        nan = ~jnp.isfinite(amax)
+        code = jnp.where(nan, 0xFF, e + 127).astype(jnp.uint8)  # bias 127; 0xFF is NaN
+        scale = jax.lax.bitcast_convert_type(code, jnp.float8_e8m0fnu)
+        inv = jnp.where(nan, jnp.float32(jnp.nan), jnp.ldexp(jnp.float32(1.0), -e))
+        return scale, inv
     if isinstance(recipe, DelayedScaling):
         if state is None:
             raise ValueError("DelayedScaling needs its state: quantize(x, fmt, recipe, "
                              "state=recipe.init()); thread recipe.update(state, x) per step.")
         amax = jnp.where(state.count > 0, recipe.history_amax(state), amax)
-    return _amax_to_scale(amax, fmt, recipe.margin, recipe.power_of_two)
+    scale = _amax_to_scale(amax, fmt, recipe.margin, recipe.power_of_two)
+    return scale, jnp.float32(1.0) / scale
 
 
 def _prepare(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe):
@@ -391,7 +399,8 @@ def compute_scale(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe, *,
                   state: DelayedScalingState | None = None) -> jax.Array:
     """The per-block f32 scale ``quantize`` would use (E8M0-valued f32 for MX)."""
     _, fmt, xs, axes, scale_shape = _prepare(x, fmt, recipe)
-    return _split_scale(xs, axes, fmt, recipe, state).reshape(scale_shape)
+    scale, _ = _split_scale(xs, axes, fmt, recipe, state)
+    return scale.astype(jnp.float32).reshape(scale_shape)
 
 
 def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = TensorScaling(), *,
@@ -418,23 +427,25 @@ def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = Tensor
       (2, 2)
     """
     x, fmt, xs, axes, scale_shape = _prepare(x, fmt, recipe)
-    scale = _split_scale(xs, axes, fmt, recipe, state)
+    scale, inv = _split_scale(xs, axes, fmt, recipe, state)
     # Multiply by the per-block reciprocal (what XLA CPU turns a division into anyway, and
     # what the Pallas quantizers do), then clip: formats without inf turn |v| > max into NaN
     # (f32 -> e4m3fn beyond 464).
-    inv = jnp.float32(1.0) / scale
     v = jnp.clip(xs.astype(jnp.float32) * inv, -fmt.max, fmt.max)
-    values = v.astype(fmt.dtype).reshape(x.shape)
-    scale = scale.reshape(scale_shape)
-    if isinstance(recipe, MXScaling):
-        scale = scale.astype(jnp.float8_e8m0fnu)
-    return ScaledArray(values, scale, fmt, recipe)
+    if fmt.name in _FP6:
+        # XLA's CPU backend cannot decode FP6; every FP6 value is exact in E4M3, so the
+        # values are rounded onto the FP6 grid and kept in an E4M3 container.
+        values = round_to_grid(v, fmt).astype(jnp.float8_e4m3fn)
+    else:
+        values = v.astype(fmt.dtype)
+    return ScaledArray(values.reshape(x.shape), scale.reshape(scale_shape), fmt, recipe)
 
 
 def dequantize(sa: ScaledArray, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
     """Returns ``values * scale`` (computed in f32, then cast to ``dtype``)."""
     if not isinstance(sa, ScaledArray):
         raise TypeError(f"dequantize expects a ScaledArray, got {type(sa).__name__}.")
+    check_decodable(sa.values, "sa.values")
     out = blockwise(lambda v, s: v.astype(jnp.float32) * s, sa.values,
                     sa.scale.astype(jnp.float32), sa.block)
     return out.astype(dtype)
