@@ -4,9 +4,18 @@ Exact formats and casts, scaling recipes, telemetry, precision policies for Flax
 scaling and master weights, FP8 matmuls and kernels, and studies.
 """
 
-from fmtkit import telemetry
+from fmtkit import fp8, telemetry
 from fmtkit.casting import cast
 from fmtkit.formats import FORMATS, Decomposition, Format, decompose, get_format
+from fmtkit.policy import (
+    Policy,
+    Rules,
+    get_preset,
+    inspect_policy,
+    list_presets,
+    module_paths,
+    with_policy,
+)
 from fmtkit.scaling import (
     AxisScaling,
     BlockScaling,
@@ -31,13 +40,21 @@ __all__ = [
     "DelayedScalingState",
     "Format",
     "MXScaling",
+    "Policy",
+    "Rules",
     "ScaledArray",
     "TensorScaling",
     "cast",
     "decompose",
     "dequantize",
+    "fp8",
     "get_format",
+    "get_preset",
+    "inspect_policy",
+    "list_presets",
+    "module_paths",
     "qdq",
     "quantize",
     "telemetry",
+    "with_policy",
 ]

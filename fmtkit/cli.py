@@ -79,6 +79,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_policies(args: argparse.Namespace) -> int:
+    from fmtkit.policy import describe_presets
+
+    print(describe_presets())
+    return 0
+
+
 def _bench_names() -> list[str]:
     import studies
 
@@ -127,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"format name or alias (repeatable; default {','.join(_DEFAULT_INSPECT)})")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    sub.add_parser("policies", help="the named precision-policy presets and their rules")
+
     p = sub.add_parser("bench", help="side-by-side benchmarks (fmtkit bench list)")
     p.add_argument("name", nargs="?", help="benchmark name; 'list' lists them")
 
@@ -145,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             return int(module.main(rest) or 0)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return {"formats": _cmd_formats, "inspect": _cmd_inspect}[args.command](args)
+        return {"formats": _cmd_formats, "inspect": _cmd_inspect,
+                "policies": _cmd_policies}[args.command](args)
     except (ValueError, TypeError) as e:
         print(f"fmtkit {args.command}: {e}", file=sys.stderr)
         return 2

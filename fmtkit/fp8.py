@@ -217,25 +217,22 @@ def combine_observations(a: Any, b: Any) -> Any:
 
 
 def update_state(state: Any, observed: Any) -> Any:
-    """Records observed amaxes into every ``Fp8DotState`` of a tree (one step).
+    """Records observed amaxes into every amax history of a tree (one step).
 
     Args:
-      state: a pytree containing ``Fp8DotState`` nodes (e.g. a Flax "fp8_state" collection).
+      state: a pytree of amax histories: ``Fp8DotState`` nodes, or a Flax ``"fp8_state"``
+        collection (every leaf an f32[3, history] array).
       observed: the gradient of the loss with respect to ``state`` (same structure): each
-        dot's observed x / w / grad amaxes sit in column 0 of its ``amax_history``. Combine
+        dot's observed x / w / grad amaxes sit in column 0 of its history. Combine
         micro-batches with ``combine_observations`` (max) before calling this once per step.
 
     Returns:
       The state with each history rolled by one and the observations recorded.
     """
-    def upd(s, o):
-        if not isinstance(s, Fp8DotState):
-            return s
-        amax = o.amax_history[:, 0].astype(jnp.float32)
-        return Fp8DotState(jnp.roll(s.amax_history, 1, axis=1).at[:, 0].set(amax))
+    def upd(hist, obs):
+        return jnp.roll(hist, 1, axis=1).at[:, 0].set(obs[:, 0].astype(hist.dtype))
 
-    is_state = lambda n: isinstance(n, Fp8DotState)  # noqa: E731
-    return jax.tree.map(upd, state, observed, is_leaf=is_state)
+    return jax.tree.map(upd, state, observed)
 
 
 # ---------------------------------------------------------------------------------------------

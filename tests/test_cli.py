@@ -42,3 +42,10 @@ def test_bench_list(capsys):
 def test_bench_unknown():
     with pytest.raises(SystemExit, match="valid:"):
         main(["bench", "nope"])
+
+
+def test_policies_lists_presets(capsys):
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    for name in ("fp32", "bf16-mixed", "fp16-mixed", "pure-bf16", "fp8-blockwise"):
+        assert f"{name}:" in out

@@ -1,0 +1,435 @@
+"""``Policy`` (four dtypes), ``Rules`` (ordered path-regex -> Policy) and the named presets.
+
+Nothing here imports Flax: the adapters in ``_linen.py`` and ``_nnx.py`` read these objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fmtkit.formats import Format, get_format
+
+__all__ = ["Policy", "Rules", "describe_presets", "get_preset", "list_presets"]
+
+# Short names used by ``str(policy)`` (jmp's spelling: f32 / f16 / bf16).
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+# jmp also accepts "full" for float32; "half" is float16 here on every device (jmp picks bf16 on
+# TPU, a device-dependent default that STYLE.md lists as an anti-pattern).
+_EXTRA_NAMES = {"full": "float32", "single": "float32"}
+_KEYS = {
+    "p": "param_dtype", "params": "param_dtype", "param": "param_dtype",
+    "param_dtype": "param_dtype",
+    "c": "compute_dtype", "compute": "compute_dtype", "compute_dtype": "compute_dtype",
+    "o": "output_dtype", "output": "output_dtype", "output_dtype": "output_dtype",
+    "g": "grad_dtype", "grad": "grad_dtype", "grads": "grad_dtype", "grad_dtype": "grad_dtype",
+    "r": "reduce_dtype", "reduce": "reduce_dtype", "reduce_dtype": "reduce_dtype",
+    "fp8": "fp8",
+}
+_COMPUTABLE = ("float32", "bfloat16", "float16")
+
+
+def _dtype_name(value: Any, field: str) -> str:
+    """Canonical format name for a Policy field; FP8/FP6/FP4 and non-floats are rejected."""
+    if isinstance(value, str) and value.strip().lower() in _EXTRA_NAMES:
+        return _EXTRA_NAMES[value.strip().lower()]
+    try:
+        fmt: Format = get_format(value)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"{field}={value!r} is not a dtype a Policy can use. Allowed: float32 (f32, fp32, "
+            f"full), bfloat16 (bf16), float16 (f16, fp16, half). ({err})") from None
+    if fmt.is_fp8_family:
+        raise ValueError(
+            f"{field}={value!r} is an {fmt.bits}-bit format ({fmt.name}); XLA cannot compute, "
+            "store master weights or reduce gradients in it, so it is not a Policy dtype. "
+            "FP8 matmuls are FP8 recipes (fmtkit.fp8: scaled dot_generals with E4M3/E5M2 "
+            "operands and f32 accumulation), which rules will accept in place of a Policy. "
+            f"Policy dtypes: {', '.join(_COMPUTABLE)}.")
+    if fmt.name not in _COMPUTABLE:  # pragma: no cover - every >=16-bit format is listed
+        raise ValueError(f"{field}={value!r}: allowed {', '.join(_COMPUTABLE)}.")
+    return fmt.name
+
+
+def _is_floating(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+        x.dtype, jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy: the four dtypes of one module.
+
+    * ``param_dtype``: how parameters are stored (and created at init).
+    * ``compute_dtype``: parameters and floating inputs are cast to it at use, so the module's
+      matmuls take operands of this dtype.
+    * ``output_dtype``: the module's floating outputs are cast to it.
+    * ``grad_dtype``: the cotangent entering the module on the backward pass (the gradient of
+      its output) is rounded through it. JAX ties a cotangent's dtype to its primal's, so this
+      is a rounding, not a change of dtype: with ``output_dtype=bf16`` the cotangent is bf16
+      anyway, and a ``grad_dtype`` wider than ``output_dtype`` changes nothing.
+    * ``reduce_dtype``: the dtype in which parameter gradients are summed across data-parallel
+      devices (``fmtkit.distributed``); defaults to ``param_dtype`` (gradients arrive in it).
+    * ``fp8``: an FP8 recipe (a name from ``fmtkit.fp8.RECIPES`` or an ``FP8Recipe``) for the
+      module's matmul: Flax layers with a ``dot_general`` hook (linen ``Dense``,
+      ``DenseGeneral``; NNX ``Linear``, ``LinearGeneral``) then run ``fmtkit.fp8.dot_general``
+      on their compute-dtype operands. Other modules ignore it.
+
+    Defaults follow jmp: params default to float32, compute follows params, output follows
+    compute, and grad follows compute. Fields hold canonical names ("float32", "bfloat16",
+    "float16"), so a Policy is hashable and can be a static argument. Only formats XLA can
+    compute in are accepted; FP8 formats belong to FP8 recipes.
+
+    Example:
+      >>> p = Policy.parse("p=f32,c=bf16,o=f32")
+      >>> p.grad_dtype, str(p)
+      ('bfloat16', 'p=f32,c=bf16,o=f32,g=bf16')
+      >>> Policy.parse(str(p)) == p
+      True
+    """
+
+    param_dtype: str = "float32"
+    compute_dtype: str | None = None
+    output_dtype: str | None = None
+    grad_dtype: str | None = None
+    reduce_dtype: str | None = None
+    fp8: Any = None
+
+    def __post_init__(self):
+        p = _dtype_name(self.param_dtype, "param_dtype")
+        c = p if self.compute_dtype is None else _dtype_name(self.compute_dtype, "compute_dtype")
+        o = c if self.output_dtype is None else _dtype_name(self.output_dtype, "output_dtype")
+        g = c if self.grad_dtype is None else _dtype_name(self.grad_dtype, "grad_dtype")
+        object.__setattr__(self, "param_dtype", p)
+        object.__setattr__(self, "compute_dtype", c)
+        object.__setattr__(self, "output_dtype", o)
+        object.__setattr__(self, "grad_dtype", g)
+        r = p if self.reduce_dtype is None else _dtype_name(self.reduce_dtype, "reduce_dtype")
+        object.__setattr__(self, "reduce_dtype", r)
+        if self.fp8 is not None:
+            from fmtkit import fp8 as _fp8  # no flax, no cycle: fp8 imports only the core
+
+            object.__setattr__(self, "fp8", _fp8.get_recipe(self.fp8))
+
+    @classmethod
+    def parse(cls, spec: str) -> Policy:
+        """Parses ``"p=f32,c=bf16,o=f32,g=bf16"`` (jmp's grammar plus ``g=``).
+
+        Keys: ``p``/``params``, ``c``/``compute``, ``o``/``output``, ``g``/``grad``; values:
+        any name ``fmtkit.get_format`` accepts for f32/bf16/f16, plus jmp's ``full``. Missing
+        keys take the defaults (params f32, compute follows params, output follows compute,
+        grad follows compute). A bare dtype (``"bf16"``) sets all four.
+
+        Raises:
+          ValueError: unknown key or dtype, a repeated key, an FP8 dtype, or an empty string.
+        """
+        if not isinstance(spec, str):
+            raise TypeError(f"Policy.parse expects a string, got {type(spec).__name__}.")
+        text = spec.strip()
+        if not text:
+            raise ValueError("Policy.parse got an empty string; expected e.g. 'p=f32,c=bf16'.")
+        if "=" not in text:
+            name = _dtype_name(text, "policy")
+            return cls(name, name, name, name)
+        fields: dict[str, str] = {}
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in _KEYS:
+                raise ValueError(
+                    f"Cannot parse {part.strip()!r} in policy {spec!r}: expected KEY=DTYPE with "
+                    "KEY one of p/params, c/compute, o/output, g/grad, r/reduce, or "
+                    "fp8=RECIPE.")
+            field = _KEYS[key]
+            if field in fields:
+                raise ValueError(f"{field} is given twice in policy {spec!r}.")
+            fields[field] = value.strip()
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        """``p=..,c=..,o=..,g=..`` plus ``r=..`` / ``fp8=NAME`` when they are not defaults."""
+        text = (f"p={_SHORT[self.param_dtype]},c={_SHORT[self.compute_dtype]},"
+                f"o={_SHORT[self.output_dtype]},g={_SHORT[self.grad_dtype]}")
+        if self.reduce_dtype != self.param_dtype:
+            text += f",r={_SHORT[self.reduce_dtype]}"
+        if self.fp8 is not None:
+            text += f",fp8={self.fp8.name}"
+        return text
+
+    # jmp-style helpers for code outside a module.
+    def cast_to_param(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``param_dtype`` (others untouched)."""
+        return cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``compute_dtype`` (others untouched)."""
+        return cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``output_dtype`` (others untouched)."""
+        return cast_floating(tree, self.output_dtype)
+
+
+def cast_floating(tree: Any, dtype: Any, is_leaf: Any = None) -> Any:
+    """Casts floating array leaves of ``tree`` to ``dtype``; other leaves are returned as is."""
+    dtype = np.dtype(dtype)
+
+    def cast(x):
+        if _is_floating(x) and x.dtype != dtype:
+            return jnp.asarray(x).astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree, is_leaf=is_leaf)
+
+
+def _as_rule_value(value: Any, where: str) -> Policy:
+    """Validates the value of a rule: a Policy, a policy string, or an FP8 recipe (an
+    ``FP8Recipe``), which means f32 params, bf16 compute and that recipe's matmuls."""
+    from fmtkit import fp8 as _fp8
+
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, _fp8.FP8Recipe):
+        return Policy("float32", "bfloat16", fp8=value)
+    if isinstance(value, str):
+        return Policy.parse(value)
+    raise TypeError(
+        f"{where}: expected a Policy, a policy string like 'p=f32,c=bf16' or an "
+        f"fmtkit.fp8.FP8Recipe, got {type(value).__name__}.")
+
+
+_TYPE_PREFIX = "type:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """An ordered list of ``(pattern, Policy)`` rules plus a default; first match wins.
+
+    A module's path is its natural Flax path joined with ``/``: ``"Block_0/MlpBlock_0/Dense_1"``
+    (linen) or ``"blocks/0/mlp/linear1"`` (NNX); the model itself is ``""`` (match it with
+    ``"^$"``). ``module_paths(model, *inputs)`` lists them.
+
+    * A pattern is a Python regex applied with ``re.search`` to the path, so ``"Dense"``
+      matches anywhere in it; anchor with ``^``, ``$`` or ``(^|/)`` to be precise.
+    * A pattern that starts with ``"type:"`` is searched in the module's class name and the
+      names of its base classes (up to Flax's ``Module``): ``"type:^(LayerNorm|RMSNorm)$"``
+      matches every Flax norm layer and user subclasses of them, whatever they are called.
+
+    Modules no rule matches get ``default``; with ``default=None`` they run untouched.
+
+    Args:
+      rules: ``(pattern, policy)`` pairs; a policy may be a ``Policy`` or its string form.
+      default: the policy of unmatched modules, or None to leave them alone.
+      check_unmatched: whether ``with_policy`` warns (or, with ``strict=True``, raises) when a
+        pattern matches no module. The presets switch it off: they cover layers a model may
+        lack.
+
+    Raises:
+      ValueError: an invalid regex; TypeError: a rule that is not a (str, Policy) pair.
+
+    Example:
+      >>> rules = Rules([("type:^LayerNorm$", "f32"), ("(^|/)router$", "f32")], default="c=bf16")
+      >>> str(rules.resolve("Block_0/router", ("Dense",)))
+      'p=f32,c=f32,o=f32,g=f32'
+    """
+
+    rules: tuple[tuple[str, Policy], ...] = ()
+    default: Policy | None = None
+    check_unmatched: bool = True
+
+    def __init__(self, rules: Iterable[tuple[str, Policy | str]] = (),
+                 default: Policy | str | None = None, check_unmatched: bool = True):
+        if isinstance(rules, (str, bytes)) or isinstance(rules, Mapping):
+            raise TypeError("rules must be a sequence of (pattern, policy) pairs, got "
+                            f"{type(rules).__name__}.")
+        checked = []
+        for i, rule in enumerate(rules):
+            if not (isinstance(rule, Sequence) and len(rule) == 2 and isinstance(rule[0], str)):
+                raise TypeError(f"rules[{i}] must be a (pattern: str, policy) pair, got {rule!r}.")
+            pattern, value = rule
+            _compile(pattern)
+            checked.append((pattern, _as_rule_value(value, f"rules[{i}] ({pattern!r})")))
+        object.__setattr__(self, "rules", tuple(checked))
+        object.__setattr__(self, "default", None if default is None
+                           else _as_rule_value(default, "default"))
+        object.__setattr__(self, "check_unmatched", bool(check_unmatched))
+
+    def match(self, path: str, type_names: Sequence[str] = ()) -> int | None:
+        """Index of the first rule matching the module, or None."""
+        return _match(self.rules, path, tuple(type_names))
+
+    def resolve(self, path: str, type_names: Sequence[str] = ()) -> Policy | None:
+        """The policy of the module at ``path`` with class names ``type_names``."""
+        i = self.match(path, type_names)
+        return self.default if i is None else self.rules[i][1]
+
+    def unmatched(self, modules: Iterable[tuple[str, Sequence[str]]]) -> list[str]:
+        """The patterns that match none of ``modules`` (pairs of path and class names)."""
+        mods = [(p, tuple(t)) for p, t in modules]
+        return [pat for pat, _ in self.rules
+                if not any(_matches(pat, p, t) for p, t in mods)]
+
+    def __str__(self) -> str:
+        lines = [f"  {pat!r:<60} {pol}" for pat, pol in self.rules]
+        lines.append(f"  {'(default)':<60} {self.default if self.default else '(unchanged)'}")
+        return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=4096)
+def _compile(pattern: str) -> re.Pattern:
+    body = pattern[len(_TYPE_PREFIX):] if pattern.startswith(_TYPE_PREFIX) else pattern
+    try:
+        return re.compile(body)
+    except re.error as err:
+        raise ValueError(f"Invalid rule regex {pattern!r}: {err}.") from None
+
+
+def _matches(pattern: str, path: str, type_names: tuple[str, ...]) -> bool:
+    rx = _compile(pattern)
+    if pattern.startswith(_TYPE_PREFIX):
+        return any(rx.search(name) for name in type_names)
+    return rx.search(path) is not None
+
+
+@functools.lru_cache(maxsize=65536)
+def _match(rules: tuple, path: str, type_names: tuple[str, ...]) -> int | None:
+    for i, (pattern, _) in enumerate(rules):
+        if _matches(pattern, path, type_names):
+            return i
+    return None
+
+
+def as_rules(policy_or_rules: Any) -> Rules:
+    """Normalizes what ``with_policy`` accepts into ``Rules``.
+
+    A ``Rules``; a ``Policy`` (every module); a preset name; a policy string; or a sequence of
+    (pattern, policy) pairs (unmatched modules untouched).
+    """
+    if isinstance(policy_or_rules, Rules):
+        return policy_or_rules
+    if isinstance(policy_or_rules, Policy):
+        return Rules((), default=policy_or_rules)
+    if isinstance(policy_or_rules, str):
+        if policy_or_rules in _PRESETS:
+            return _PRESETS[policy_or_rules][1]
+        try:
+            return Rules((), default=Policy.parse(policy_or_rules))
+        except ValueError as err:
+            raise ValueError(
+                f"{policy_or_rules!r} is neither a preset ({', '.join(_PRESETS)}) nor a policy "
+                f"string like 'p=f32,c=bf16,o=f32,g=bf16': {err}") from None
+    if isinstance(policy_or_rules, Sequence):
+        return Rules(policy_or_rules)
+    raise TypeError(
+        "policy_or_rules must be a Policy, Rules, a preset name, a policy string or a list of "
+        f"(pattern, policy) pairs; got {type(policy_or_rules).__name__}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets. What stays in f32 follows the seeds (000: "softmax, LayerNorm / RMSNorm, loss: fp32";
+# 001: Switch Transformer's selective precision, router input, logits and softmax in fp32) and
+# Fedus et al. 2021, "Switch Transformers", section 2.4 ("Selective precision").
+
+# Norm layers by class (Flax's and any user subclass) and by the usual names (ln, ln_1, ln_f,
+# ln1, norm, norm1, final_norm, attention_norm, ffn_norm, ..., and linen's LayerNorm_0).
+NORM_TYPES = "type:(LayerNorm|RMSNorm)$|^(GroupNorm|BatchNorm|InstanceNorm)$"
+NORM_PATHS = (r"(^|/)(ln|norm)(_?\d+|_[a-z0-9]+)?$|(^|/)[a-z0-9]+_norm(_?\d+)?$"
+              r"|(^|/)(LayerNorm|RMSNorm|GroupNorm|BatchNorm)_\d+$")
+# Router / gate of a mixture of experts.
+ROUTER_PATHS = r"(^|/)(router|gate|gating)(_\d+)?$"
+ROUTER_TYPES = "type:Router$"
+# Output head producing the logits.
+HEAD_PATHS = r"(^|/)(head|lm_head|logits|unembed|output_head)(_\d+)?$"
+ROOT = "^$"
+
+
+def _mixed(half: str) -> Rules:
+    half_out = f"p=f32,c={half},o={half}"
+    return Rules(
+        [
+            # The model's outputs (the logits) reach the loss in f32; the loss's gradient is
+            # not rounded at the root (the head rounds it, as a bf16 head matmul would).
+            (ROOT, f"p=f32,c={half},o=f32,g=f32"),
+            # Norm statistics and scaling in f32; the result goes back to the half stream.
+            (NORM_TYPES, f"p=f32,c=f32,o={half},g={half}"),
+            (NORM_PATHS, f"p=f32,c=f32,o={half},g={half}"),
+            # Router: input, logits (and so the softmax in the MoE layer) in f32 (Switch).
+            (ROUTER_TYPES, "p=f32,c=f32,o=f32,g=f32"),
+            (ROUTER_PATHS, "p=f32,c=f32,o=f32,g=f32"),
+            # Head: half matmul, logits handed on in f32.
+            (HEAD_PATHS, f"p=f32,c={half},o=f32,g={half}"),
+        ],
+        default=half_out,
+        check_unmatched=False,
+    )
+
+
+def _fp8(recipe: str) -> Rules:
+    """bf16-mixed with an FP8 recipe on every other matmul layer (DeepSeek-V3 section 3.3:
+    embeddings, the output head, norms, the MoE router and attention's softmax stay in
+    bf16/f32; the linear layers, attention projections included, run in FP8)."""
+    mixed = _mixed("bf16")
+    return Rules(mixed.rules, default=f"p=f32,c=bf16,o=bf16,fp8={recipe}",
+                 check_unmatched=False)
+
+
+_FP8_PRESETS = {
+    f"fp8-{name}": (f"bf16-mixed, with the FP8 recipe {name!r} (fmtkit.fp8) on the linear "
+                    "layers; embeddings, head, norms and router as in bf16-mixed.", _fp8(name))
+    for name in ("current", "delayed", "rowwise", "blockwise", "mxfp8")
+}
+
+_PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
+    "fp32": ("Everything in float32 (the reference).",
+             Rules((), default="p=f32,c=f32,o=f32,g=f32", check_unmatched=False)),
+    "bf16-mixed": (
+        "f32 params, bf16 compute/activations/gradients; norms, router logits and softmax, the "
+        "model's logits and the loss in f32. No loss scaling needed (bf16 has f32's range).",
+        _mixed("bf16")),
+    "fp16-mixed": (
+        "As bf16-mixed with float16; pair it with dynamic loss scaling "
+        "(fmtkit.optim.dynamic_loss_scale): fp16's 5 exponent bits underflow small gradients.",
+        _mixed("f16")),
+    "pure-bf16": (
+        "bf16 everywhere, params stored in bf16 too: no master weights, so small updates are "
+        "rounded away (1 + 1e-3 == 1 in bf16). Attention softmax stays f32 inside Flax's "
+        "attention, as jax.nn.dot_product_attention does.",
+        Rules((), default="p=bf16,c=bf16,o=bf16,g=bf16", check_unmatched=False)),
+    **_FP8_PRESETS,
+})
+
+
+def list_presets() -> tuple[str, ...]:
+    """Names of the named policy presets, e.g. ``("fp32", "bf16-mixed", ...)``."""
+    return tuple(_PRESETS)
+
+
+def get_preset(name: str) -> Rules:
+    """The ``Rules`` of a preset.
+
+    Raises:
+      ValueError: unknown name; the message lists the presets.
+
+    Example:
+      >>> str(get_preset("bf16-mixed").resolve("Block_0/MlpBlock_0/Dense_1", ("Dense",)))
+      'p=f32,c=bf16,o=bf16,g=bf16'
+    """
+    if not isinstance(name, str) or name not in _PRESETS:
+        raise ValueError(f"Unknown policy preset {name!r}. Presets: {', '.join(_PRESETS)}.")
+    return _PRESETS[name][1]
+
+
+def describe_presets() -> str:
+    """A text listing of every preset with its rules (what ``fmtkit policies`` prints)."""
+    out = []
+    for name, (doc, rules) in _PRESETS.items():
+        out.append(f"{name}: {doc}\n{rules}")
+    return "\n\n".join(out)

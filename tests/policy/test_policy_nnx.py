@@ -1,0 +1,89 @@
+"""NNX-specific behaviour: graph copy sharing Variables, split/merge, closures, sow."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from policy_testlib import X_MOE, build, dot_dtypes
+
+from fmtkit.policy import inspect_policy, with_policy
+from studies import models
+
+BF16, F32 = "bfloat16", "float32"
+
+
+def test_original_model_is_left_alone_and_state_layout_is_unchanged():
+    case = build("nnx", "lm_moe_tied")
+    before = {k: type(m) for k, m in nnx.iter_modules(case.model)}
+    wrapped = with_policy(case.model, "bf16-mixed")
+    assert {k: type(m) for k, m in nnx.iter_modules(case.model)} == before
+    assert isinstance(wrapped, models.NnxTransformerLM)
+    # Same state paths, same Variable objects: checkpoints and optimizers see one model.
+    ref, got = nnx.state(case.model, nnx.Param), nnx.state(wrapped, nnx.Param)
+    assert jax.tree.structure(ref) == jax.tree.structure(got)
+    assert wrapped.blocks[0].moe.router.kernel is case.model.blocks[0].moe.router.kernel
+    plain = inspect_policy(case.model, *case.inputs, loss_fn=case.loss_fn)
+    assert {d for _, d in plain.dots()} == {f"{F32} x {F32} -> {F32}"}
+
+
+def test_split_merge_keeps_the_policy():
+    case = build("nnx", "mlp")
+    wrapped = with_policy(case.model, "bf16-mixed")
+    graphdef, state = nnx.split(wrapped)
+    merged = nnx.merge(graphdef, state)
+    report = inspect_policy(merged, *case.inputs)
+    assert {d for _, d in report.dots()} == {f"{BF16} x {BF16} -> {BF16}"}
+    assert report.output_dtypes == (F32,)
+
+    @jax.jit
+    def apply(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    dots = dot_dtypes(jax.make_jaxpr(apply)(state, *case.inputs))
+    assert dots == {f"{BF16} x {BF16} -> {BF16}"}
+
+
+def test_closures_under_jax_transforms_do_not_mutate_variables():
+    case = build("nnx", "moe")
+    wrapped = with_policy(case.model, "bf16-mixed")
+    before = np.asarray(case.model.w_in[...])
+    out = jax.jit(lambda x: wrapped(x))(X_MOE)  # the model is closed over, not an argument
+    assert out.dtype == jnp.float32
+    grads = jax.jit(jax.grad(lambda m, x: case.loss_fn(m(x))))(wrapped, X_MOE)
+    assert grads.w_in[...].dtype == jnp.float32
+    assert float(jnp.abs(grads.w_in[...]).sum()) > 0
+    np.testing.assert_array_equal(np.asarray(case.model.w_in[...]), before)
+    assert case.model.w_in[...].dtype == jnp.float32
+
+
+def test_sow_inside_a_policied_module_reaches_the_model():
+    model = models.NnxMoeBlock(16, 32, 4, sow=True, rngs=nnx.Rngs(0))
+    wrapped = with_policy(model, "bf16-mixed")
+    out, sown = nnx.capture(wrapped, nnx.Intermediate)(X_MOE)
+    assert out.dtype == jnp.float32
+    sown = nnx.to_pure_dict(sown)
+    logits = jax.tree.leaves(sown["router_logits"])[0]
+    assert logits.dtype == jnp.float32  # router logits stay f32 under bf16-mixed
+    assert logits.shape == (2, 4, 4)
+    assert jax.tree.leaves(sown["aux_loss"])[0].dtype == jnp.float32
+
+
+def test_pure_bf16_casts_the_shared_params_in_place():
+    case = build("nnx", "mlp")
+    kernel = case.model.layers[0].kernel[...]
+    wrapped = with_policy(case.model, "pure-bf16")
+    assert wrapped.layers[0].kernel[...].dtype == jnp.bfloat16
+    # Documented: the Variables are shared, so the original now stores bf16 too.
+    assert case.model.layers[0].kernel[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(case.model.layers[0].kernel[...]),
+                                  np.asarray(kernel).astype(jnp.bfloat16))
+
+
+def test_graphdef_is_not_picklable_as_documented():
+    import pickle
+
+    case = build("nnx", "mlp")
+    wrapped = with_policy(case.model, "bf16-mixed")
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pickle.dumps(nnx.graphdef(wrapped))
