@@ -4,7 +4,7 @@ Exact formats and casts, scaling recipes, telemetry, precision policies for Flax
 scaling and master weights, FP8 matmuls and kernels, and studies.
 """
 
-from fmtkit import fp8, telemetry
+from fmtkit import distributed, fp8, memory, optim, telemetry
 from fmtkit.casting import cast
 from fmtkit.formats import FORMATS, Decomposition, Format, decompose, get_format
 from fmtkit.policy import (
@@ -47,12 +47,15 @@ __all__ = [
     "cast",
     "decompose",
     "dequantize",
+    "distributed",
     "fp8",
     "get_format",
     "get_preset",
     "inspect_policy",
     "list_presets",
+    "memory",
     "module_paths",
+    "optim",
     "qdq",
     "quantize",
     "telemetry",

@@ -8,7 +8,9 @@ rank of ``x``: ``scale.shape[i] == x.shape[i] // block[i]``, so it broadcasts pe
 
 Scale rule (all recipes but MX), after Transformer Engine / DeepGEMM:
 
-    amax  = max |x| over the block                       (f32; NaN if the block has a NaN)
+    amax  = max |x| over the block                       (f32; NaN elements stay NaN values;
+                                                           in FP6/FP4, which have no NaN, a
+                                                           NaN makes the block's amax inf)
     scale = amax * f32(1 / fmt.max) * 2^margin            (the dequantization multiplier)
     scale = 1                    where amax == 0          (all-zero block: finite scale, TE's rule)
     scale = max(scale, 2^-126)                            (no 0 or f32-subnormal scale: XLA CPU
@@ -330,7 +332,8 @@ def _amax_to_scale(amax: jax.Array, fmt: Format, margin: int, power_of_two: bool
     # product, so writing it out keeps every backend (and the Pallas quantizers) identical.
     scale = amax * jnp.float32(1.0 / fmt.max) * jnp.float32(2.0**margin)
     scale = jnp.where(amax == 0, jnp.float32(1.0), jnp.maximum(scale, _F32_TINY))
-    # NaN amax: jnp.maximum propagates NaN, so the block dequantizes to NaN.
+    # Non-finite amax (inf or NaN in the block): scale inf, values x * 0 (NaN for inf/NaN
+    # elements), and the block dequantizes to NaN (0 * inf): NaN in, NaN out.
     return _ceil_pow2(scale) if power_of_two else scale
 
 
@@ -367,6 +370,11 @@ def _split_scale(xs: jax.Array, axes: tuple[int, ...], fmt: Format, recipe: Reci
     subnormal, which XLA CPU arithmetic would flush to 0 (then 1/0), so the reciprocal
     2^-e is formed directly as well."""
     a = jnp.abs(xs.astype(jnp.float32))
+    if not fmt.has_nan:
+        # FP6/FP4 cannot store a NaN element, and XLA's CPU max reduction drops NaN: map NaN
+        # to inf so the block's amax is non-finite and the block dequantizes to NaN. (Formats
+        # with NaN keep NaN elements as NaN values; their reduction stays on the fast path.)
+        a = jnp.where(jnp.isnan(a), jnp.float32(jnp.inf), a)
     amax = jnp.max(a, axis=axes, keepdims=True) if axes else a
     if isinstance(recipe, MXScaling):
         e = _mx_exponent(amax, fmt, recipe.scale_rounding)

@@ -797,3 +797,13 @@ def test_delayed_bad_algo_and_missing_state():
         DelayedScaling(algo="mean")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"DelayedScaling needs its state"):
         quantize(jnp.ones((2, 128)), "e4m3", DelayedScaling())
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float4_e2m1fn", "float6_e3m2fn"])
+@pytest.mark.parametrize("recipe", [TensorScaling(), BlockScaling((1, 32)), MXScaling()])
+def test_nan_block_dequantizes_to_nan_even_without_a_nan_encoding(fmt, recipe):
+    x = jnp.ones((2, 64), jnp.float32).at[1, 5].set(jnp.nan)
+    y = np.asarray(dequantize(quantize(x, fmt, recipe)))
+    assert np.isnan(y[1, 5])  # the NaN element itself is never made finite
+    if not isinstance(recipe, TensorScaling):  # one block spans the whole tensor there
+        assert not np.isnan(y[0]).any()  # other blocks are untouched

@@ -1,0 +1,181 @@
+"""Bytes ledger: what parameters, gradients, optimizer state and master copy cost per parameter.
+
+Measured from the real state pytrees, not from a formula: the optimizer's ``init`` is traced
+with ``jax.eval_shape`` (nothing is allocated) and every leaf's ``size * itemsize`` is
+counted. A ``fmtkit.optim.master_weights`` master copy is reported on its own line; 0-d state
+leaves (step counters, the loss scale, seeds) are a fixed cost reported as ``scalar_bytes``
+and left out of the per-parameter figure.
+
+Example (bf16 parameters, f32 masters, AdamW with f32 moments: 2 + 2 + 4 + 8 = 16 bytes per
+parameter, the figure of Rajbhandari et al. 2020, "ZeRO", section 3.1)::
+
+    >>> import optax
+    >>> from fmtkit.optim import master_weights
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}
+    >>> ledger(params, master_weights(optax.adamw(1e-3))).bytes_per_param
+    16.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fmtkit.formats import get_format
+from fmtkit.optim._master import MasterWeightsState
+
+__all__ = ["MemoryLedger", "ledger"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryLedger:
+    """Byte counts of one training configuration (see ``ledger``).
+
+    Attributes:
+      num_params: number of parameter elements.
+      param_bytes: the parameters as stored.
+      grad_bytes: one gradient tree.
+      master_bytes: the master copy held by ``master_weights`` (0 without one).
+      opt_state_bytes: the rest of the optimizer state with one or more dimensions (moments,
+        their scales, compensation buffers).
+      scalar_bytes: 0-d optimizer-state leaves (counters, loss scale): a fixed cost.
+    """
+
+    num_params: int
+    param_bytes: int
+    grad_bytes: int
+    master_bytes: int
+    opt_state_bytes: int
+    scalar_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything, the fixed scalars included."""
+        return (self.param_bytes + self.grad_bytes + self.master_bytes
+                + self.opt_state_bytes + self.scalar_bytes)
+
+    @property
+    def bytes_per_param(self) -> float:
+        """(params + grads + master + optimizer state) / num_params; scalars excluded."""
+        return self.per_param()["total"]
+
+    def per_param(self) -> dict[str, float]:
+        """Bytes per parameter of each component and their total (scalars excluded)."""
+        n = max(self.num_params, 1)
+        parts = {"params": self.param_bytes / n, "grads": self.grad_bytes / n,
+                 "master": self.master_bytes / n, "opt_state": self.opt_state_bytes / n}
+        parts["total"] = (self.param_bytes + self.grad_bytes + self.master_bytes
+                          + self.opt_state_bytes) / n
+        return parts
+
+    def as_dict(self) -> dict[str, Any]:
+        """All fields, the totals and the per-parameter figures (JSON-ready)."""
+        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes,
+                "bytes_per_param": self.per_param()}
+
+    def __str__(self) -> str:
+        per = self.per_param()
+        rows = [("params", self.param_bytes, per["params"]),
+                ("grads", self.grad_bytes, per["grads"]),
+                ("master copy", self.master_bytes, per["master"]),
+                ("optimizer state", self.opt_state_bytes, per["opt_state"]),
+                ("total", self.total_bytes - self.scalar_bytes, per["total"])]
+        lines = [f"{'component':<16} {'bytes':>14} {'bytes/param':>12}"]
+        lines += [f"{k:<16} {b:>14,d} {p:>12.4f}" for k, b, p in rows]
+        lines.append(f"(+ {self.scalar_bytes} bytes of scalar state; "
+                     f"{self.num_params:,d} parameters)")
+        return "\n".join(lines)
+
+
+def _leaf_bytes(x: Any) -> int:
+    dtype = x.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # typed PRNG keys
+        return _leaf_bytes(jax.eval_shape(jax.random.key_data, x))
+    return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _split_state(state: Any) -> tuple[list[Any], list[Any]]:
+    """(master leaves, other leaves) of an optimizer state."""
+    masters, others = [], []
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
+    for node in nodes:
+        if isinstance(node, MasterWeightsState):
+            masters += jax.tree.leaves(node.master)
+            others += jax.tree.leaves((node.count, node.seed))
+            m, o = _split_state(node.inner_state)
+            masters += m
+            others += o
+        else:
+            others.append(node)
+    return masters, others
+
+
+def _dtype_or_none(value: Any, name: str) -> np.dtype | None:
+    if value is None:
+        return None
+    dtype = np.dtype(get_format(value).dtype if isinstance(value, str) else value)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {dtype}.")
+    return dtype
+
+
+def ledger(params: Any, optimizer: optax.GradientTransformation | None = None, *,
+           param_dtype: Any = None, grad_dtype: Any = None, policy: Any = None
+           ) -> MemoryLedger:
+    """Counts the bytes of params, grads, optimizer state and master copy.
+
+    Args:
+      params: the parameter tree: arrays or ``jax.ShapeDtypeStruct`` (nothing is allocated).
+      optimizer: an optax transformation; its state is ``jax.eval_shape(optimizer.init,
+        params)``. ``None``: no optimizer state.
+      param_dtype: store every floating parameter in this dtype instead (a policy's ``p``).
+      grad_dtype: dtype of the gradient tree; default: each parameter's (stored) dtype.
+      policy: any object with ``param_dtype`` / ``grad_dtype`` attributes (e.g.
+        ``fmtkit.Policy``); explicit ``param_dtype`` / ``grad_dtype`` take precedence.
+
+    Returns:
+      A ``MemoryLedger``.
+
+    Raises:
+      TypeError: a non-floating ``param_dtype`` / ``grad_dtype``.
+
+    Example:
+      >>> params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+      >>> ledger(params, optax.adamw(1e-3)).bytes_per_param
+      16.0
+    """
+    if policy is not None:
+        param_dtype = param_dtype if param_dtype is not None else getattr(
+            policy, "param_dtype", None)
+        grad_dtype = grad_dtype if grad_dtype is not None else getattr(
+            policy, "grad_dtype", None)
+    param_dtype = _dtype_or_none(param_dtype, "param_dtype")
+    grad_dtype = _dtype_or_none(grad_dtype, "grad_dtype")
+
+    def spec(x, dtype):
+        x_dtype = jnp.result_type(x)
+        if dtype is not None and jnp.issubdtype(x_dtype, jnp.floating):
+            x_dtype = dtype
+        return jax.ShapeDtypeStruct(jnp.shape(x), x_dtype)
+
+    p_spec = jax.tree.map(lambda x: spec(x, param_dtype), params)
+    g_spec = jax.tree.map(lambda x: spec(x, grad_dtype), p_spec)
+    p_leaves = jax.tree.leaves(p_spec)
+    masters, others = [], []
+    if optimizer is not None:
+        masters, others = _split_state(jax.eval_shape(optimizer.init, p_spec))
+    scalars = [x for x in others if len(x.shape) == 0]
+    arrays = [x for x in others if len(x.shape) > 0]
+    return MemoryLedger(
+        num_params=sum(int(np.prod(x.shape, dtype=np.int64)) for x in p_leaves),
+        param_bytes=sum(map(_leaf_bytes, p_leaves)),
+        grad_bytes=sum(map(_leaf_bytes, jax.tree.leaves(g_spec))),
+        master_bytes=sum(map(_leaf_bytes, masters)),
+        opt_state_bytes=sum(map(_leaf_bytes, arrays)),
+        scalar_bytes=sum(map(_leaf_bytes, scalars)),
+    )

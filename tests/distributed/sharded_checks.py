@@ -1,0 +1,216 @@
+"""Runs in a subprocess with 8 simulated CPU devices; prints one JSON line of results.
+
+Each check compares a sharded computation with the single-device one on the same global
+batch (see test_sharding.py for the assertions).
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                           "--xla_allow_excess_precision=false")
+
+import json
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fmtkit import fp8, optim, with_policy
+from fmtkit.distributed import reduce_gradients
+
+warnings.simplefilter("error")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+MESH = Mesh(np.array(jax.devices()), ("data",))
+REPL = NamedSharding(MESH, P())
+BATCH = NamedSharding(MESH, P("data"))
+
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(128, name="fc1")(x))
+        return nn.Dense(16, name="fc2")(x)
+
+
+# bf16 params with f32 masters in the optimizer. The matmuls run in f32 here so that sharded
+# and single-device gradients can agree to f32 round-off: with bf16 compute each device's
+# partial weight gradient is rounded to bf16 before the cross-device sum (see
+# check_bf16_mixed_gradients for that case).
+MODEL = with_policy(Mlp(), "p=bf16,c=f32,o=f32")
+OPT = optim.dynamic_loss_scale(optim.master_weights(optim.adamw(1e-2)), init_scale=2.0**10)
+
+
+def _data(seed=0, n=64):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((n, 32)), jnp.float32),
+            jnp.asarray(rng.standard_normal((n, 16)), jnp.float32))
+
+
+def _loss(params, x, y):
+    return jnp.mean((MODEL.apply({"params": params}, x) - y) ** 2)
+
+
+def _step(params, state, x, y, grads_fn):
+    scale = optim.loss_scale(state)
+    grads = grads_fn(lambda p: _loss(p, x, y) * scale.astype(jnp.float32), params)
+    updates, state = OPT.update(grads, state, params)
+    return optim.apply_updates(params, updates, state), state
+
+
+def _masters(state):
+    return [np.asarray(m, np.float64) for m in jax.tree.leaves(state.inner_state.master)]
+
+
+def check_data_parallel():
+    x, y = _data()
+    params = MODEL.init(jax.random.key(0), x)["params"]
+    state = OPT.init(params)
+    step = jax.jit(lambda p, s, x, y: _step(p, s, x, y, lambda f, p: jax.grad(f)(p)))
+    _, s1 = step(params, state, x, y)
+    _, s8 = step(jax.device_put(params, REPL), jax.device_put(state, REPL),
+                  jax.device_put(x, BATCH), jax.device_put(y, BATCH))
+    m1, m8 = _masters(s1), _masters(s8)
+    return {"jit_master_max_rel": max(float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
+                                      for a, b in zip(m1, m8))}
+
+
+def _shard_map_step(poison_device=None):
+    x, y = _data()
+    if poison_device is not None:
+        x = x.at[poison_device * 8].set(jnp.inf)  # one row of one device's shard
+    params = MODEL.init(jax.random.key(0), _data()[0])["params"]
+    state = OPT.init(params)
+
+    def local(p, s, xb, yb):
+        def grads_fn(f, p):
+            g = jax.grad(f)(p)
+            return reduce_gradients(g, "data", dtype="float32")  # mean over devices
+
+        p, s = _step(p, s, xb, yb, grads_fn)
+        return p, s, s.skipped_steps[None]
+
+    f = jax.jit(jax.shard_map(local, mesh=MESH, in_specs=(P(), P(), P("data"), P("data")),
+                              out_specs=(P(), P(), P("data")), check_vma=False))
+    return params, state, f(params, state, x, y)
+
+
+def check_bf16_mixed_gradients():
+    """bf16-mixed: data-parallel gradients equal single-device ones to bf16 rounding."""
+    model = with_policy(Mlp(), "bf16-mixed")
+    x, y = _data()
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def grads(p, x, y):
+        return jax.grad(lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(p)
+
+    g1 = jax.jit(grads)(params, x, y)
+    g8 = jax.jit(grads)(jax.device_put(params, REPL), jax.device_put(x, BATCH),
+                        jax.device_put(y, BATCH))
+    rel = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a))
+              for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)))
+    return {"bf16_mixed_grad_rel": rel,
+            "bf16_mixed_grad_dtypes": sorted({str(a.dtype) for a in jax.tree.leaves(g8)})}
+
+
+def check_shard_map():
+    x, y = _data()
+
+    # f32 parameters: their per-device gradients stay f32 up to the reduction. (Gradients of
+    # bf16-stored parameters are bf16 on each device before a shard_map reduction, whereas
+    # jit's SPMD partitioner reduces the f32 partial sums before the cast.)
+    model = with_policy(Mlp(), "fp32")
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def grads(p, xb, yb):
+        return jax.grad(lambda p: jnp.mean((model.apply({"params": p}, xb) - yb) ** 2))(p)
+
+    g1 = jax.jit(grads)(params, x, y)
+    local = jax.shard_map(lambda p, xb, yb: reduce_gradients(grads(p, xb, yb), "data"),
+                          mesh=MESH, in_specs=(P(), P("data"), P("data")), out_specs=P(),
+                          check_vma=False)
+    g8 = jax.jit(local)(params, x, y)
+    out = {"shard_map_grad_max_rel": max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+                                         for a, b in zip(jax.tree.leaves(g1),
+                                                         jax.tree.leaves(g8)))}
+    params, _, (p_bad, s_bad, skipped) = _shard_map_step(poison_device=3)
+    out["poisoned_skipped_per_device"] = np.asarray(skipped).tolist()
+    out["poisoned_params_unchanged"] = all(
+        bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(params),
+                                                     jax.tree.leaves(p_bad)))
+    out["poisoned_scale"] = float(optim.loss_scale(s_bad))
+    return out
+
+
+def check_fp8_delayed():
+    model = with_policy(Mlp(), [(".*", "p=f32,c=bf16,o=f32,fp8=delayed")])
+    x, y = _data(1)
+    v = model.init(jax.random.key(0), x)
+
+    def obs(params, st, x, y):
+        def loss(p, s):
+            return jnp.mean((model.apply({"params": p, "fp8_state": s}, x) - y) ** 2)
+
+        g = jax.grad(loss, argnums=1)(params, st)
+        return fp8.update_state(st, g)
+
+    f = jax.jit(obs)
+    h1 = f(v["params"], v["fp8_state"], x, y)
+    h8 = f(jax.device_put(v["params"], REPL), jax.device_put(v["fp8_state"], REPL),
+           jax.device_put(x, BATCH), jax.device_put(y, BATCH))
+    return {"fp8_history_equal": all(bool(jnp.array_equal(a, b)) for a, b in
+                                     zip(jax.tree.leaves(h1), jax.tree.leaves(h8))),
+            "fp8_history_nonzero": all(float(a[:, 0].min()) > 0 for a in jax.tree.leaves(h1))}
+
+
+def check_fsdp():
+    x, y = _data()
+    params = MODEL.init(jax.random.key(0), x)["params"]
+    shard = jax.tree.map(lambda p: NamedSharding(MESH, P("data") if p.ndim == 2 else P()), params)
+    params = jax.device_put(params, shard)
+    state = OPT.init(params)
+    step = jax.jit(lambda p, s, x, y: _step(p, s, x, y, lambda f, p: jax.grad(f)(p)))
+    p2, s2 = step(params, state, jax.device_put(x, BATCH), jax.device_put(y, BATCH))
+    kept = all(a.sharding.is_equivalent_to(b.sharding, a.ndim)
+               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p2)))
+    masters = all(m.sharding.is_equivalent_to(p.sharding, p.ndim) for m, p in
+                  zip(jax.tree.leaves(s2.inner_state.master), jax.tree.leaves(params)))
+    return {"fsdp_param_sharding_kept": kept, "fsdp_master_sharding_matches": masters}
+
+
+def check_reduction_precision():
+    rng = np.random.default_rng(7)
+    # Gradients of mixed magnitudes, as different devices' shards produce.
+    g = rng.standard_normal((8, 4096)) * np.exp(rng.uniform(-3, 3, (8, 1)))
+    exact = g.sum(axis=0)
+    gj = jnp.asarray(g, jnp.float32)
+
+    def reduce(mode):
+        def local(v):
+            v = v[0]
+            if mode == "bf16":
+                return reduce_gradients(v, "data", dtype="bf16", mean=False)[None]
+            if mode == "bf16-comm":
+                return reduce_gradients(v, "data", dtype="f32", comm_dtype="bf16",
+                                        mean=False)[None]
+            return reduce_gradients(v, "data", dtype="f32", mean=False)[None]
+
+        f = jax.jit(jax.shard_map(local, mesh=MESH, in_specs=P("data"), out_specs=P("data"),
+                                  check_vma=False))
+        out = np.asarray(f(gj), np.float64)[0]
+        return float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
+
+    return {f"reduce_err_{m}": reduce(m) for m in ("f32", "bf16-comm", "bf16")}
+
+
+if __name__ == "__main__":
+    assert jax.device_count() == 8, jax.devices()
+    results = {}
+    for check in (check_data_parallel, check_bf16_mixed_gradients, check_shard_map,
+                  check_fp8_delayed, check_fsdp, check_reduction_precision):
+        results.update(check())
+    print(json.dumps(results))
