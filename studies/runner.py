@@ -44,6 +44,8 @@ STUDIES: dict[str, str] = {
     "loss-scale": "the dynamic loss-scale state machine over a scripted run with overflows",
     "rounding": "fp16 vs bf16 rounding across the range: stored bits, errors, overflow",
     "fp8-outliers": "per-tensor vs row vs 1x128 block vs MX scaling as outlier channels grow",
+    "allreduce": "gradient all-reduce in bf16 vs f32 vs bf16-comm/f32-sum across 8 devices",
+    "accumulation": "FP8 GEMM with a ~14-bit accumulator vs K, with/without promotion every 128",
 }
 """The registered studies, in ``--list`` order."""
 
