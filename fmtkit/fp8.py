@@ -105,8 +105,11 @@ class FP8Recipe:
       accum_mantissa_bits: if set, emulate an accumulator with this many mantissa bits
         (Hopper FP8 tensor cores keep about 14 bits, DeepSeek-V3 section 3.3.2), promoting
         into f32 every ``promote_every`` elements of the contraction (N_C = 128).
-      use_kernel: "auto" calls the Pallas blockwise kernel on Hopper GPUs when the shapes fit,
-        "never" always uses the jitted pure-JAX path (same semantics).
+      use_kernel: "auto" calls the Pallas blockwise kernel (``pallas_kernels``) for every
+        GEMM whose operands fit it (E4M3, 1x128 x 128x128 or 1x128 x 1x128: all three GEMMs
+        of "blockwise") on a Hopper GPU, and the jitted pure-JAX path (same semantics)
+        elsewhere; "never" always the pure-JAX path; "interpret" the kernel in GPU-interpret
+        mode (CPU tests).
       amax_reduce_axes: mesh axis names to take per-tensor amaxes over (``lax.pmax``) when
         the dot runs inside ``shard_map`` on a shard of the tensor, so every device uses the
         global scale. Under ``jax.jit`` with shardings leave it empty: reductions there are
@@ -128,7 +131,7 @@ class FP8Recipe:
     mx_scale_rounding: Literal["floor", "ceil", "even", "rceil"] = "rceil"
     accum_mantissa_bits: int | None = None
     promote_every: int | None = 128
-    use_kernel: Literal["auto", "never"] = "auto"
+    use_kernel: Literal["auto", "never", "interpret"] = "auto"
     amax_reduce_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -151,8 +154,9 @@ class FP8Recipe:
                 f"accum_mantissa_bits must be in [1, 23], got {self.accum_mantissa_bits}.")
         if self.promote_every is not None and self.promote_every <= 0:
             raise ValueError(f"promote_every must be positive or None, got {self.promote_every}.")
-        if self.use_kernel not in ("auto", "never"):
-            raise ValueError(f"use_kernel must be 'auto' or 'never', got {self.use_kernel!r}.")
+        if self.use_kernel not in ("auto", "never", "interpret"):
+            raise ValueError("use_kernel must be 'auto', 'never' or 'interpret', got "
+                             f"{self.use_kernel!r}.")
         if not isinstance(self.amax_reduce_axes, tuple) or not all(
                 isinstance(a, str) for a in self.amax_reduce_axes):
             raise TypeError("amax_reduce_axes must be a tuple of mesh axis names, got "
@@ -370,28 +374,33 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = Non
     return jnp.sum(parts * sa.T[:, :, None] * sb.T[:, None, :], axis=0)
 
 
-def _kernel_applicable(recipe: FP8Recipe, a: ScaledArray, b: ScaledArray) -> bool:
-    """True when the Pallas blockwise kernel can run this GEMM (Hopper GPU, its layout)."""
+def _kernel_impl(recipe: FP8Recipe, a: ScaledArray, b: ScaledArray) -> str | None:
+    """The Pallas kernel's ``impl`` for this GEMM, or None for the pure-JAX path.
+
+    The kernel takes E4M3 ``a`` in 1x128 tiles and ``b`` in 128x128 blocks or 1x128 tiles:
+    the three GEMMs of the "blockwise" recipe. Whether the GPU is a Hopper is decided in one
+    place, ``pallas_kernels`` (imported only when the operands fit).
+    """
     if recipe.use_kernel == "never" or recipe.accum_mantissa_bits is not None:
-        return False
-    if a.block != (1, 128) or b.block != (128, 128):
-        return False
+        return None
+    if a.block != (1, 128) or b.block not in ((128, 128), (1, 128)):
+        return None
     if a.fmt.name != "float8_e4m3fn" or b.fmt.name != "float8_e4m3fn":
-        return False
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:  # pragma: no cover - no backend
-        return False
-    kind = getattr(dev, "device_kind", "")
-    return dev.platform == "gpu" and any(h in kind for h in ("H100", "H200", "H800", "H20"))
+        return None
+    if recipe.use_kernel == "interpret":
+        return "interpret"
+    from pallas_kernels import _backend
+
+    return "kernel" if _backend.is_hopper() else None
 
 
 def _gemm(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe) -> jax.Array:
-    if _kernel_applicable(recipe, a, b):  # pragma: no cover - needs a Hopper GPU
+    impl = _kernel_impl(recipe, a, b)
+    if impl is not None:
         import pallas_kernels
 
         return pallas_kernels.blockwise_fp8_matmul(a.values, a.scale, b.values, b.scale,
-                                                   out_dtype=jnp.float32)
+                                                   out_dtype=jnp.float32, impl=impl)
     return scaled_matmul(a, b, recipe)
 
 

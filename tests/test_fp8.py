@@ -244,3 +244,19 @@ def test_accumulation_emulation_promotion_matters():
     # Truncating a sum near 1000 to 13 bits drops up to 2^(10-13) = 0.125 per add: large.
     assert rel(no_promo) > 1e-3
     assert rel(promo) < rel(no_promo) / 4
+
+
+def test_blockwise_reaches_the_pallas_kernel_for_all_three_gemms():
+    """Guard: with the kernel requested, forward, dgrad and wgrad run the Pallas kernel
+    (GPU-interpret mode on CPU) and agree with the pure-JAX path to f32 round-off."""
+    recipe = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="interpret")
+    x, w, dy = _data(128, 256, 128)
+    kernel_fn = lambda a, b, g: _fwd_bwd(recipe, a, b, g)  # noqa: E731
+    text = str(jax.make_jaxpr(kernel_fn)(x, w, dy))
+    assert text.count("blockwise_fp8_matmul") >= 3
+    assert "blockwise_fp8_matmul" not in str(jax.make_jaxpr(
+        lambda a, b, g: _fwd_bwd("blockwise", a, b, g))(x, w, dy))  # CPU: the JAX path
+    got = kernel_fn(x, w, dy)
+    ref = _fwd_bwd("blockwise", x, w, dy)
+    for g_, r_ in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(g_), np.asarray(r_), rtol=1e-5, atol=1e-5)

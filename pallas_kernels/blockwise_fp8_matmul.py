@@ -1,0 +1,464 @@
+"""Blockwise-scaled FP8 matmul for Hopper (Mosaic GPU), DeepSeek-V3's training recipe.
+
+``out = A · Bᵀ`` with A float8_e4m3fn ``[M, K]`` scaled per 1x128 tile (``a_scale``
+``[M, K/128]``) and B float8_e4m3fn ``[N, K]`` (K-major, DeepSeek's ``[out, in]`` weight
+layout) scaled per 128x128 block (``b_scale`` ``[ceil(N/128), K/128]``) or, for the weight
+gradient, per 1x128 tile (``b_scale`` ``[N, K/128]``); the convention is fmtkit's,
+``x ≈ values * scale``. Semantics (DeepSeek-V3, arXiv 2412.19437, §3.3.2, "increasing
+accumulation precision": promote to f32 every N_C = 128 elements of K, applying the scales
+at promotion):
+
+    acc = 0                                                   (f32 [M, N])
+    for kb in range(K // 128):
+        p   = A[:, kb] @ B[:, kb]ᵀ                            (FP8 tensor cores, fresh f32)
+        acc = acc + p * (a_scale[:, kb, None] * sb[None, :])  (sb[n] = b_scale[n // 128, kb],
+    out = acc.astype(out_dtype)                                or b_scale[n, kb] per row)
+
+Kernel structure (``_matmul_kernel``): a persistent grid of one CTA per SM walks the output
+tiles (``plgpu.nd_loop`` + ``plgpu.planar_snake``); each CTA runs three warpgroups, one
+issuing TMA copies of the A/B tiles and their scales into a ``max_concurrent_steps``-deep
+shared-memory ring (``plgpu.emit_pipeline_warp_specialized``), two computing: per K block a
+``plgpu.wgmma`` of FP8 operands (both K-major: FP8 ``wgmma`` cannot transpose) into a fresh
+accumulator, then the scaled promotion into a register-resident running sum. The epilogue
+casts, stages the tile in shared memory and stores it with TMA.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _backend
+from pallas_kernels._backend import Impl, pl, plgpu
+from pallas_kernels.config import BLOCK_K, TuningConfig, choose_config
+from pallas_kernels.quantize import quantize_1x128
+
+__all__ = [
+    "blockwise_fp8_dgrad",
+    "blockwise_fp8_matmul",
+    "blockwise_fp8_matmul_reference",
+    "blockwise_fp8_wgrad",
+]
+
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_SCALE_GROUP = 4  # B scales copied per step: 4 x f32 = 16 bytes, TMA's minimum width.
+KERNEL_NAME = "blockwise_fp8_matmul"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _swizzled(dtype) -> tuple:
+    """128-byte swizzle with its (8, 128 bytes) tiling, as FP8 ``wgmma`` operands need."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    return (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
+
+
+# --------------------------------------------------------------------------------------
+# Kernel body (refs).
+
+
+def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfig,
+                   m_tiles: int, n_tiles: int, k_blocks: int, b_rows: bool):
+    """One persistent CTA: ``a_ref`` [Mp, K] e4m3, ``as_ref`` [K/128, Mp] f32 (A scales,
+    transposed so a step's scales are one contiguous row), ``b_ref`` [Np, K] e4m3,
+    ``bs_ref`` f32 B scales, transposed: [K/128, Np] per row (``b_rows``) or
+    [K/128, 4*ceil(Np/512)] per 128x128 block (padded to groups of 4), ``out_ref`` [Mp, Np].
+
+    Each output tile runs its own pipeline, which drains at the end of the tile (the TMA
+    warpgroup waits for the last K blocks to be consumed before fetching the next tile's).
+    """
+    bm, bn, wg_m, wg_n = config.block_m, config.block_n, config.wg_m, config.wg_n
+    out_dtype = out_ref.dtype
+    fp8_transforms = _swizzled(_FP8)
+
+    def make_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_blocks,),
+            memory_registers=40,  # the TMA warpgroup needs few (JAX's Hopper matmul uses 40)
+            in_specs=[
+                plgpu.BlockSpec((bm, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms),
+                plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms),
+                plgpu.BlockSpec((1, bm), lambda k: (k, 0)),
+                plgpu.BlockSpec((1, bn if b_rows else _SCALE_GROUP), lambda k: (k, 0)),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=make_pipeline(ignore, ignore).get_allocations(a_ref, b_ref, as_ref, bs_ref),
+        out_smem=plgpu.SMEM((2, wg_m, wg_n), out_dtype, transforms=_swizzled(out_dtype)),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+        minor = 0 if config.grid_minor_dim == "m" else 1
+
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        def _tile(info):
+            (lin,) = info.index
+            mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), minor, config.grid_tile_width)
+            cta_m = pl.ds(mi * bm, bm)
+            cta_n = pl.ds(ni * bn, bn)
+            if config.wg_split == "m":
+                wg_rows, wg_cols = pl.ds(wg * wg_m, wg_m), pl.ds(0, wg_n)
+                n0 = ni * bn
+            else:
+                wg_rows, wg_cols = pl.ds(0, wg_m), pl.ds(wg * wg_n, wg_n)
+                n0 = ni * bn + wg * wg_n
+            # This warpgroup's 128-column B-scale block, within the CTA's group of 4.
+            group = (ni * bn) // (BLOCK_K * _SCALE_GROUP)
+            b_col = n0 // BLOCK_K - group * _SCALE_GROUP
+
+            def compute_context(run_pipeline):
+                acc = plgpu.layout_cast(jnp.zeros((wg_m, wg_n), jnp.float32),
+                                        plgpu.Layout.WGMMA)
+                acc = run_pipeline(acc)
+                # The previous tile's TMA store must have read out_smem before we overwrite.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out_smem[wg] = acc.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                        out_ref.at[cta_m, cta_n].at[wg_rows, wg_cols])
+
+            def k_step(_, a_smem, b_smem, as_smem, bs_smem, acc):
+                def product(acc_ref):
+                    # B is [N, K] in memory; the transposed view is the K-major RHS.
+                    plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[wg_cols].T)
+                    return acc_ref[...]  # waits for the wgmma
+
+                fresh = pl.run_scoped(product, plgpu.ACC((wg_m, wg_n), jnp.float32))
+                a_s = plgpu.load(as_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                if b_rows:
+                    b_s = plgpu.load(bs_smem.at[0, wg_cols],
+                                     layout=plgpu.Layout.WGMMA.reduce(0))
+                else:
+                    b_s = bs_smem[0, b_col]
+                # Commit the (generic-proxy) scale reads before the slot is released to the
+                # TMA warpgroup (async proxy) that refills it: commit_smem's contract, and
+                # what the interpreter's race detector checks.
+                plgpu.commit_smem()
+                if b_rows:  # outer product of the row and column scales of this K block
+                    s = (lax.broadcast_in_dim(a_s, (wg_m, wg_n), [0])
+                         * lax.broadcast_in_dim(b_s, (wg_m, wg_n), [1]))
+                else:  # one B scale for the whole warpgroup tile
+                    s = lax.broadcast_in_dim(a_s * b_s, (wg_m, wg_n), [0])
+                return acc + fresh * s
+
+            make_pipeline(k_step, compute_context)(
+                a_ref.at[cta_m, :],
+                b_ref.at[cta_n, :],
+                as_ref.at[:, cta_m],
+                bs_ref.at[:, cta_n] if b_rows
+                else bs_ref.at[:, pl.ds(group * _SCALE_GROUP, _SCALE_GROUP)],
+                allocations=allocs,
+            )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Impl,
+                 b_rows: bool):
+    """Launches the kernel on padded operands (``M % block_m == N % block_n == 0``)."""
+    m, k = a.shape
+    n = b.shape[0]
+    m_tiles, n_tiles, k_blocks = m // config.block_m, n // config.block_n, k // BLOCK_K
+    grid = min(_backend.num_sms(impl), m_tiles * n_tiles)
+    kernel = plgpu.kernel(
+        functools.partial(_matmul_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles,
+                          k_blocks=k_blocks, b_rows=b_rows),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(grid,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        interpret=_backend.interpret_params(impl),
+        kernel_name=KERNEL_NAME,
+    )
+    return kernel(a, as_t, b, bs_t)
+
+
+# --------------------------------------------------------------------------------------
+# Validation.
+
+
+def _check_operands(a, a_scale, b, b_scale, out_dtype, b_layout):
+    """Validates; returns (a [M, K], a_scale [M, KB], b [N, K], b_scale [NB or N, KB],
+    b_rows, lead dims, out_dtype)."""
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"b_layout must be 'nk' ([N, K], DeepSeek's weight layout) or 'kn' "
+                         f"([K, N]), got {b_layout!r}.")
+    for name, x in (("a", a), ("b", b)):
+        if not hasattr(x, "dtype") or jnp.dtype(x.dtype) != _FP8:
+            dt = getattr(x, "dtype", type(x).__name__)
+            raise TypeError(f"{name} must be a float8_e4m3fn array, got dtype {dt}.")
+    for name, x in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if not hasattr(x, "dtype") or jnp.dtype(x.dtype) != jnp.float32:
+            dt = getattr(x, "dtype", type(x).__name__)
+            raise TypeError(f"{name} must be a float32 array, got dtype {dt}.")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}.")
+    if a.ndim < 2:
+        raise ValueError(f"a must have shape [..., M, K] (ndim >= 2), got shape {a.shape}.")
+    if b.ndim != 2:
+        raise ValueError(f"b must be 2-D, got shape {b.shape}.")
+    if b_scale.ndim != 2:
+        raise ValueError(f"b_scale must be 2-D, got shape {b_scale.shape}.")
+    if b_layout == "kn":
+        b, b_scale = b.T, b_scale.T
+    n, k = b.shape
+    if a.shape[-1] != k:
+        raise ValueError(f"a.shape[-1]={a.shape[-1]} must equal K={k} from b.shape={b.shape} "
+                         f"(b_layout={b_layout!r}).")
+    if k % BLOCK_K:
+        raise ValueError(f"k={k} must be divisible by block_k={BLOCK_K}.")
+    kb = k // BLOCK_K
+    lead = a.shape[:-1]
+    want_as = (*lead, kb)
+    if tuple(a_scale.shape) != want_as:
+        raise ValueError(f"a_scale must have shape {want_as} (one scale per 1x{BLOCK_K} tile "
+                         f"of a {a.shape}), got {a_scale.shape}.")
+    blocks, rows = (_cdiv(n, BLOCK_K), kb), (n, kb)
+    if tuple(b_scale.shape) not in (blocks, rows):
+        flip = (lambda t: t) if b_layout == "nk" else (lambda t: tuple(t)[::-1])
+        raise ValueError(f"b_scale must have shape {flip(blocks)} (one scale per "
+                         f"{BLOCK_K}x{BLOCK_K} block of b) or {flip(rows)} (one per "
+                         f"1x{BLOCK_K} tile), b_layout={b_layout!r}; got "
+                         f"{flip(b_scale.shape)}.")
+    b_rows = tuple(b_scale.shape) == rows and rows != blocks
+    m = 1
+    for d in lead:
+        m *= d
+    return a.reshape(m, k), a_scale.reshape(m, kb), b, b_scale, b_rows, lead, out_dtype
+
+
+# --------------------------------------------------------------------------------------
+# Public API.
+
+
+def _reference_2d(a, a_scale, b, b_scale, b_rows, out_dtype):
+    m, k = a.shape
+    n = b.shape[0]
+    kb = k // BLOCK_K
+    a_blocks = a.reshape(m, kb, BLOCK_K).transpose(1, 0, 2)  # [KB, M, 128] (still FP8)
+    b_blocks = b.reshape(n, kb, BLOCK_K).transpose(1, 0, 2)  # [KB, N, 128]
+    # [N, KB]: each output column's scale per K block.
+    b_cols = b_scale if b_rows else jnp.repeat(b_scale, BLOCK_K, axis=0)[:n]
+
+    def step(acc, xs):
+        a_k, b_k, as_k, bs_k = xs
+        # Products of e4m3 values are exact in f32; HIGHEST keeps XLA GPU off TF32.
+        p = jnp.dot(a_k.astype(jnp.float32), b_k.astype(jnp.float32).T,
+                    precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        s = as_k[:, None] * bs_k[None, :]
+        return acc + p * s, None
+
+    acc, _ = lax.scan(step, jnp.zeros((m, n), jnp.float32),
+                      (a_blocks, b_blocks, a_scale.T, b_cols.T))
+    return acc.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "b_layout"))
+def blockwise_fp8_matmul_reference(
+    a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, *,
+    out_dtype: jax.typing.DTypeLike = jnp.bfloat16, b_layout: Literal["nk", "kn"] = "nk",
+) -> jax.Array:
+    """Pure-JAX semantics of ``blockwise_fp8_matmul``: the same per-K-block promotion.
+
+    Exact f32 partial products per 128-wide K block, scaled and summed into an f32
+    accumulator in the kernel's order (see the module docstring). Runs anywhere; it is the
+    fallback of ``blockwise_fp8_matmul`` where the kernel does not apply.
+
+    Args and Returns: as ``blockwise_fp8_matmul``.
+
+    Example:
+      >>> a = jnp.ones((4, 128), jnp.float8_e4m3fn)
+      >>> b = jnp.ones((8, 128), jnp.float8_e4m3fn)
+      >>> out = blockwise_fp8_matmul_reference(
+      ...     a, jnp.full((4, 1), 0.5), b, jnp.ones((1, 1)), out_dtype=jnp.float32)
+      >>> float(out[0, 0])
+      64.0
+    """
+    a2, as2, b2, bs2, b_rows, lead, out_dtype = _check_operands(a, a_scale, b, b_scale,
+                                                                out_dtype, b_layout)
+    out = _reference_2d(a2, as2, b2, bs2, b_rows, out_dtype)
+    return out.reshape(*lead, b2.shape[0])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "b_layout", "impl", "config"))
+def blockwise_fp8_matmul(
+    a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, *,
+    out_dtype: jax.typing.DTypeLike = jnp.bfloat16, b_layout: Literal["nk", "kn"] = "nk",
+    impl: Impl = "auto", config: TuningConfig | None = None,
+) -> jax.Array:
+    """Blockwise-scaled FP8 matmul ``A · Bᵀ`` with DeepSeek-V3's f32 promotion per K block.
+
+    Args:
+      a: float8_e4m3fn ``[..., M, K]`` (activations; leading dims are flattened into M).
+      a_scale: float32 ``[..., M, K/128]``, one scale per 1x128 tile of ``a``.
+      b: float8_e4m3fn ``[N, K]``, K-major: DeepSeek's ``[out_features, in_features]``
+        weight layout, which is what FP8 ``wgmma`` reads. With ``b_layout="kn"``, b is
+        ``[K, N]`` (e.g. a Flax ``Dense`` kernel) and is transposed first (an extra copy of
+        b per call: store weights as ``[N, K]`` to avoid it).
+      b_scale: float32 ``[ceil(N/128), K/128]``, one scale per 128x128 block of b (a last
+        partial block of rows is allowed), or ``[N, K/128]``, one per 1x128 tile (the
+        weight-gradient GEMM's re-quantized activations; costs a column-scale vector in
+        registers and one more multiply per element). Transposed with ``b_layout="kn"``.
+      out_dtype: bfloat16 (default) or float32.
+      b_layout: "nk" (default) or "kn", see ``b``.
+      impl: "auto" (the kernel on a Hopper GPU, else the reference), "kernel" (compiled
+        Mosaic GPU kernel), "interpret" (the kernel in GPU-interpret mode, on CPU), a
+        ``plgpu.InterpretGPUParams`` (interpret with those options), or "reference".
+      config: a ``pallas_kernels.config.TuningConfig``; default
+        ``choose_config(M, N, K, out_dtype)``.
+
+    Returns:
+      ``[..., M, N]`` array of ``out_dtype``.
+
+    Raises:
+      TypeError: a or b is not float8_e4m3fn, or a scale is not float32.
+      ValueError: K not divisible by 128, mismatched K, scale shapes that do not match the
+        blocks, an unsupported ``out_dtype``, ``b_layout`` or ``impl``.
+
+    M and N need not be multiples of the tile: the kernel path pads them with zeros (a copy
+    of A and/or B; choose shapes that are multiples of 128 to avoid it) and slices the
+    result.
+
+    Example:
+      >>> from pallas_kernels import quantize_1x128, quantize_128x128
+      >>> xq, xs = quantize_1x128(jnp.ones((256, 512)))
+      >>> wq, ws = quantize_128x128(jnp.ones((384, 512)))
+      >>> y = blockwise_fp8_matmul(xq, xs, wq, ws)  # [256, 384] bf16, = 512 everywhere
+    """
+    a2, as2, b2, bs2, b_rows, lead, out_dtype = _check_operands(a, a_scale, b, b_scale,
+                                                                out_dtype, b_layout)
+    kind = _backend.resolve_impl(impl)
+    m, k = a2.shape
+    n = b2.shape[0]
+    if kind == "reference":
+        out = _reference_2d(a2, as2, b2, bs2, b_rows, out_dtype)
+        return out.reshape(*lead, n)
+    if config is None:
+        config = choose_config(m, n, k, out_dtype, _backend.num_sms("kernel"), b_rows=b_rows)
+    elif not isinstance(config, TuningConfig):
+        raise TypeError(f"config must be a TuningConfig or None, got {type(config).__name__}.")
+    mp = _cdiv(m, config.block_m) * config.block_m
+    np_ = _cdiv(n, config.block_n) * config.block_n
+    if mp != m:  # zero rows: their products are zero, any finite scale will do
+        a2 = jnp.pad(a2, ((0, mp - m), (0, 0)))
+        as2 = jnp.pad(as2, ((0, mp - m), (0, 0)), constant_values=1.0)
+    if np_ != n:
+        b2 = jnp.pad(b2, ((0, np_ - n), (0, 0)))
+    # Scales in the layouts the kernel copies per K block (transposed: one row per K
+    # block): A's per row; B's per row, or per 128-block padded to groups of 4 (padding
+    # scales are 1; they only meet zero padding).
+    as_t = as2.T  # [KB, Mp]
+    width = np_ if b_rows else _cdiv(np_, BLOCK_K * _SCALE_GROUP) * _SCALE_GROUP
+    bs_t = jnp.pad(bs2.T, ((0, 0), (0, width - bs2.shape[0])), constant_values=1.0)
+    out = _kernel_call(a2, as_t, b2, bs_t, config=config, out_dtype=out_dtype, impl=impl,
+                       b_rows=b_rows)
+    if (mp, np_) != (m, n):
+        out = out[:m, :n]
+    return out.reshape(*lead, n)
+
+
+# --------------------------------------------------------------------------------------
+# Gradient GEMMs of the blockwise recipe, expressed with the same kernel.
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "config"))
+def blockwise_fp8_dgrad(
+    dy: jax.Array, w: jax.Array, w_scale: jax.Array, *,
+    out_dtype: jax.typing.DTypeLike = jnp.bfloat16, impl: Impl = "auto",
+    config: TuningConfig | None = None,
+) -> jax.Array:
+    """Data gradient ``dx = dy · W`` of ``y = x · Wᵀ`` with the blockwise recipe.
+
+    ``dy`` (high precision, ``[..., M, N]``) is quantized 1x128 along N (fresh, per
+    DeepSeek-V3); W's 128x128 blocks transpose cleanly, so ``Wᵀ`` needs no re-quantization:
+
+        dy_q, dy_s = quantize_1x128(dy)
+        dx = blockwise_fp8_matmul(dy_q, dy_s, w.T, w_scale.T)      # B = Wᵀ: [K, N], N-major
+
+    Args:
+      dy: floating ``[..., M, N]``; N must be divisible by 128 (it is the contraction dim).
+      w: float8_e4m3fn ``[N, K]``, the forward's quantized weight.
+      w_scale: float32 ``[N/128, K/128]``.
+      out_dtype, impl, config: as ``blockwise_fp8_matmul``.
+
+    Returns:
+      ``dx``, ``[..., M, K]`` of ``out_dtype``.
+
+    Raises:
+      ValueError: w is not 2-D or N is not divisible by 128; and as ``quantize_1x128`` and
+        ``blockwise_fp8_matmul``.
+    """
+    if not hasattr(w, "shape") or w.ndim != 2:
+        raise ValueError(f"w must be 2-D [N, K], got {getattr(w, 'shape', type(w))}.")
+    if w.shape[0] % BLOCK_K:
+        raise ValueError(f"n={w.shape[0]} (w.shape[0], the contraction dim of dgrad) must be "
+                         f"divisible by block_k={BLOCK_K}.")
+    dy_q, dy_s = quantize_1x128(dy, impl=impl)
+    return blockwise_fp8_matmul(dy_q, dy_s, w.T, w_scale.T, out_dtype=out_dtype, impl=impl,
+                                config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "config"))
+def blockwise_fp8_wgrad(
+    dy: jax.Array, x: jax.Array, *, out_dtype: jax.typing.DTypeLike = jnp.float32,
+    impl: Impl = "auto", config: TuningConfig | None = None,
+) -> jax.Array:
+    """Weight gradient ``dW = dyᵀ · x`` (``[N, K]``, the layout of W) with the same kernel.
+
+    The contraction runs over the tokens (M), so both operands are re-quantized from high
+    precision along M, 1x128 each (DeepSeek-V3's 128x1 tiles of dy and x; DeepGEMM's
+    "1D1D" weight-gradient GEMM), B with per-row scales:
+
+        g_q, g_s = quantize_1x128(dy.T)          # A = dyᵀ [N, M], scales [N, M/128]
+        x_q, x_s = quantize_1x128(x.T)           # B = xᵀ  [K, M], scales [K, M/128]
+        dW = blockwise_fp8_matmul(g_q, g_s, x_q, x_s, out_dtype=jnp.float32)
+
+    M is zero-padded to a multiple of 128 (zero tokens add nothing).
+
+    Args:
+      dy: floating ``[M, N]`` (flatten leading dims first).
+      x: floating ``[M, K]``, the forward's high-precision input.
+      out_dtype: float32 (default; weight gradients accumulate in f32) or bfloat16.
+      impl, config: as ``blockwise_fp8_matmul``.
+
+    Returns:
+      ``dW``, ``[N, K]`` of ``out_dtype``.
+
+    Raises:
+      ValueError: dy or x is not 2-D, or their token counts differ.
+    """
+    for name, t in (("dy", dy), ("x", x)):
+        if not hasattr(t, "shape") or t.ndim != 2:
+            raise ValueError(f"{name} must be 2-D [M, ...], got {getattr(t, 'shape', t)}.")
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"dy.shape[0]={dy.shape[0]} and x.shape[0]={x.shape[0]} (tokens) "
+                         f"must match.")
+    m = dy.shape[0]
+    mp = _cdiv(m, BLOCK_K) * BLOCK_K
+    if mp != m:
+        dy = jnp.pad(dy, ((0, mp - m), (0, 0)))
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))
+    g_q, g_s = quantize_1x128(dy.T, impl=impl)
+    x_q, x_s = quantize_1x128(x.T, impl=impl)
+    return blockwise_fp8_matmul(g_q, g_s, x_q, x_s, out_dtype=out_dtype, impl=impl,
+                                config=config)

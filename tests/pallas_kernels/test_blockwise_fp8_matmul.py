@@ -1,0 +1,335 @@
+"""blockwise_fp8_matmul: kernel vs its pure-JAX reference, vs the unquantized product, the
+gradient GEMMs, race detection, the dispatch guard and input validation."""
+
+import contextlib
+import functools
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from fmtkit.scaling import BlockScaling, quantize
+from pallas_kernels import (
+    blockwise_fp8_dgrad,
+    blockwise_fp8_matmul,
+    blockwise_fp8_matmul_reference,
+    blockwise_fp8_wgrad,
+)
+from pallas_kernels._backend import is_hopper, plgpu
+from pallas_kernels.blockwise_fp8_matmul import KERNEL_NAME
+from pallas_kernels.config import SHIPPED_CONFIGS, TuningConfig
+
+# Kernel vs reference, f32 output: both sum exact FP8 products in f32 in the same K-block
+# order; only the summation order inside a 128-wide block differs (a few f32 ulps). On the
+# GPU, FP8 wgmma accumulates with fewer bits than f32 (DeepSeek-V3 §3.3.2: ~14), about
+# 2^-14 of each block's partial sum, hence the looser compiled bound.
+F32_RTOL = {"interpret": 1e-6, "kernel": 1e-3}
+# bf16 output vs the f32 reference: the final rounding alone is <= 2^-9 per element.
+BF16_RTOL = 2.0**-8
+# DeepGEMM's accuracy criterion (tests/test_core.py: calc_diff < 0.001) against an f32
+# matmul of the unquantized inputs.
+DEEPGEMM_DIFF = 1e-3
+
+
+def _rel_fro(x, ref):
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _deepgemm_diff(x, y):
+    """sum((x - y)^2) / sum(x^2 + y^2), in float64 (DeepGEMM's calc_diff)."""
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    return float(np.sum((x - y) ** 2) / np.sum(x * x + y * y))
+
+
+def _data(m, n, k, seed):
+    """Gaussian x [m, k] and w [n, k] whose 1x128 / 128x128 blocks span 2^±6 in
+    magnitude, so every scale differs and a misapplied scale shows."""
+    rng = np.random.default_rng(seed)
+    kb, nb = k // 128, -(-n // 128)
+    x = rng.standard_normal((m, k)) * np.repeat(2.0 ** rng.integers(-6, 7, (m, kb)), 128, 1)
+    wmag = np.repeat(np.repeat(2.0 ** rng.integers(-6, 7, (nb, kb)), 128, 0), 128, 1)[:n]
+    w = rng.standard_normal((n, k)) * wmag
+    return jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+
+
+def _quantized(x, w, b_rows=False):
+    """Operands quantized by fmtkit (the kernels' quantizers are tested bit-identical to
+    it elsewhere): x per 1x128 tile, w per 128x128 block (a last partial 128-row block is
+    padded with zero rows here) or, with ``b_rows``, per 1x128 tile."""
+    xs = quantize(x, "e4m3", BlockScaling((1, 128)))
+    if b_rows:
+        ws = quantize(w, "e4m3", BlockScaling((1, 128)))
+        return xs.values, xs.scale, ws.values, ws.scale
+    n = w.shape[0]
+    wp = jnp.pad(w, ((0, -n % 128), (0, 0)))
+    ws = quantize(wp, "e4m3", BlockScaling((128, 128)))
+    return xs.values, xs.scale, ws.values[:n], ws.scale
+
+
+def _dequantized_b(wq, ws):
+    """float64 B from its values and block or row scales."""
+    s = np.asarray(ws, np.float64)
+    if s.shape[0] != wq.shape[0]:
+        s = np.repeat(s, 128, 0)[: wq.shape[0]]
+    return np.asarray(wq, np.float64) * np.repeat(s, 128, 1)
+
+
+# Shapes up to 512x512x1024 (kept small: in GPU-interpret mode each call costs seconds on
+# CPU). Each names its config; K = 128, M not a multiple of the tile, N not a multiple of
+# 128 (a partial B-scale block) and per-row B scales are all covered.
+CASES = [
+    # m, n, k, config name, out dtype, B tiles
+    (128, 128, 128, "128x128", jnp.float32, "128x128"),  # K = 128: one K block
+    (128, 128, 128, "128x128", jnp.bfloat16, "128x128"),
+    (256, 256, 512, "128x128", jnp.float32, "128x128"),  # 4 tiles on 2 programs
+    (192, 384, 640, "128x128", jnp.bfloat16, "128x128"),  # M = 1.5 tiles; ring wraps (5 > 4)
+    (64, 320, 256, "64x128", jnp.bfloat16, "128x128"),  # N = 2.5 blocks of 128
+    (320, 256, 512, "64x256", jnp.float32, "128x128"),  # warpgroups split N; M = 5 tiles
+    (128, 256, 512, "64x256", jnp.float32, "1x128"),  # per-row B scales (wgrad's form)
+    (128, 192, 256, "128x128", jnp.bfloat16, "1x128"),  # per-row B scales, N padded
+]
+
+
+@pytest.mark.parametrize("m,n,k,cfg_name,out_dtype,b_tiles", CASES,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{np.dtype(c[4]).name}-b{c[5]}"
+                              for c in CASES])
+def test_kernel_matches_reference(mode, m, n, k, cfg_name, out_dtype, b_tiles):
+    config = SHIPPED_CONFIGS[(cfg_name, np.dtype(out_dtype).name)]
+    x, w = _data(m, n, k, seed=m + n + k)
+    xq, xs, wq, ws = _quantized(x, w, b_rows=b_tiles == "1x128")
+    out = blockwise_fp8_matmul(xq, xs, wq, ws, out_dtype=out_dtype, impl=mode, config=config)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
+    if out_dtype == jnp.float32:
+        assert _rel_fro(out, ref) < F32_RTOL[mode]
+    else:
+        assert _rel_fro(out, ref) < BF16_RTOL
+    # Against the f32 product of the unquantized inputs (float64 on the host).
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert _deepgemm_diff(out, exact) < DEEPGEMM_DIFF
+
+
+@pytest.mark.parametrize("b_rows", [False, True], ids=["b-blocks", "b-rows"])
+def test_reference_matches_dequantized_product(b_rows):
+    """The reference against an independent float64 computation: dequantize each operand
+    and multiply on the host (differs only by f32 rounding)."""
+    x, w = _data(128, 200, 384, seed=1)
+    xq, xs, wq, ws = _quantized(x, w, b_rows=b_rows)
+    xd = np.asarray(xq, np.float64) * np.repeat(np.asarray(xs, np.float64), 128, 1)
+    ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
+    # f32 accumulation over 3 K blocks of sums of 128 exact products: a few f32 ulps.
+    assert _rel_fro(ref, xd @ _dequantized_b(wq, ws).T) < 1e-6
+
+
+def test_reference_layouts_and_leading_dims():
+    x, w = _data(128, 256, 256, seed=2)
+    xq, xs, wq, ws = _quantized(x, w)
+    nk = blockwise_fp8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, impl="reference")
+    kn = blockwise_fp8_matmul(xq, xs, wq.T, ws.T, b_layout="kn", out_dtype=jnp.float32,
+                              impl="reference")
+    np.testing.assert_array_equal(np.asarray(nk), np.asarray(kn))
+    batched = blockwise_fp8_matmul(xq.reshape(2, 64, 256), xs.reshape(2, 64, 2), wq, ws,
+                                   out_dtype=jnp.float32, impl="reference")
+    np.testing.assert_array_equal(np.asarray(batched).reshape(128, 256), np.asarray(nk))
+
+
+def test_gradient_gemms(mode):
+    """dgrad and wgrad through the kernel: equal to their reference path, and within
+    DeepGEMM's bound of the exact f32 gradients."""
+    m, n, k = 128, 256, 128
+    x, w = _data(m, n, k, seed=3)
+    dy, _ = _data(m, 128, n, seed=4)  # [m, n]
+    _, _, wq, ws = _quantized(x, w)
+    dx = blockwise_fp8_dgrad(dy, wq, ws, out_dtype=jnp.float32, impl=mode)
+    dx_ref = blockwise_fp8_dgrad(dy, wq, ws, out_dtype=jnp.float32, impl="reference")
+    assert dx.shape == (m, k)
+    assert _rel_fro(dx, dx_ref) < F32_RTOL[mode]
+    assert _deepgemm_diff(dx, np.asarray(dy, np.float64) @ _dequantized_b(wq, ws)) < (
+        DEEPGEMM_DIFF)
+
+    dw = blockwise_fp8_wgrad(dy, x, impl=mode)
+    dw_ref = blockwise_fp8_wgrad(dy, x, impl="reference")
+    assert dw.shape == (n, k) and dw.dtype == jnp.float32
+    assert _rel_fro(dw, dw_ref) < F32_RTOL[mode]
+    exact = np.asarray(dy, np.float64).T @ np.asarray(x, np.float64)
+    assert _deepgemm_diff(dw, exact) < DEEPGEMM_DIFF
+
+
+def test_wgrad_pads_tokens():
+    """M = 100 tokens: zero-padded to 128, the same as the gradient of the padded batch."""
+    x, _ = _data(128, 128, 256, seed=5)
+    dy, _ = _data(128, 128, 128, seed=6)
+    dy = dy.at[100:].set(0.0)
+    x = x.at[100:].set(0.0)
+    full = blockwise_fp8_wgrad(dy, x, impl="reference")
+    cut = blockwise_fp8_wgrad(dy[:100], x[:100], impl="reference")
+    np.testing.assert_array_equal(np.asarray(cut), np.asarray(full))
+
+
+def test_no_races_in_interpret_mode():
+    """One run under the race detector: 4 tiles on 2 programs (pipeline reused across
+    tiles) and 6 K blocks through a 4-stage ring (slots reused)."""
+    x, w = _data(256, 256, 768, seed=7)
+    xq, xs, wq, ws = _quantized(x, w)
+    out_buf = io.StringIO()
+    with contextlib.redirect_stdout(out_buf):
+        out = blockwise_fp8_matmul(
+            xq, xs, wq, ws, out_dtype=jnp.float32,
+            impl=plgpu.InterpretGPUParams(detect_races=True),
+            config=SHIPPED_CONFIGS[("128x128", "float32")])
+        out.block_until_ready()
+    assert "RACE DETECTED" not in out_buf.getvalue()
+    ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
+    assert _rel_fro(out, ref) < F32_RTOL["interpret"]
+
+
+def test_race_detector_reports_a_race():
+    """Control for the test above: a kernel whose two warpgroups write the same shared
+    memory with no synchronization is reported, so an empty report means something."""
+
+    def racy(o_ref, smem):
+        wg = jax.lax.axis_index("wg")
+        smem[...] = jnp.full((128,), 1.0, jnp.float32) + wg.astype(jnp.float32)
+        plgpu.commit_smem()
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_smem_to_gmem(smem, o_ref)
+            plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(racy, out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+                          num_threads=2, thread_name="wg",
+                          scratch_types=[plgpu.SMEM((128,), jnp.float32)],
+                          interpret=plgpu.InterpretGPUParams(detect_races=True))
+    out_buf = io.StringIO()
+    with contextlib.redirect_stdout(out_buf):
+        jax.block_until_ready(kernel())
+    assert "RACE DETECTED" in out_buf.getvalue()
+
+
+def _pallas_kernel_names(jaxpr) -> list[str]:
+    """Names of the Pallas kernels (``pallas_call`` / ``mpmd_map`` equations) in a jaxpr,
+    searched recursively through sub-jaxprs (jit, custom_vmap, scan, ...)."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+            names.append(eqn.params.get("name"))
+        for val in eqn.params.values():
+            for v in val if isinstance(val, (tuple, list)) else (val,):
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns"):
+                    names += _pallas_kernel_names(sub)
+    return names
+
+
+@pytest.mark.parametrize("impl,expect_kernel", [
+    ("interpret", True), ("kernel", True), ("reference", False),
+    ("auto", is_hopper()),
+])
+def test_wrapper_reaches_kernel(impl, expect_kernel):
+    """Guard: asked for the kernel, the jaxpr holds the Pallas call; otherwise it does not
+    (on CPU, "auto" means the reference)."""
+    xq = jnp.ones((128, 256), jnp.float8_e4m3fn)
+    wq = jnp.ones((128, 256), jnp.float8_e4m3fn)
+    s = jnp.ones((128, 2), jnp.float32)
+    jaxpr = jax.make_jaxpr(functools.partial(blockwise_fp8_matmul, impl=impl))(
+        xq, s, wq, jnp.ones((1, 2), jnp.float32))
+    names = _pallas_kernel_names(jaxpr.jaxpr)
+    if expect_kernel:
+        assert names == [KERNEL_NAME]
+    else:
+        assert names == []
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input: clear errors naming the argument.
+
+def _ok():
+    return dict(a=jnp.ones((128, 256), jnp.float8_e4m3fn), a_scale=jnp.ones((128, 2)),
+                b=jnp.ones((256, 256), jnp.float8_e4m3fn), b_scale=jnp.ones((2, 2)))
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(a=jnp.ones((128, 256), jnp.bfloat16)), TypeError, r"^a must be a float8_e4m3fn"),
+    (dict(b=jnp.ones((256, 256), jnp.float8_e5m2)), TypeError, r"^b must be a float8_e4m3fn"),
+    (dict(a_scale=jnp.ones((128, 2), jnp.bfloat16)), TypeError, r"^a_scale must be a float32"),
+    (dict(b_scale=jnp.ones((2, 2), jnp.int32)), TypeError, r"^b_scale must be a float32"),
+    (dict(a_scale=jnp.ones((128, 1))), ValueError, r"^a_scale must have shape \(128, 2\)"),
+    (dict(b_scale=jnp.ones((1, 2))), ValueError,
+     r"^b_scale must have shape \(2, 2\) .* or \(256, 2\)"),
+    (dict(b_scale=jnp.ones((2,))), ValueError, r"^b_scale must be 2-D"),
+    (dict(a=jnp.ones((128, 200), jnp.float8_e4m3fn), b=jnp.ones((256, 200), jnp.float8_e4m3fn)),
+     ValueError, r"^k=200 must be divisible by block_k=128"),
+    (dict(a=jnp.ones((128, 384), jnp.float8_e4m3fn)), ValueError, r"^a.shape\[-1\]=384"),
+    (dict(b=jnp.ones((2, 256, 256), jnp.float8_e4m3fn)), ValueError, r"^b must be 2-D"),
+])
+@pytest.mark.parametrize("fn", [blockwise_fp8_matmul, blockwise_fp8_matmul_reference])
+def test_bad_input(fn, change, exc, match):
+    args = {**_ok(), **change}
+    with pytest.raises(exc, match=match):
+        fn(args["a"], args["a_scale"], args["b"], args["b_scale"])
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(out_dtype=jnp.float16), ValueError, r"^out_dtype must be bfloat16 or float32"),
+    (dict(b_layout="nn"), ValueError, r"^b_layout must be 'nk'"),
+    (dict(impl="triton"), ValueError, r"^impl must be one of"),
+    (dict(impl="interpret", config=(128, 128)), TypeError, r"^config must be a TuningConfig"),
+])
+def test_bad_options(kwargs, exc, match):
+    args = _ok()
+    with pytest.raises(exc, match=match):
+        blockwise_fp8_matmul(args["a"], args["a_scale"], args["b"], args["b_scale"], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_m=128, block_n=256, wg_split="m"), r"64 or 128 columns"),
+    (dict(block_m=256, block_n=128, wg_split="m"), r"must own 64 rows"),
+    (dict(block_m=128, block_n=128, wg_split="x"), r"wg_split must be"),
+    (dict(block_m=128, block_n=128, wg_split="m", grid_minor_dim="k"), r"grid_minor_dim"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TuningConfig(max_concurrent_steps=4, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# Public surface and config heuristic.
+
+def test_public_surface():
+    import pallas_kernels
+
+    assert sorted(pallas_kernels.__all__) == sorted([
+        "TuningConfig", "blockwise_fp8_dgrad", "blockwise_fp8_matmul",
+        "blockwise_fp8_matmul_reference", "blockwise_fp8_wgrad", "config",
+        "quantize_128x128", "quantize_128x128_reference", "quantize_1x128",
+        "quantize_1x128_reference"])
+    for name in pallas_kernels.__all__:
+        assert getattr(pallas_kernels, name) is not None
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_choose_config(out_dtype):
+    from pallas_kernels.config import choose_config, fit_to_smem
+
+    name = np.dtype(out_dtype).name
+    shipped = set(SHIPPED_CONFIGS.values())
+    # Square-ish production GEMMs take the 128x128 tile (shared B tile, fewest bytes/FLOP).
+    assert choose_config(4096, 7168, 7168, out_dtype) == SHIPPED_CONFIGS[("128x128", name)]
+    # A 64-token GEMM would waste half of every 128-row tile: a 64-row config is chosen.
+    small = choose_config(64, 7168, 7168, out_dtype)
+    assert small in shipped and small.block_m == 64
+    # Per-row B scales take more shared memory per stage: stages trimmed to fit.
+    for key, cfg in SHIPPED_CONFIGS.items():
+        if key[1] == name:
+            fitted = fit_to_smem(cfg, out_dtype, b_rows=True)
+            assert fitted.block_m == cfg.block_m and fitted.block_n == cfg.block_n
+            assert 1 <= fitted.max_concurrent_steps <= cfg.max_concurrent_steps
+    with pytest.raises(ValueError, match="out_dtype must be bfloat16 or float32"):
+        choose_config(128, 128, 128, jnp.float16)
