@@ -231,10 +231,15 @@ def update_state(state: Any, observed: Any) -> Any:
         micro-batches with ``combine_observations`` (max) before calling this once per step.
 
     Returns:
-      The state with each history rolled by one and the observations recorded.
+      The state with each history rolled by one and the observations recorded; a dot whose
+      observations are not all finite keeps its history unchanged.
     """
     def upd(hist, obs):
-        return jnp.roll(hist, 1, axis=1).at[:, 0].set(obs[:, 0].astype(hist.dtype))
+        amax = obs[:, 0].astype(hist.dtype)
+        rolled = jnp.roll(hist, 1, axis=1).at[:, 0].set(amax)
+        # A step with a non-finite amax (an overflow that loss scaling will skip) is not
+        # recorded: an inf in the history would poison the scale for `history` steps.
+        return jnp.where(jnp.all(jnp.isfinite(amax)), rolled, hist)
 
     return jax.tree.map(upd, state, observed)
 

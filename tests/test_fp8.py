@@ -260,3 +260,13 @@ def test_blockwise_reaches_the_pallas_kernel_for_all_three_gemms():
     ref = _fwd_bwd("blockwise", x, w, dy)
     for g_, r_ in zip(got, ref):
         np.testing.assert_allclose(np.asarray(g_), np.asarray(r_), rtol=1e-5, atol=1e-5)
+
+
+def test_update_state_ignores_non_finite_observations():
+    state = fp8.init_state(dataclasses.replace(fp8.RECIPES["delayed"], history=4))
+    obs = fp8.Fp8DotState(jnp.zeros((3, 4)).at[:, 0].set(jnp.array([1.0, 2.0, 3.0])))
+    state = fp8.update_state(state, obs)
+    bad = fp8.Fp8DotState(jnp.zeros((3, 4)).at[:, 0].set(jnp.array([1.0, 2.0, jnp.inf])))
+    same = fp8.update_state(state, bad)  # an overflowing step (skipped by loss scaling)
+    np.testing.assert_array_equal(np.asarray(same.amax_history), np.asarray(state.amax_history))
+    assert float(state.amax_history[2, 0]) == 3.0

@@ -11,7 +11,14 @@ adapters are loaded when a model is first given.
 
 from fmtkit.policy._apply import module_paths, with_policy
 from fmtkit.policy._inspect import ModuleReport, PolicyReport, inspect_policy
-from fmtkit.policy._policy import Policy, Rules, describe_presets, get_preset, list_presets
+from fmtkit.policy._policy import (
+    Policy,
+    Rules,
+    as_rules,
+    describe_presets,
+    get_preset,
+    list_presets,
+)
 
 __all__ = [
     "Fp8DelayedDotGeneral",
@@ -20,6 +27,7 @@ __all__ = [
     "Policy",
     "PolicyReport",
     "Rules",
+    "as_rules",
     "describe_presets",
     "get_preset",
     "inspect_policy",
