@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 ablate: $(STAMP)
-	$(VENV)/bin/fmtkit formats
+	$(VENV)/bin/fmtkit ablate
 
 formats: $(STAMP)
 	$(VENV)/bin/fmtkit formats

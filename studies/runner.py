@@ -44,8 +44,13 @@ STUDIES: dict[str, str] = {
     "loss-scale": "the dynamic loss-scale state machine over a scripted run with overflows",
     "rounding": "fp16 vs bf16 rounding across the range: stored bits, errors, overflow",
     "fp8-outliers": "per-tensor vs row vs 1x128 block vs MX scaling as outlier channels grow",
+    "ablate": "the main job: a small LM trained under each precision setup (fmtkit ablate)",
     "allreduce": "gradient all-reduce in bf16 vs f32 vs bf16-comm/f32-sum across 8 devices",
     "accumulation": "FP8 GEMM with a ~14-bit accumulator vs K, with/without promotion every 128",
+    "memory": "bytes per parameter per policy/optimizer; activations per layer with/without remat",
+    "sensitivity": "lower one module at a time to bf16/fp16/FP8 and rank modules by the damage",
+    "router-precision": "top-1 MoE with its router in bf16 vs f32: flips vs an f32 shadow, balance",
+    "fp8-recipes": "training loss under each FP8 recipe (incl. 128x128 grad blocks) vs bf16-mixed",
 }
 """The registered studies, in ``--list`` order."""
 
