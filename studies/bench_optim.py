@@ -21,8 +21,6 @@ on CPU; the ratio printed last.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from fmtkit import optim
-from studies._bench import write_results
+from studies._bench import time_interleaved, write_results
 
 _LR = 1e-3
 _SCALE = 2.0**16  # the scale the gradients were computed with (GradScaler's default init)
@@ -95,19 +93,6 @@ class _Runner:
         return self.params
 
 
-def _time(runners: dict[str, _Runner], repeats: int, warmup: int = 3) -> dict[str, float]:
-    for r in runners.values():
-        for _ in range(warmup):
-            jax.block_until_ready(r())
-    samples: dict[str, list[float]] = {k: [] for k in runners}
-    for _ in range(repeats):
-        for k, r in runners.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(r())
-            samples[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fmtkit bench optim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     pb = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
     runners = {"fmtkit": _Runner(_fmtkit_step(ours), pb, jax.jit(ours.init)(pb), scaled_bf16),
                "optax_f32": baseline()}
-    times = _time(runners, args.repeats)
+    times = time_interleaved(runners, args.repeats)
     ratios = {k: t / times["optax_f32"] for k, t in times.items()}
     del runners, pb
 
@@ -160,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = (master, jax.jit(adamw.init)(master),
                          jmp.DynamicLossScale(jnp.asarray(_SCALE, jnp.float32)))
                 runners[name] = _Runner(_jmp_step(adamw, use_cond), pj, state, scaled_bf16)
-            jtimes = _time(runners, args.repeats)
+            jtimes = time_interleaved(runners, args.repeats)
             for name in ("jmp_select", "jmp_cond"):
                 times[name] = jtimes[name]
                 ratios[name] = jtimes[name] / jtimes["optax_f32"]

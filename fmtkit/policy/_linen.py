@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 
 from fmtkit import fp8
 from fmtkit.policy import _runtime
-from fmtkit.policy._policy import Policy, Rules, cast_floating
+from fmtkit.policy._policy import Policy, Rules, cast_floating, report_unmatched
 
 _MISSING = object()
 
@@ -178,21 +177,6 @@ def _make_interceptor(rules: Rules, visited: dict[str, tuple[str, ...]]):
 
 def _is_module(x) -> bool:
     return isinstance(x, nn.Module)
-
-
-def report_unmatched(rules: Rules, modules: dict[str, tuple[str, ...]], strict: bool) -> None:
-    """Warns (or raises with ``strict``) about user patterns that matched no module."""
-    if not rules.check_unmatched or not rules.rules:
-        return
-    missing = rules.unmatched(modules.items())
-    if not missing:
-        return
-    listing = "\n".join(f"  {p!r} ({t[0] if t else '?'})" for p, t in modules.items())
-    msg = (f"Policy rule pattern(s) {missing} match no module of this model. Paths (and class "
-           f"names, matched by 'type:' patterns) are:\n{listing}")
-    if strict:
-        raise ValueError(msg)
-    warnings.warn(msg, UserWarning, stacklevel=3)
 
 
 class PolicyModule(nn.Module):

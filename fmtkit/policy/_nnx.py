@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import warnings
 from typing import Any
 
 import jax
@@ -35,7 +34,7 @@ from flax import nnx
 
 from fmtkit import fp8
 from fmtkit.policy import _runtime
-from fmtkit.policy._policy import Policy, Rules, _is_floating
+from fmtkit.policy._policy import Policy, Rules, _is_floating, report_unmatched
 
 
 class Fp8State(nnx.Variable):
@@ -255,16 +254,7 @@ def wrap(model: nnx.Module, rules: Rules, strict: bool) -> nnx.Module:
     if is_wrapped(model):
         raise ValueError("This NNX model already has a policy (with_policy was applied to it); "
                          "apply with_policy once, to the unwrapped model, with all rules.")
-    paths = collect_paths(model)
-    if rules.check_unmatched and rules.rules:
-        missing = rules.unmatched(paths.items())
-        if missing:
-            listing = "\n".join(f"  {p!r} ({t[0] if t else '?'})" for p, t in paths.items())
-            msg = (f"Policy rule pattern(s) {missing} match no module of this model. Paths "
-                   f"(and class names, matched by 'type:' patterns) are:\n{listing}")
-            if strict:
-                raise ValueError(msg)
-            warnings.warn(msg, UserWarning, stacklevel=3)
+    report_unmatched(rules, collect_paths(model), strict)
     copy = nnx.clone(model, variables=False)
     for parts, module in list(nnx.iter_modules(copy)):
         path = "/".join(str(p) for p in parts)

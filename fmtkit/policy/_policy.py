@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -433,3 +434,18 @@ def describe_presets() -> str:
     for name, (doc, rules) in _PRESETS.items():
         out.append(f"{name}: {doc}\n{rules}")
     return "\n\n".join(out)
+
+
+def report_unmatched(rules: Rules, modules: dict[str, tuple[str, ...]], strict: bool) -> None:
+    """Warns (or raises with ``strict``) about user patterns that matched no module."""
+    if not rules.check_unmatched or not rules.rules:
+        return
+    missing = rules.unmatched(modules.items())
+    if not missing:
+        return
+    listing = "\n".join(f"  {p!r} ({t[0] if t else '?'})" for p, t in modules.items())
+    msg = (f"Policy rule pattern(s) {missing} match no module of this model. Paths (and class "
+           f"names, matched by 'type:' patterns) are:\n{listing}")
+    if strict:
+        raise ValueError(msg)
+    warnings.warn(msg, UserWarning, stacklevel=3)
