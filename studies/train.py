@@ -93,8 +93,10 @@ from fmtkit.casting import cast
 from fmtkit.fp8 import FP8Recipe
 from fmtkit.fp8 import update_state as fp8_update_state
 from fmtkit.memory import ledger
-from fmtkit.policy import Rules
-from fmtkit.policy import as_rules  # what with_policy accepts, as Rules
+from fmtkit.policy import (
+    Rules,
+    as_rules,  # what with_policy accepts, as Rules
+)
 from studies import corpus
 from studies._common import Progress, StudyError, no_progress
 from studies.models import TransformerConfig, TransformerLM, lm_loss
