@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from pathlib import Path
 from typing import Any, Literal
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fmtkit.fp8 import RECIPES, FP8Recipe
 from fmtkit.policy import Policy, Rules, get_preset
-from studies._common import StudyError, figure, format_table, no_progress, plot_style, save
+from studies._common import figure, format_table, no_progress, plot_style, save
 
 __all__ = ["EXTRA_RECIPES", "Config", "plot", "recipe_of", "run", "setup_of", "summarize"]
 
@@ -93,8 +90,6 @@ class Config:
       seq_len: bytes per sequence.
       lr: peak AdamW learning rate.
       seed: seeds the initialization and the batches (the same for every setup).
-      jit: compile each setup's step (False: run op by op, for smoke runs of a few steps
-        where compiling every setup costs more than running it).
     """
 
     recipes: tuple[str, ...] = ("current", "delayed", "rowwise", "blockwise", "mxfp8",
@@ -106,7 +101,6 @@ class Config:
     seq_len: int = 64
     lr: float = 3e-3
     seed: int = 0
-    jit: bool = True
 
     def __post_init__(self):
         if not self.recipes:
@@ -135,27 +129,6 @@ class Config:
         return tcfg
 
 
-def _train_eager(setup, tcfg, data, progress) -> dict[str, Any]:
-    """``studies.train``'s init and step functions run op by op (``jax.disable_jit``)."""
-    from studies import train
-
-    init_fn, step_fn = train.make_train_step(setup, tcfg)
-    losses = []
-    t0 = time.perf_counter()
-    state = init_fn()  # the shared f32 initial parameters are compiled once per process
-    with jax.disable_jit():
-        for i in progress(range(tcfg.steps), total=tcfg.steps, desc=setup.name):
-            state, metrics = step_fn(state, jnp.asarray(train.batch_at(data, tcfg, i)))
-            loss = float(metrics["loss"])
-            losses.append(loss)
-            if not math.isfinite(loss):
-                raise StudyError(f"loss is {loss} at step {i} under setup {setup.name!r}.")
-    k = max(1, len(losses) // 10)
-    return {"history": {"loss": losses}, "final_loss": float(np.mean(losses[-k:])),
-            "compile_seconds": 0.0,
-            "step_ms": 1e3 * (time.perf_counter() - t0) / max(len(losses), 1)}
-
-
 def run(config: Config, progress=no_progress) -> dict[str, Any]:
     """Trains bf16-mixed and each recipe; final losses, relative gaps, loss curves.
 
@@ -173,12 +146,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     names = [BASELINE, *dict.fromkeys(config.recipes)]
     runs: dict[str, dict[str, Any]] = {}
     for name in progress(names, total=len(names), desc="setups"):
-        setup = setup_of(name)
-        if config.jit:
-            res = train.train(setup, tcfg, data=data).summary()
-        else:
-            res = _train_eager(setup, tcfg, data, progress)
-        runs[name] = res
+        runs[name] = train.train(setup_of(name), tcfg, progress=progress, data=data).summary()
     base = runs[BASELINE]["final_loss"]
     recipes = {}
     for name in names[1:]:

@@ -30,7 +30,6 @@ largest expert load ``E * max_e f_e`` (1 when balanced).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
@@ -142,8 +141,6 @@ class Config:
       lr: peak AdamW learning rate.
       aux_loss_weight: weight of the Switch load-balancing loss (Switch: 0.01).
       seed: seeds the initialization and the batches (the same for every variant).
-      jit: compile the step and the measurement (False: run op by op, for smoke runs of a
-        few steps where compiling costs more than running).
     """
 
     routers: tuple[str, ...] = ("f32", "bf16")
@@ -157,7 +154,6 @@ class Config:
     lr: float = 3e-3
     aux_loss_weight: float = 0.01
     seed: int = 0
-    jit: bool = True
 
     def __post_init__(self):
         if not self.routers or any(r not in ROUTERS for r in self.routers):
@@ -228,18 +224,14 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
                             description=f"bf16-mixed, router {ROUTERS[name]}")
         init_fn, step_fn = train.make_train_step(setup, tcfg)
         measure = _make_measure(train.build_model(setup, tcfg), e)
-        def ctx():
-            return contextlib.nullcontext() if config.jit else jax.disable_jit()
-
         state = init_fn()
         hist: dict[str, list] = {"loss": [], "flip_frac": [], "flip_frac_per_layer": [],
                                  "aux_loss": [], "max_load": []}
         fractions = None
         for i in progress(range(config.steps), total=config.steps, desc=f"router {name}"):
             tokens = jnp.asarray(train.batch_at(data, tcfg, i))
-            with ctx():
-                m = jax.device_get(measure(state.params, tokens))
-                state, metrics = step_fn(state, tokens)
+            m = jax.device_get(measure(state.params, tokens))
+            state, metrics = step_fn(state, tokens)
             loss = float(metrics["loss"])
             if not math.isfinite(loss):
                 hist["loss"].append(loss)

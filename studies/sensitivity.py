@@ -107,6 +107,9 @@ class Config:
       seq_len: bytes per sequence.
       lr: learning rate of the brief training.
       seed: seeds the initialization, the training batches and the measured batch.
+      execution: "jit" compiles every variant (seconds each on a CPU), "eager" runs them op
+        by op (one warm-up, then fast: better for many modules), "auto" picks jit for up
+        to 8 modules. The reference runs the same way.
     """
 
     target: str = "fp8-blockwise"
@@ -119,9 +122,13 @@ class Config:
     seq_len: int = 64
     lr: float = 3e-3
     seed: int = 0
+    execution: Literal["auto", "jit", "eager"] = "auto"
 
     def __post_init__(self):
         target_value(self.target)
+        if self.execution not in ("auto", "jit", "eager"):
+            raise ValueError(f"execution must be 'auto', 'jit' or 'eager', got "
+                             f"{self.execution!r}.")
         try:
             re.compile(self.modules)
         except re.error as err:
@@ -198,12 +205,11 @@ def _rules(path: str | None, target: str) -> Rules:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(mcfg: TransformerConfig, path: str | None, target: str) -> tuple[Any, Any]:
-    """(policy-wrapped model, jitted loss/logits/gradient function), cached per variant so
+def _variant(mcfg: TransformerConfig, path: str | None, target: str) -> tuple[Any, Any, Any]:
+    """(policy-wrapped model, loss/logits/gradient function, its jit), cached per variant so
     that evaluating a variant again (tests, the reference) reuses its compilation."""
     model = fmtkit.with_policy(TransformerLM(mcfg), _rules(path, target))
 
-    @jax.jit
     def fwd_bwd(p, e, toks):
         def loss_fn(p):
             logits = model.apply({"params": p, **e}, toks).astype(jnp.float32)
@@ -211,21 +217,23 @@ def _compiled(mcfg: TransformerConfig, path: str | None, target: str) -> tuple[A
 
         return jax.value_and_grad(loss_fn, has_aux=True)(p)
 
-    return model, fwd_bwd
+    return model, fwd_bwd, jax.jit(fwd_bwd)
 
 
 def evaluate(mcfg: TransformerConfig, params: Any, tokens: jax.Array, path: str | None,
-             target: str) -> dict[str, Any]:
+             target: str, *, jit: bool = True) -> dict[str, Any]:
     """Loss, logits (f32) and parameter gradients with only ``path`` lowered to ``target``
-    (``path=None``: the all-f32 reference). One jit-compiled forward and backward."""
-    model, fwd_bwd = _compiled(mcfg, path, target)
+    (``path=None``: the all-f32 reference): one forward and backward, jit-compiled, or with
+    ``jit=False`` op by op (JAX's eager execution; compiled pieces are reused across
+    variants). Compare variants evaluated the same way: the two differ by XLA's fusion."""
+    model, fwd_bwd, fwd_bwd_jit = _variant(mcfg, path, target)
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
     extra = {k: jax.jit(model.init)(jax.random.PRNGKey(0), tokens)[k] for k in variables
              if k != "params"}  # e.g. a delayed recipe's fp8_state (fresh histories)
     # JAX's default promotion: a user policy string may hand a bf16 output to an f32 residual
     # add, which the model (user code) leaves to promotion.
     with jax.numpy_dtype_promotion("standard"):
-        (loss, logits), grads = fwd_bwd(params, extra, tokens)
+        (loss, logits), grads = (fwd_bwd_jit if jit else fwd_bwd)(params, extra, tokens)
     return {"loss": loss, "logits": logits, "grads": grads}
 
 
@@ -260,14 +268,15 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         raise ValueError(f"modules={config.modules!r} matches no module; paths are "
                          f"{', '.join(candidate_modules(mcfg, shape))}.")
     mcfg, params, tokens = prepare(config, progress)
-    ref = evaluate(mcfg, params, tokens, None, "fp32")
+    jit = config.execution == "jit" or (config.execution == "auto" and len(mods) <= 8)
+    ref = evaluate(mcfg, params, tokens, None, "fp32", jit=jit)
     ref_loss = float(ref["loss"])
     value = target_value(config.target)
     is_fp8 = value.fp8 is not None
     rows = []
     for path in progress(list(mods), total=len(mods), desc="modules"):
         kind = mods[path]
-        out = evaluate(mcfg, params, tokens, path, config.target)
+        out = evaluate(mcfg, params, tokens, path, config.target, jit=jit)
         own_ref, own = _subtree(ref["grads"], path), _subtree(out["grads"], path)
         # Parameters of the module itself (not of child modules: attention's are its
         # projections, which are rows of their own).
@@ -296,6 +305,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         "target": config.target,
         "target_policy": str(value),
         "rank_by": config.rank_by,
+        "execution": "jit" if jit else "eager",
         "train_steps": config.train_steps,
         "reference_loss": ref_loss,
         "rows": rows,
