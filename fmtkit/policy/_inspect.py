@@ -147,8 +147,6 @@ def _param_table(params, grads) -> dict[str, tuple[str, str]]:
         parts = [_key_str(k) for k in path]
         while parts and parts[-1] in ("value", "raw_value", "_raw_value"):
             parts.pop()
-        if parts and parts[0] == "model":  # NNX: the PolicyModel's own attribute
-            parts = parts[1:]
         out["/".join(parts)] = (str(p.dtype), str(g.dtype))
     return out
 
@@ -224,8 +222,7 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
 
         if variables is not None:
             raise TypeError("variables is for linen models; an NNX model holds its own.")
-        wrapped = model if isinstance(model, _nnx.PolicyModel) else _nnx.PolicyModel(
-            model, Rules())
+        wrapped = model if _nnx.is_wrapped(model) else _nnx.wrap(model, Rules(), False)
         graphdef, params, rest = nnx.split((wrapped, *inputs), nnx.Param, ...)
         n_in = len(inputs)
 

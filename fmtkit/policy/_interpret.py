@@ -150,6 +150,11 @@ def recording():
         _ACTIVE.recorder = prev
 
 
+def is_tracing() -> bool:
+    """Whether a policied trace is being recorded on this thread."""
+    return _ACTIVE.registry is not None
+
+
 def module_scope(path: str, type_names: Sequence[str]):
     """The named scope of one module call (a no-op outside ``tracing``)."""
     reg = _ACTIVE.registry
