@@ -217,7 +217,7 @@ def test_skip_by_optax_apply_if_finite_inside_keeps_master_and_params():
     updates, state2 = opt.update(jnp.array([jnp.nan, 1.0, 1.0], jnp.bfloat16), state, params)
     np.testing.assert_array_equal(np.asarray(_apply(params, updates)), np.asarray(params))
     np.testing.assert_array_equal(np.asarray(state2.master), np.asarray(state.master))
-    updates, state3 = opt.update(jnp.array([2.0, 1.0, 1.0], jnp.bfloat16), state2, params)
+    updates, _ = opt.update(jnp.array([2.0, 1.0, 1.0], jnp.bfloat16), state2, params)
     np.testing.assert_array_equal(np.asarray(_apply(params, updates)), [0.0, -2.5, 0.0])
     # Outside, with bf16 gradients, its lax.cond rejects the f32 deltas at trace time.
     outside = optax.apply_if_finite(optim.master_weights(optax.sgd(0.5)), 5)
