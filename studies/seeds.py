@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,9 +84,13 @@ def init_seeds(init_fn: Callable[[int], Any], seeds: Sequence[int]) -> Any:
     return stack([init_fn(s) for s in _check_seeds(seeds)])
 
 
+@functools.lru_cache(maxsize=32)
 def vmap_step(step_fn: Callable[[Any, Any], tuple[Any, Any]]
               ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``jax.jit(jax.vmap(step_fn))``: one compiled step for every seed.
+
+    Cached per ``step_fn`` (by identity), so ``run_seeds`` called again with the same step
+    (e.g. to resume) reuses the compiled step.
 
     Args:
       step_fn: ``(state, batch) -> (state, metrics)`` for one seed (pure; may be jitted

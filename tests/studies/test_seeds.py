@@ -56,8 +56,11 @@ def test_module_example_runs():
 def test_vmapped_seeds_equal_separate_runs():
     seeds, steps = [0, 1, 5], 12
     TRACES.clear()
-    states, hist = run_seeds(init_fn, step_fn, batch_fn, seeds, steps)
+    fresh = lambda st, b: step_fn(st, b)  # noqa: E731  (a new function: not compiled yet)
+    states, hist = run_seeds(init_fn, fresh, batch_fn, seeds, steps)
     assert len(TRACES) == 1  # one compile serves every seed and every step
+    run_seeds(init_fn, fresh, batch_fn, seeds, 2, states=states, start=steps)
+    assert len(TRACES) == 1  # and a resumed run reuses it
     assert hist["loss"].shape == (3, steps) and hist["loss"].dtype == np.float64
     one = jax.jit(step_fn)
     for i, s in enumerate(seeds):
