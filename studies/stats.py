@@ -188,21 +188,25 @@ class Gap:
     significant: bool
     paired: bool
 
+    def _per_reference(self, value: float) -> float:
+        ref = abs(self.reference.mean)
+        return value / ref if ref > 0 else float("nan")  # NaN when the reference mean is 0
+
     @property
     def relative(self) -> float:
-        """gap / |mean(reference)|, a fraction (multiply by 100 for %)."""
-        return self.gap / abs(self.reference.mean)
+        """gap / |mean(reference)|, a fraction (multiply by 100 for %); NaN if that is 0."""
+        return self._per_reference(self.gap)
 
     @property
     def relative_se(self) -> float:
         """se / |mean(reference)|: the same rule in relative units (the reference mean is
         treated as a constant; its own spread is already part of ``se``)."""
-        return self.se / abs(self.reference.mean)
+        return self._per_reference(self.se)
 
     @property
     def relative_std(self) -> float:
         """std / |mean(reference)|."""
-        return self.std / abs(self.reference.mean)
+        return self._per_reference(self.std)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: every field, the relative values, and each seed's numbers."""
@@ -323,6 +327,8 @@ def format_gap(gap: Gap, *, relative: bool = True, decimals: int | None = None,
     """
     if gap.reference.n_nonfinite or gap.candidate.n_nonfinite:
         return "diverged"
+    if relative and gap.reference.mean == 0:
+        raise ValueError("a relative gap needs a nonzero reference mean; use relative=False.")
     scale, unit = (100.0 / abs(gap.reference.mean), "%") if relative else (1.0, "")
     value, spread = gap.gap * scale, gap.std * scale
     k = _decimals(spread, 2 if relative else 4) if decimals is None else decimals
@@ -402,6 +408,8 @@ def gap_bars(ax: Any, gaps: Mapping[str, Gap], *, relative: bool = True) -> Any:
       ``threshold * se``, in % of the reference mean when ``relative``).
     """
     names = list(gaps)
+    if relative and any(g.reference.mean == 0 for g in gaps.values()):
+        raise ValueError("a relative gap needs a nonzero reference mean; use relative=False.")
     scale = [100.0 / abs(g.reference.mean) if relative else 1.0 for g in gaps.values()]
     vals = np.array([g.gap * s for g, s in zip(gaps.values(), scale)])
     errs = np.array([g.threshold * g.se * s for g, s in zip(gaps.values(), scale)])

@@ -123,6 +123,11 @@ def test_zero_spread_and_undefined_cases():
 
 
 def test_bad_arguments():
+    zero = compare([-1.0, 0.0, 1.0], [0.0, 1.0, 2.0])  # reference mean 0
+    assert math.isnan(zero.relative) and zero.gap == 1.0
+    assert format_gap(zero, relative=False) == "+1.0 ± 1.4"
+    with pytest.raises(ValueError, match="nonzero reference mean"):
+        format_gap(zero)
     with pytest.raises(ValueError, match="at least one seed"):
         summarize([])
     with pytest.raises(ValueError, match="1-D"):
