@@ -1,10 +1,10 @@
 """Several seeds per setup: mean ± std, the gap of two setups and whether it is significant.
 
 A training study that runs each setup once cannot tell a precision effect from run-to-run
-noise: two fp32 runs that differ only in their seed end ~0.1% apart on the tiny model. This
-module is the statistics the studies and ``fmtkit ablate`` put in their tables and plots.
-Everything here is pure NumPy on per-seed numbers (e.g. each seed's final loss); nothing
-trains.
+noise: a single-seed ``fmtkit ablate`` ended every setup within 0.1% of fp32, inside the
+spread between seeds (issue 12). This module is the statistics the studies and ``fmtkit
+ablate`` put in their tables and plots. Everything here is pure NumPy on per-seed numbers
+(e.g. each seed's final loss); nothing trains.
 
 The rule (``compare``)
 ----------------------
