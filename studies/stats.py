@@ -29,7 +29,9 @@ every setup of seed k from the same initial parameters and batches. That pairing
 makes the runs of one seed positively correlated, so the independent SE is larger than the
 SE of the paired differences: the rule is conservative for paired runs. ``paired=True``
 uses the paired SE instead (``std(b_i - a_i) / sqrt(n)``), for studies that want it; it is
-not the default.
+not the default. Measured on ``fmtkit ablate``'s tiny model (150 steps, seeds 0-2, final
+loss = mean of the last 15 steps): fp32 ends at 2.7885 ± 0.0087 nats/byte; for pure-bf16
+against fp32 the Welch SE is 0.0067 (3 SE = 0.72% of the loss), the paired SE 0.00086.
 
 A seed whose value is not finite (a diverged run) makes the mean, the gap and the SE NaN
 and the gap not significant (NaN in, NaN out); ``SeedStats.n_nonfinite`` counts such seeds
