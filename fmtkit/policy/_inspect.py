@@ -223,16 +223,30 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
         if variables is not None:
             raise TypeError("variables is for linen models; an NNX model holds its own.")
         wrapped = model if _nnx.is_wrapped(model) else _nnx.wrap(model, Rules(), False)
-        graphdef, params, rest = nnx.split((wrapped, *inputs), nnx.Param, ...)
-        n_in = len(inputs)
+        is_node = nnx.graph.is_graph_node
+        nodes = [x for x in inputs if is_node(x)]
+        graphdef, params, rest = nnx.split((wrapped, *nodes), nnx.Param, ...)
+        arrays = tuple(None if is_node(x) else x for x in inputs)
+        node_at = [is_node(x) for x in inputs]
 
         def f(params, rest, ins):
-            del ins
-            merged, *merged_ins = nnx.merge(graphdef, params, rest)
-            out = merged(*merged_ins[:n_in], **kwargs)
-            return loss_fn(out), out
+            merged, *merged_nodes = nnx.merge(graphdef, params, rest)
 
-        inputs = ()
+            def loss(m, *ns):
+                it = iter(ns)
+                out = m(*[next(it) if n else x for x, n in zip(ins, node_at)], **kwargs)
+                return loss_fn(out), out
+
+            # NNX's own transform, with the graph-node inputs as its arguments: it lets the
+            # call update BatchNorm statistics and RNG counts, which jax.value_and_grad
+            # refuses (Variables mutated from another trace level).
+            return nnx.value_and_grad(loss, has_aux=True)(merged, *merged_nodes)
+
+        with _interpret.recording() as rec:
+            closed, shapes = jax.make_jaxpr(f, return_shape=True)(params, rest, arrays)
+        (loss_shape, out_shapes), grad_shapes = shapes
+        table = _param_table(nnx.state(wrapped, nnx.Param), grad_shapes)
+        return _assemble(closed, rec, table, out_shapes, loss_shape)
     else:
         if variables is not None:
             raise TypeError("variables is for linen models.")

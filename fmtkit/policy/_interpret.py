@@ -372,10 +372,10 @@ def _is_float_value(x) -> bool:
 
 
 def _cast(x, dtype):
+    if not _is_float_value(x) or not _floating(dtype):
+        return x
     dtype = np.dtype(dtype)
-    if _is_float_value(x) and x.dtype != dtype:
-        return lax.convert_element_type(x, dtype)
-    return x
+    return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
 
 
 def _wider(a, b) -> np.dtype:
