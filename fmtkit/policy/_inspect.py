@@ -41,6 +41,7 @@ class ModuleReport:
       matmuls: ``"forward"``, ``"dgrad"``, ``"wgrad"`` -> the module's matmuls (excluding the
         head) as ``"lhs x rhs -> out"`` dtype strings. FP8 matmuls show FP8 operand dtypes.
       head: the same for the output head's matmul, when it is written in this module.
+      head_policy: the Policy the head ran under (``Rules.head``), when ``head`` is set.
       ops: primitive -> result dtypes of its other forward ops (``exp``, ``rsqrt``,
         ``reduce_sum``, ...); ``grad_ops``: the same for the backward pass.
       output_dtypes: dtypes of floating values leaving the module.
@@ -52,6 +53,7 @@ class ModuleReport:
     policy: Policy | None
     matmuls: Mapping[str, tuple[str, ...]]
     head: Mapping[str, tuple[str, ...]]
+    head_policy: Policy | None
     ops: Mapping[str, tuple[str, ...]]
     grad_ops: Mapping[str, tuple[str, ...]]
     output_dtypes: tuple[str, ...]
@@ -103,10 +105,11 @@ class PolicyReport:
         lines = [f"{'module':<36} {'policy':<28} {'fwd / dgrad / wgrad matmul operands':<40} "
                  "f32 ops"]
         for path, m in self.modules.items():
-            pol = str(m.policy) if m.policy else "-"
-            for label, table in (("", m.matmuls), ("head ", m.head)):
+            for label, table, policy in (("", m.matmuls, m.policy),
+                                         ("head ", m.head, m.head_policy)):
                 if not table and label:
                     continue
+                pol = str(policy) if policy else "-"
                 comp = " / ".join(",".join(sorted({d.split(" -> ")[0] for d in table.get(k, ())}))
                                   or "-" for k in MATMUL_KINDS)
                 sens = ",".join(f"{k}:{'/'.join(v)}" for k, v in m.ops.items()
@@ -284,7 +287,8 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
     acc: dict[str, dict] = {}
 
     def entry(path):
-        return acc.setdefault(path, dict(matmuls={}, head={}, ops={}, grad_ops={}))
+        return acc.setdefault(path, dict(matmuls={}, head={}, ops={}, grad_ops={},
+                                         head_policy=None))
 
     for path in rec.modules:
         entry(path)
@@ -302,6 +306,8 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
                  f"{_dtype(eqn.outvars[0])}")
             kind = _matmul_kind(eqn, op, backward)
             table = a["head" if op.head else "matmuls"].setdefault(kind, [])
+            if op.head:
+                a["head_policy"] = op.policy
             if d not in table:
                 table.append(d)
         elif not list(jex.jaxprs_in_params(eqn.params)):
@@ -323,6 +329,7 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
             path=path, type_name=type_name, policy=policy,
             matmuls=MappingProxyType({k: tuple(v) for k, v in a["matmuls"].items()}),
             head=MappingProxyType({k: tuple(v) for k, v in a["head"].items()}),
+            head_policy=a["head_policy"],
             ops=frozen(a["ops"]), grad_ops=frozen(a["grad_ops"]),
             output_dtypes=tuple(sorted(rec.exits.get(path, ()))),
             params=MappingProxyType(own))
