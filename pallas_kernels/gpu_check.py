@@ -19,7 +19,7 @@ Phases, in order of importance; each runs in its own subprocess, watched by this
 3. ``bench``: per production shape the kernel (bf16 out) and XLA's bf16 ``jnp.dot`` timed on
    the device (CUPTI kernel timestamps, ``pallas_kernels._bench.device_times``), with the
    chosen config; TFLOP/s and the ratio.
-4. ``tune``: every shipped bf16 config at 8192^3 and 4096x7168x2048 (data for
+4. ``tune``: every shipped config (bf16 out) at 8192^3 and 4096x7168x2048 (data for
    ``choose_config``).
 5. ``pytest``: the compiled-mode kernel tests (``pytest -m gpu tests/pallas_kernels``).
 
@@ -229,23 +229,27 @@ def _items(phase: str, *, rehearsal: bool, repeats: int, excluded: set[str]
            ) -> list[tuple[str, Callable[[], dict]]]:
     """(name, thunk) pairs of a phase, in the order they run."""
     import jax.numpy as jnp
-    import numpy as np
 
     from pallas_kernels import _backend
     from pallas_kernels._bench import DEFAULT_SHAPES, bench_shape
-    from pallas_kernels.config import SHIPPED_CONFIGS, choose_config, fit_to_smem, smem_bytes
+    from pallas_kernels.config import (
+        BLOCK_K,
+        SHIPPED_CONFIGS,
+        choose_config,
+        pipeline_stages,
+        smem_bytes,
+    )
 
     impl = "interpret" if rehearsal else "kernel"
 
     def chosen(m, n, k, dt=jnp.bfloat16, b_rows=False):
-        """choose_config, or the first shipped config of the dtype that passed the smoke
-        phase if the chosen one failed there."""
+        """choose_config, or the first shipped config that passed the smoke phase if the
+        chosen one failed there."""
         cfg = choose_config(m, n, k, dt, _backend.num_sms("kernel"), b_rows=b_rows)
         if _config_key(cfg) not in excluded:
             return cfg
-        for (_, name), c in SHIPPED_CONFIGS.items():
-            c = fit_to_smem(c, name, b_rows)
-            if name == np.dtype(dt).name and _config_key(c) not in excluded:
+        for c in SHIPPED_CONFIGS.values():
+            if _config_key(c) not in excluded:
                 return c
         return cfg
 
@@ -253,13 +257,16 @@ def _items(phase: str, *, rehearsal: bool, repeats: int, excluded: set[str]
     if phase == "smoke":
         m, n, k = (256, 256, 512) if rehearsal else SMOKE_SHAPE
         items.append(("env", environment))
-        for (_, dt), cfg in SHIPPED_CONFIGS.items():
-            def run(cfg=cfg, dt=dt):
-                print(f"=== gpu_check smoke: config {cfg} ({dt}) ===", flush=True)
-                r = check_matmul(m, n, k, impl=impl, config=cfg, bf16=dt == "bfloat16")
-                r["smem_bytes_model"] = smem_bytes(cfg, dt)
+        for cfg in SHIPPED_CONFIGS.values():
+            def run(cfg=cfg):
+                print(f"=== gpu_check smoke: config {cfg} ===", flush=True)
+                r = check_matmul(m, n, k, impl=impl, config=cfg, bf16=True)
+                stages, persistent = pipeline_stages(cfg, k // BLOCK_K)
+                r.update(stages=stages, persistent=persistent,
+                         smem_bytes_model={dt: smem_bytes(cfg, dt, stages)
+                                           for dt in ("bfloat16", "float32")})
                 return r
-            items.append((f"matmul-{cfg}-{dt}-{m}x{n}x{k}", run))
+            items.append((f"matmul-{cfg}-{m}x{n}x{k}", run))
         cfg = chosen(m, n, k, jnp.float32, b_rows=True)  # the weight-gradient form
         items.append((f"matmul-b-rows-{cfg}-{m}x{n}x{k}",
                       lambda: check_matmul(m, n, k, impl=impl, config=cfg, b_rows=True)))
@@ -291,8 +298,8 @@ def _items(phase: str, *, rehearsal: bool, repeats: int, excluded: set[str]
     elif phase == "tune":
         shapes = ((256, 256, 256),) if rehearsal else TUNE_SHAPES
         for m, n, k in shapes:
-            for (_, dt), cfg in SHIPPED_CONFIGS.items():
-                if dt != "bfloat16" or _config_key(cfg) in excluded:
+            for cfg in SHIPPED_CONFIGS.values():
+                if _config_key(cfg) in excluded:
                     continue
                 items.append((f"{m}x{n}x{k}-{cfg}", lambda m=m, n=n, k=k, cfg=cfg: {
                     "ok": True, **bench_shape(m, n, k, repeats=repeats, with_kernel=True,
@@ -443,7 +450,7 @@ def _run_phase(phase: str, out_dir: Path, deadline_at: float, *, rehearsal: bool
     return data
 
 
-_SMOKE_CONFIG = re.compile(r"^matmul-(bm\d+_bn\d+\S*?)-(?:bfloat16|float32)-")
+_SMOKE_CONFIG = re.compile(r"^matmul-(bm\d+_bn\d+_split[mn]_s\d+)-\d+x")
 _PTXAS_LINE = re.compile(r"ptxas|registers|spill|smem|Used \d+", re.IGNORECASE)
 
 
