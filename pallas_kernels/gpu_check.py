@@ -6,8 +6,8 @@
 Phases, in order of importance; each runs in its own subprocess, watched by this process:
 
 1. ``smoke``: the device and versions, then every shipped config on a small multi-tile
-   problem (2048x2048x1024: several output tiles per CTA, the shared-memory ring wrapped
-   several times), the row-scaled (weight-gradient) form, both gradient GEMMs and the
+   problem (4096x2048x1024: several output tiles per CTA, the shared-memory ring
+   wrapped), the row-scaled (weight-gradient) form, both gradient GEMMs and the
    quantizers, compiled, against the pure-JAX reference. Compiled with
    ``MOSAIC_GPU_DUMP_PTXAS=1`` and ``MOSAIC_GPU_DUMP_RESOURCES=1``, so ptxas's
    register/spill report of each kernel lands in ``smoke.log`` (parsed into the report).
@@ -59,7 +59,9 @@ DEEPGEMM_DIFF = 1e-3  # DeepGEMM tests/test_core.py: calc_diff < 0.001
 CHECK_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 2048),
                 (4096, 2112, 7168), (4096, 24576, 1536), (4096, 7168, 16384))
 BF16_SHAPES = ((4096, 7168, 2048), (4096, 2112, 7168))
-SMOKE_SHAPE = (2048, 2048, 1024)  # 128x128 tiles: 256 tiles, 8 K blocks (ring wraps twice)
+# Several tiles per CTA for every config on 132 SMs (256 tiles of 256x128 or 128x256, 512 of
+# 128x128, 1024 of 64x128) and 8 K blocks, which wrap every shipped ring at least once.
+SMOKE_SHAPE = (4096, 2048, 1024)
 TUNE_SHAPES = ((8192, 8192, 8192), (4096, 7168, 2048))
 PHASES = ("smoke", "correctness", "bench", "tune", "pytest")
 # Per-item limits (seconds): a Mosaic GPU compile takes seconds and every item runs one to
