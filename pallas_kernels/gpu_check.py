@@ -375,6 +375,8 @@ def _worker(phase: str, out_dir: Path, deadline_at: float, skip: set[str], rehea
         _record(results_file, name, result)
         print(f"[{phase}] {name}: {'ok' if result.get('ok') else 'FAILED'} "
               f"({result['item_seconds']:.1f} s)", flush=True)
+        if name == "env" and not result.get("hopper") and not rehearsal:
+            break  # nothing to compile here; the watcher reports it
     _write_json(progress_file, {"item": None, "done": True})
     return 0
 
@@ -426,6 +428,7 @@ def _run_phase(phase: str, out_dir: Path, deadline_at: float, *, rehearsal: bool
                repeats: int, excluded: set[str], env: dict) -> dict:
     results_file = out_dir / f"{phase}.json"
     _write_json(results_file, {"items": {}})
+    (out_dir / f"{phase}.log").unlink(missing_ok=True)  # parsed later: this run's only
     skip: list[str] = []
     runs = []
     timeout = ITEM_TIMEOUT_S[phase] * (3 if rehearsal else 1)  # CPU interpret mode is slow
@@ -494,7 +497,10 @@ def parse_ptxas(log_text: str) -> list[dict]:
 
 
 def run_pytest(timeout_s: float, log_file: Path) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "tests/pallas_kernels", "-m", "gpu", "-q",
+    """``pytest -m gpu tests/pallas_kernels`` (verbose, so each verdict is in the log as it
+    happens); killed at ``timeout_s``: then the failures seen so far decide, and the rest
+    counts as skipped."""
+    cmd = [sys.executable, "-m", "pytest", "tests/pallas_kernels", "-m", "gpu", "-v",
            "-p", "no:cacheprovider"]
     with open(log_file, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO,
@@ -505,10 +511,20 @@ def run_pytest(timeout_s: float, log_file: Path) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = None
-    tail = log_file.read_text()[-3000:]
+    text = log_file.read_text()
+    tail = text[-3000:]
+    verdicts = re.findall(r"^(tests/\S+) (PASSED|FAILED|ERROR|SKIPPED)", text, re.MULTILINE)
+    failures = [t for t, v in verdicts if v in ("FAILED", "ERROR")]
+    counts = {v: sum(1 for _, x in verdicts if x == v) for v in ("PASSED", "FAILED",
+                                                                 "ERROR", "SKIPPED")}
     if rc is None:
-        return {"ok": False, "error": f"killed after {timeout_s:.0f} s", "tail": tail}
-    return {"ok": rc == 0, "returncode": rc, "tail": tail}
+        out = {"skipped": f"killed after {timeout_s:.0f} s (out of time)", "counts": counts,
+               "failures": failures, "tail": tail}
+        if failures:
+            out["ok"] = False
+        return out
+    return {"ok": rc == 0, "returncode": rc, "counts": counts, "failures": failures,
+            "tail": tail}
 
 
 def _summary_lines(report: dict) -> list[str]:
@@ -611,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0 if env_item else 1
             for name, r in items.items():
                 cfg = _SMOKE_CONFIG.match(name)
-                if cfg and not r.get("ok"):
+                if cfg and r.get("ok") is False:  # failed or hung (not: never reached)
                     excluded.add(cfg.group(1))
             report["excluded_configs"] = sorted(excluded)
         save()
