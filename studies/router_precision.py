@@ -70,58 +70,60 @@ def router_rules(router_policy: str) -> Rules:
                  check_unmatched=False)
 
 
-def route_with_shadow(model: nn.Module, variables: Any, *args: Any,
+def route_with_shadow(model: Any, variables: Any, *args: Any,
                       router_pattern: str = ROUTER_PATTERN) -> tuple[Any, list[dict]]:
     """Applies a linen MoE model and recomputes every router's top-1 assignment in f32.
 
-    For each module whose path matches ``router_pattern``, the input it received (after any
-    policy casts) and its stored kernel are recorded; the shadow assignment is
-    ``argmax(softmax(f32(x) @ f32(kernel)))``. The model's actual assignment is the
-    ``expert_index`` its parent MoE layer sows into ``"intermediates"``
-    (``studies.models.MoeBlock``), likewise its ``aux_loss``.
+    Each MoE layer (``studies.models.MoeBlock``) sows into ``"intermediates"`` the input its
+    router received (as the policy computed it), the router's logits, the ``expert_index``
+    it chose and its ``aux_loss``. The shadow assignment is
+    ``argmax(softmax(f32(router_input) @ f32(kernel)))`` with the stored kernel: the same
+    input, routed in f32.
 
     Args:
       model: a linen module (e.g. ``fmtkit.with_policy(TransformerLM(cfg), rules)``).
       variables: its variables (``{"params": ...}``).
       *args: the model's inputs.
-      router_pattern: regex searched in module paths.
+      router_pattern: regex searched in the routers' module paths.
 
     Returns:
-      ``(output, routers)``, ``routers`` a list (in call order) of dicts with ``path``,
+      ``(output, routers)``, ``routers`` a list (in path order) of dicts with ``path``,
       ``index`` (actual, int32), ``shadow`` (int32), ``aux_loss`` (f32 scalar or None) and
       ``logits_dtype``.
 
     Raises:
-      ValueError: no module matches ``router_pattern``.
+      ValueError: no router path matches ``router_pattern``.
     """
     rx = re.compile(router_pattern)
-    recorded: list[tuple[str, jax.Array, jax.Array, Any]] = []
+    out, state = model.apply(variables, *args, mutable=["intermediates"])
+    found: list[tuple[tuple[str, ...], Any]] = []
 
-    def interceptor(next_fun, a, kw, context):
-        out = next_fun(*a, **kw)
-        if context.method_name == "__call__":
-            path = "/".join(str(p) for p in context.module.path)
-            if rx.search(path):
-                kernel = context.module.variables["params"]["kernel"]
-                recorded.append((path, a[0], kernel, out.dtype))
-        return out
+    def visit(prefix, node):
+        if "expert_index" in node:
+            found.append((prefix, node))
+        for key, child in node.items():
+            if isinstance(child, dict) or hasattr(child, "items"):
+                visit((*prefix, key), child)
 
-    with nn.intercept_methods(interceptor):
-        out, state = model.apply(variables, *args, mutable=["intermediates"])
-    if not recorded:
-        raise ValueError(f"no module path matches router_pattern={router_pattern!r}.")
-    inter = state["intermediates"]
+    visit((), state["intermediates"])
     routers = []
-    for path, x, kernel, logits_dtype in recorded:
-        node = inter
-        for part in path.split("/")[:-1]:
-            node = node[part]
+    for prefix, node in found:
+        path = "/".join((*prefix, "router"))
+        if not rx.search(path):
+            continue
+        kernel = variables["params"]
+        for part in (*prefix, "router", "kernel"):
+            kernel = kernel[part]
+        x = node["router_input"][0]
         logits = jax.lax.dot_general(x.astype(jnp.float32), kernel.astype(jnp.float32),
                                      (((x.ndim - 1,), (0,)), ((), ())))
         shadow = jnp.argmax(jax.nn.softmax(logits, axis=-1), axis=-1).astype(jnp.int32)
         aux = node["aux_loss"][0] if "aux_loss" in node else None
         routers.append({"path": path, "index": node["expert_index"][0].astype(jnp.int32),
-                        "shadow": shadow, "aux_loss": aux, "logits_dtype": str(logits_dtype)})
+                        "shadow": shadow, "aux_loss": aux,
+                        "logits_dtype": str(node["router_logits"][0].dtype)})
+    if not routers:
+        raise ValueError(f"no router path matches router_pattern={router_pattern!r}.")
     return out, routers
 
 

@@ -447,13 +447,16 @@ class Interpreter:
         return self.analysis
 
     # -- evaluation -----------------------------------------------------------------------
-    def run(self, closed, args: Sequence[Any]) -> list[Any]:
-        """Interprets ``closed`` on ``args`` (flat); module outputs leave every module."""
+    def run(self, closed, args: Sequence[Any], leave: Sequence[bool] | None = None
+            ) -> list[Any]:
+        """Interprets ``closed`` on ``args`` (flat). Outputs leave every module (cast to
+        each one's ``output_dtype``) where ``leave`` says so (default: all)."""
         assert self.analysis is not None, "analyze first"
         return self._walk(closed.jaxpr, closed.consts, list(args), [()] * len(args), (), (),
-                          self.fp8_state or {})
+                          self.fp8_state or {}, leave)
 
-    def _walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local):
+    def _walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local,
+              leave=None):
         env: dict[Any, Any] = {}
         chains: dict[Any, tuple] = {}
         exits: dict[tuple, Any] = {}
@@ -485,7 +488,10 @@ class Interpreter:
             outs = self._eqn(eqn, invals, chain, (*idprefix, i), idprefix, fp8_local)
             for v, x in zip(eqn.outvars, outs):
                 env[v], chains[v] = x, chain
-        return [read(v, prefix) for v in jaxpr.outvars]
+        if leave is None:
+            return [read(v, prefix) for v in jaxpr.outvars]
+        return [read(v, prefix) if e or isinstance(v, jex.Literal) else env[v]
+                for v, e in zip(jaxpr.outvars, leave)]
 
     def _exit(self, x, modules: tuple[int, ...], head_value: bool):
         """Casts a value leaving ``modules`` (innermost last) to their output dtypes."""
@@ -770,25 +776,29 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     return Traced(closed, registry, dyn, params, out_tree, avals)
 
 
-def run(traced: Traced, rules: Rules, *, main: Sequence[bool] | None = None,
+def run(traced: Traced, rules: Rules, *, main: Sequence[bool | None] | None = None,
         fp8_state: dict | None = None, record: Recorder | None = None
         ) -> tuple[Any, Interpreter]:
     """Interprets a trace under ``rules``; returns (output tree, the interpreter).
 
-    ``main``: per output leaf, whether it is a model output (cast to ``rules.output_dtype``,
-    searched for the head) rather than state handed back (kept in its traced dtype).
+    ``main``: per output leaf, True for a model output (cast to ``rules.output_dtype``,
+    searched for the head), False for state handed back (kept in its traced dtype: BatchNorm
+    statistics, RNG state), None for a value reported as computed (sown intermediates).
     """
     main = [True] * len(traced.out_avals) if main is None else list(main)
     interp = Interpreter(rules, traced.registry, fp8_state=fp8_state,
                          record=record if record is not None else _ACTIVE.recorder)
     interp.analyze(traced.closed, traced.params,
-                   [m and _floating(a.dtype) for m, a in zip(main, traced.out_avals)])
-    outs = interp.run(traced.closed, traced.dyn)
+                   [bool(m) and _floating(a.dtype) for m, a in zip(main, traced.out_avals)])
+    # State and sown values are not module outputs: no module's output cast applies.
+    outs = interp.run(traced.closed, traced.dyn, [bool(m) for m in main])
     odt = rules.output_dtype
     final = []
     for x, aval, is_main in zip(outs, traced.out_avals, main):
         if is_main:
             final.append(_cast(x, odt) if odt is not None else x)
+        elif is_main is None:
+            final.append(x)
         else:
             final.append(_cast(x, aval.dtype))
     return jax.tree.unflatten(traced.out_tree, final), interp

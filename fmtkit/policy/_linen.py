@@ -124,10 +124,12 @@ class PolicyModel:
         traced = self._trace(variables, rngs, args, kwargs, method, mutable)
         report_unmatched(self.rules, traced.registry.visited(), self.strict)
         main = None
-        if mutable:
+        if mutable:  # (output, updated collections); sown intermediates as computed
             shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
-            n_main = len(jax.tree.leaves(shapes[0]))
-            main = [i < n_main for i in range(len(traced.out_avals))]
+            updates = {k: jax.tree.map(lambda _, k=k: None if k == "intermediates" else False,
+                                       v) for k, v in shapes[1].items()}
+            main = [True] * len(jax.tree.leaves(shapes[0])) + jax.tree.leaves(
+                updates, is_leaf=lambda x: x is None)
         out, _ = _interpret.run(traced, self.rules, main=main,
                                 fp8_state=None if fp8_state is None else dict(fp8_state))
         return out
