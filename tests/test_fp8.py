@@ -249,6 +249,8 @@ def test_accumulation_emulation_promotion_matters():
 def test_blockwise_reaches_the_pallas_kernel_for_all_three_gemms():
     """Guard: with the kernel requested, forward, dgrad and wgrad run the Pallas kernel
     (GPU-interpret mode on CPU) and agree with the pure-JAX path to f32 round-off."""
+    import pallas_kernels  # noqa: F401  (importing it registers the kernel backend)
+
     recipe = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="interpret")
     x, w, dy = _data(128, 256, 128)
     kernel_fn = lambda a, b, g: _fwd_bwd(recipe, a, b, g)  # noqa: E731
