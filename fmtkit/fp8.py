@@ -483,13 +483,12 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = Non
                                         promote_every=recipe.promote_every)
     if nb == 1:
         out = lax.dot_general(a.values, b.values, _NT, preferred_element_type=jnp.float32)
+        # (out * sa) * sb, in that order: bit-identical to the earlier releases.
         sa = a.scale.astype(jnp.float32)
         sb = b.scale.astype(jnp.float32)
-        if sa.shape == (1, 1) and sb.shape == (1, 1):
-            return out * (sa[0, 0] * sb[0, 0])
-        if a.block[0] > 1:
+        if a.block[0] > 1 and sa.shape[0] > 1:
             sa = jnp.repeat(sa, a.block[0], axis=0)
-        if b.block[0] > 1:
+        if b.block[0] > 1 and sb.shape[0] > 1:
             sb = jnp.repeat(sb, b.block[0], axis=0)
         return out * sa * sb.T
     # Per-block partial products (DeepSeek-V3's promotion into f32), accumulated one block
