@@ -530,6 +530,8 @@ def _kernel_backend(recipe: FP8Recipe, a: ScaledArray, b: ScaledArray
     """The registered kernel and its ``impl`` for this GEMM, or None for ``scaled_matmul``."""
     if recipe.use_kernel == "never" or recipe.accum_mantissa_bits is not None:
         return None
+    if recipe.use_kernel == "auto" and not _on_gpu():
+        return None  # no kernel package is loaded where none could run compiled
     for backend in gemm_backends().values():
         if not backend.applies(a, b):
             continue
@@ -541,6 +543,14 @@ def _kernel_backend(recipe: FP8Recipe, a: ScaledArray, b: ScaledArray
         raise ValueError(f"recipe {recipe}: use_kernel='interpret' needs a registered GEMM "
                          "backend: `import pallas_kernels` registers the Pallas kernel.")
     return None
+
+
+def _on_gpu() -> bool:
+    """Whether this trace targets a GPU (an abstract mesh's device, else the default one)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None:
+        return device.platform == "gpu"
+    return jax.default_backend() == "gpu"
 
 
 def _gemm(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe) -> jax.Array:

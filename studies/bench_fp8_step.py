@@ -70,7 +70,7 @@ class _Dense(nn.Module):
                                      lambda: fp8.init_state(recipe).amax_history)
                 kw["fp8_state"] = fp8.Fp8DotState(hist.value)
             y = fp8.dot_general(recipe, name=self.name)(x, w, DN, **kw)
-        return y + b
+        return y + b[None, :]
 
 
 def lax_dot(x: jax.Array, w: jax.Array) -> jax.Array:
