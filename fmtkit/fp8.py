@@ -58,6 +58,7 @@ from fmtkit.scaling import (
 )
 
 __all__ = [
+    "PARTIALS_BUDGET_BYTES",
     "RECIPES",
     "FP8Recipe",
     "Fp8DotState",
@@ -455,9 +456,11 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = Non
 
     With ``g`` the smaller contraction block of the two, each of the ``C / g`` partial
     products is an FP8 dot with f32 output, scaled by its blocks' scales and added into one
-    f32 accumulator (a ``lax.scan`` over the blocks: the temporaries are the accumulator and
-    one partial product, never all ``[C/g, F1, F2]`` partials at once). When both scales are
-    constant along C (per tensor, per row) it is one FP8 dot and an outer product of scales.
+    f32 accumulator. Partials are computed in chunks of blocks no larger than
+    ``PARTIALS_BUDGET_BYTES`` (one block per ``lax.scan`` step for large GEMMs), so a large
+    GEMM never holds all ``[C/g, F1, F2]`` partials: its temporaries are the accumulator and
+    one partial product. When both scales are constant along C (per tensor, per row) it is
+    one FP8 dot and an outer product of scales.
 
     Raises:
       ValueError: mismatched contraction sizes.
@@ -491,22 +494,41 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = Non
         if b.block[0] > 1 and sb.shape[0] > 1:
             sb = jnp.repeat(sb, b.block[0], axis=0)
         return out * sa * sb.T
-    # Per-block partial products (DeepSeek-V3's promotion into f32), accumulated one block
-    # at a time. Scales stay per block of the free dims ([F1/bf, nb]) and are broadcast
-    # inside the loop; the FP8 operands are sliced in place along C.
-    sa = _block_scale(a, g)  # [F1 / bf_a, nb]
-    sb = _block_scale(b, g)
+    # Per-block partial products (DeepSeek-V3's promotion into f32), in chunks of `group`
+    # blocks: a batched FP8 dot [group, F1, F2], scaled per block and summed into one f32
+    # accumulator. Small GEMMs take all blocks at once (one batched dot, fastest on CPU);
+    # large ones one block per step of a lax.scan, so the partials never exceed
+    # PARTIALS_BUDGET_BYTES beyond the accumulator and one partial product.
+    group = _largest_divisor_at_most(nb, max(1, PARTIALS_BUDGET_BYTES // (4 * fa * fb)))
+    sa = _rows(_block_scale(a, g), fa)  # [F1, nb]
+    sb = _rows(_block_scale(b, g), fb)  # [F2, nb]
+    av = a.values.reshape(fa, nb // group, group, g)
+    bv = b.values.reshape(fb, nb // group, group, g)
 
-    def body(acc, kb):
-        pa = lax.dynamic_slice_in_dim(a.values, kb * g, g, axis=1)
-        pb = lax.dynamic_slice_in_dim(b.values, kb * g, g, axis=1)
-        part = lax.dot_general(pa, pb, _NT, preferred_element_type=jnp.float32)
-        ca = _rows(lax.dynamic_index_in_dim(sa, kb, axis=1), fa)  # [F1, 1]
-        cb_ = _rows(lax.dynamic_index_in_dim(sb, kb, axis=1), fb)  # [F2, 1]
-        return acc + part * ca * cb_.T, None
+    def chunk(i):
+        pa = lax.dynamic_index_in_dim(av, i, axis=1, keepdims=False)  # [F1, group, g]
+        pb = lax.dynamic_index_in_dim(bv, i, axis=1, keepdims=False)
+        parts = lax.dot_general(pa, pb, (((2,), (2,)), ((1,), (1,))),
+                                preferred_element_type=jnp.float32)  # [group, F1, F2]
+        ca = lax.dynamic_slice_in_dim(sa, i * group, group, axis=1).T  # [group, F1]
+        cb_ = lax.dynamic_slice_in_dim(sb, i * group, group, axis=1).T
+        return jnp.sum(parts * ca[:, :, None] * cb_[:, None, :], axis=0)
 
-    acc, _ = lax.scan(body, jnp.zeros((fa, fb), jnp.float32), jnp.arange(nb))
+    if group == nb:
+        return chunk(0)
+    acc, _ = lax.scan(lambda acc, i: (acc + chunk(i), None), jnp.zeros((fa, fb), jnp.float32),
+                      jnp.arange(nb // group))
     return acc
+
+
+PARTIALS_BUDGET_BYTES = 8 * 2**20
+"""Most bytes of f32 per-block partial products ``scaled_matmul`` holds at once (beyond the
+accumulator and one partial): 8 MiB keeps small GEMMs in one batched dot (fast on CPU) and
+makes large ones (a 4096 x 7168 output is 112 MiB per partial) accumulate block by block."""
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
 def _block_scale(sa: ScaledArray, g: int) -> jax.Array:
@@ -519,10 +541,11 @@ def _block_scale(sa: ScaledArray, g: int) -> jax.Array:
 
 
 def _rows(s: jax.Array, f: int) -> jax.Array:
-    """A per-block-of-rows column [F / bf, 1] broadcast to [F, 1]."""
+    """Per-block-of-rows scales [F / bf, n] broadcast to [F, n]."""
     if s.shape[0] == f:
         return s
-    return jnp.broadcast_to(s[:, None, :], (s.shape[0], f // s.shape[0], 1)).reshape(f, 1)
+    n = s.shape[1]
+    return jnp.broadcast_to(s[:, None, :], (s.shape[0], f // s.shape[0], n)).reshape(f, n)
 
 
 def _kernel_backend(recipe: FP8Recipe, a: ScaledArray, b: ScaledArray
