@@ -456,11 +456,11 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = Non
 
     With ``g`` the smaller contraction block of the two, each of the ``C / g`` partial
     products is an FP8 dot with f32 output, scaled by its blocks' scales and added into one
-    f32 accumulator. Partials are computed in chunks of blocks no larger than
-    ``PARTIALS_BUDGET_BYTES`` (one block per ``lax.scan`` step for large GEMMs), so a large
-    GEMM never holds all ``[C/g, F1, F2]`` partials: its temporaries are the accumulator and
-    one partial product. When both scales are constant along C (per tensor, per row) it is
-    one FP8 dot and an outer product of scales.
+    f32 accumulator. Only when all ``[C/g, F1, F2]`` partials fit in
+    ``PARTIALS_BUDGET_BYTES`` are they one batched dot; a larger GEMM accumulates one block
+    per ``lax.scan`` step, so its temporaries are the accumulator and one partial product.
+    When both scales are constant along C (per tensor, per row) it is one FP8 dot and an
+    outer product of scales.
 
     Raises:
       ValueError: mismatched contraction sizes.
@@ -494,12 +494,11 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = Non
         if b.block[0] > 1 and sb.shape[0] > 1:
             sb = jnp.repeat(sb, b.block[0], axis=0)
         return out * sa * sb.T
-    # Per-block partial products (DeepSeek-V3's promotion into f32), in chunks of `group`
-    # blocks: a batched FP8 dot [group, F1, F2], scaled per block and summed into one f32
-    # accumulator. Small GEMMs take all blocks at once (one batched dot, fastest on CPU);
-    # large ones one block per step of a lax.scan, so the partials never exceed
-    # PARTIALS_BUDGET_BYTES beyond the accumulator and one partial product.
-    group = _largest_divisor_at_most(nb, max(1, PARTIALS_BUDGET_BYTES // (4 * fa * fb)))
+    # Per-block partial products (DeepSeek-V3's promotion into f32), scaled per block and
+    # summed in f32. When all of them fit in PARTIALS_BUDGET_BYTES: one batched FP8 dot
+    # [nb, F1, F2] and a sum (the fastest form on CPU); otherwise one block per step of a
+    # lax.scan into one f32 accumulator (temporaries: the accumulator and one partial).
+    group = nb if 4 * nb * fa * fb <= PARTIALS_BUDGET_BYTES else 1
     sa = _rows(_block_scale(a, g), fa)  # [F1, nb]
     sb = _rows(_block_scale(b, g), fb)  # [F2, nb]
     av = a.values.reshape(fa, nb // group, group, g)
@@ -521,14 +520,11 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = Non
     return acc
 
 
-PARTIALS_BUDGET_BYTES = 8 * 2**20
-"""Most bytes of f32 per-block partial products ``scaled_matmul`` holds at once (beyond the
-accumulator and one partial): 8 MiB keeps small GEMMs in one batched dot (fast on CPU) and
-makes large ones (a 4096 x 7168 output is 112 MiB per partial) accumulate block by block."""
-
-
-def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+PARTIALS_BUDGET_BYTES = 32 * 2**20
+"""Most bytes of f32 per-block partial products ``scaled_matmul`` materializes at once: below
+it, all partials come from one batched dot (a 512 x 512 output with 16 MX blocks is 16 MiB;
+the loop form is several times slower on CPU at such sizes); above it (a 4096 x 7168 output
+is 112 MiB per partial), blocks are accumulated one at a time."""
 
 
 def _block_scale(sa: ScaledArray, g: int) -> jax.Array:
@@ -597,7 +593,8 @@ def _gemm(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe) -> jax.Array:
 
 
 def _amax(t: jax.Array, recipe: FP8Recipe) -> jax.Array:
-    amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
+    # In f32: XLA:CPU's whole-array max of a bf16 array runs several times slower.
+    amax = jnp.max(jnp.abs(t.astype(jnp.float32)))
     for axis in recipe.amax_reduce_axes:
         amax = lax.pmax(amax, axis)
     return amax
