@@ -112,11 +112,14 @@ class FP8Recipe:
       accum_mantissa_bits: if set, emulate an accumulator with this many mantissa bits
         (Hopper FP8 tensor cores keep about 14 bits, DeepSeek-V3 section 3.3.2), promoting
         into f32 every ``promote_every`` elements of the contraction (N_C = 128).
-      use_kernel: "auto" calls the Pallas blockwise kernel (``pallas_kernels``) for every
-        GEMM whose operands fit it (E4M3, 1x128 x 128x128 or 1x128 x 1x128: all three GEMMs
-        of "blockwise") on a Hopper GPU, and the jitted pure-JAX path (same semantics)
-        elsewhere; "never" always the pure-JAX path; "interpret" the kernel in GPU-interpret
-        mode (CPU tests).
+      use_kernel: "auto" runs a registered GEMM backend (``register_gemm_backend``) where
+        one applies and its hardware is present: the Pallas blockwise kernel
+        (``pallas_kernels``; E4M3, 1x128 x 128x128 or 1x128 x 1x128: all three GEMMs of
+        "blockwise") on a Hopper GPU, JAX's native block-scaled dot (``jax.nn.scaled_matmul``,
+        MXFP8: all three GEMMs of "mxfp8") on a Blackwell GPU; elsewhere the jitted pure-JAX
+        path (``scaled_matmul``, same semantics). "never" always the pure-JAX path;
+        "interpret" the backends that apply, off their hardware (the Pallas kernel in
+        GPU-interpret mode, the block-scaled dot in JAX's decomposition), for CPU tests.
       amax_reduce_axes: mesh axis names to take per-tensor amaxes over (``lax.pmax``) when
         the dot runs inside ``shard_map`` on a shard of the tensor, so every device uses the
         global scale. Under ``jax.jit`` with shardings leave it empty: reductions there are
@@ -558,10 +561,43 @@ def _kernel_backend(recipe: FP8Recipe, a: ScaledArray, b: ScaledArray
             return backend, "interpret"
         if backend.available():
             return backend, "kernel"
-    if recipe.use_kernel == "interpret" and not _GEMM_BACKENDS:
-        raise ValueError(f"recipe {recipe}: use_kernel='interpret' needs a registered GEMM "
-                         "backend: `import pallas_kernels` registers the Pallas kernel.")
     return None
+
+
+# Blackwell parts (compute capability 10.x), whose tensor cores take MX block scales.
+_BLACKWELL_KINDS = ("B100", "B200", "B300", "GB200", "GB300")
+_MX_ELEMENTS = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _is_blackwell() -> bool:
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is None:
+        if jax.default_backend() != "gpu":
+            return False
+        device = jax.devices()[0]
+        cc = getattr(device, "compute_capability", None)
+        if cc is not None:
+            return str(cc).split(".")[0] == "10"
+    return device.platform == "gpu" and any(
+        k in getattr(device, "device_kind", "") for k in _BLACKWELL_KINDS)
+
+
+def _fits_block_scaled_dot(a: ScaledArray, b: ScaledArray) -> bool:
+    """MXFP8 operands: E4M3/E5M2 elements in 1x32 blocks along C with E8M0 scales."""
+    return all(t.block == (1, 32) and t.fmt.name in _MX_ELEMENTS
+               and t.scale.dtype == jnp.float8_e8m0fnu for t in (a, b))
+
+
+def _block_scaled_dot(a_values, a_scale, b_values, b_scale, *, impl):
+    """JAX's native block-scaled dot (``jax.nn.scaled_matmul``): XLA's ``block_scaled_dot``,
+    run by cuDNN on Blackwell; elsewhere (``impl="interpret"``) JAX's own decomposition."""
+    del impl
+    return jax.nn.scaled_matmul(a_values[None], b_values[None], a_scale[None], b_scale[None],
+                                preferred_element_type=jnp.float32)[0]
+
+
+register_gemm_backend("jax_block_scaled_dot", _block_scaled_dot,
+                      applies=_fits_block_scaled_dot, available=_is_blackwell)
 
 
 def _on_gpu() -> bool:

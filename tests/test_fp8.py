@@ -534,3 +534,35 @@ def test_fallback_lowered_for_the_h200_has_no_per_block_partials():
              for dims in re.findall(r"tensor<((?:\d+x)+)f32>", text)
              for dims in [dims.rstrip("x")]]
     assert sizes and max(sizes) <= m * max(n, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8 on Blackwell: JAX's native block-scaled dot as a GEMM backend.
+
+
+def _lower_for(kind, fn, *args):
+    dev = jax.sharding.AbstractDevice(device_kind=kind, platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_mxfp8_uses_the_native_block_scaled_dot_on_blackwell_only():
+    x, w, dy = (jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in _data(128, 256, 64))
+    fn = lambda a, b, g: _fwd_bwd("mxfp8", a, b, g)  # noqa: E731
+    assert _lower_for("NVIDIA B200", fn, x, w, dy).count("block_scaled_dot") == 3
+    assert "block_scaled_dot" not in _lower_for("NVIDIA H200", fn, x, w, dy)
+
+
+def test_block_scaled_dot_equals_the_emulated_mxfp8_gemms():
+    """The backend off Blackwell (JAX's decomposition) against the pure-JAX path: the same
+    quantized operands and f32 accumulation, so equal up to f32 summation order."""
+    x, w, dy = _data(128, 200, 72)  # padded to 224 along K: the backend sees padded operands
+    native = dataclasses.replace(fp8.RECIPES["mxfp8"], use_kernel="interpret")
+    got = jax.jit(lambda a, b, g: _fwd_bwd(native, a, b, g))(x, w, dy)
+    text = str(jax.make_jaxpr(lambda a, b, g: _fwd_bwd(native, a, b, g))(x, w, dy))
+    assert "scaled_matmul" in text or "block_scaled" in text
+    plain = str(jax.make_jaxpr(lambda a, b, g: _fwd_bwd("mxfp8", a, b, g))(x, w, dy))
+    assert "scaled_matmul" not in plain and "block_scaled" not in plain  # CPU: the JAX path
+    for g_, ref in zip(got, _reference_gemms("mxfp8", x, w, dy)):
+        np.testing.assert_allclose(np.asarray(g_, np.float64), ref, rtol=1e-5,
+                                   atol=1e-5 * np.abs(ref).max())
