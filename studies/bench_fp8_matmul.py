@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8-matmul: no GPU present (backend: {jax.default_backend()}); this "
               "benchmark times a Hopper GPU kernel, nothing to do.")
         return 0
-    from pallas_kernels._backend import is_hopper
+    from pallas_kernels import is_hopper
 
     with_kernel = is_hopper()
     if not with_kernel:

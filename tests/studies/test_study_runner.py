@@ -10,8 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fmtkit.cli import main as cli_main
 from studies import _common, runner
+from studies.cli import main as cli_main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # PNG spec (ISO/IEC 15948) section 5.2
 
