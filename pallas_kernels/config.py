@@ -14,8 +14,7 @@ Constraints (checked in ``TuningConfig.__post_init__``):
   pipeline leaves to compute warpgroups);
 * ``wg_n`` divides 128, so one warpgroup tile reads a single B scale per K block; then
   ``block_n`` (<= 256) divides 512, so a CTA's B scales lie in one aligned group of 4, the
-  block the pipeline copies per step (a TMA copy must move >= 16 bytes,
-  ``notes/pallas-fp8.md``).
+  block the pipeline copies per step (a TMA copy must move >= 16 bytes).
 
 Stages are the most that fit the H200's 227 KiB of shared memory per block
 (``smem_bytes`` models Mosaic GPU's allocation exactly;

@@ -1,6 +1,6 @@
 """Flax linen adapter: ``PolicyModule`` wraps an unmodified module and applies ``Rules``.
 
-Seams (see shared/notes/flax-seams.md):
+Seams:
 
 * ``nn.share_scope`` in ``setup`` keeps the wrapped model's parameter tree unchanged.
 * ``nn.intercept_methods`` is entered inside ``PolicyModule.__call__``, so it is part of every

@@ -15,6 +15,7 @@ def _only_run(out_root):
     return runs[0]
 
 
+@pytest.mark.slow  # trains two setups for 20 steps
 def test_fmtkit_ablate_end_to_end(tmp_path, capsys):
     rc = cli.main(["ablate", "--steps", "20", "--policies", "fp32,bf16-mixed",
                    "--out", str(tmp_path)])

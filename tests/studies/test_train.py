@@ -145,6 +145,7 @@ def _stop_after(k):
     return progress
 
 
+@pytest.mark.slow  # three runs with checkpoints
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     cfg = RESUME_CFG
     data = T.load_data(cfg)
@@ -177,6 +178,7 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
 # ------------------------------------------------------------------------------ numerics
 
 
+@pytest.mark.slow  # two training runs
 def test_master_weights_move_bf16_parameters_that_pure_bf16_cannot():
     # Adam's step is bounded by the learning rate: |update| <= lr when 1 - b1 <= sqrt(1 - b2)
     # (Kingma & Ba 2015, section 2.1; b1 = 0.9, b2 = 0.95 here), and the schedule never
@@ -275,6 +277,7 @@ print(json.dumps({"one": one.history["loss"], "two": two.history["loss"],
 """
 
 
+@pytest.mark.slow  # a fresh process, two runs
 def test_data_parallel_over_two_devices_matches_one_device():
     # A fresh process: the device count is fixed when JAX starts.
     import json
