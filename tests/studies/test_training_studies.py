@@ -14,6 +14,7 @@ import pytest
 from studies_testlib import assert_plots
 
 import fmtkit
+from fmtkit import fp8
 from studies import accumulation, fp8_recipes, memory, router_precision, sensitivity
 from studies.train import TrainConfig
 
@@ -50,12 +51,14 @@ def test_accumulation_matches_numpy_emulation_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(a, a.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
     assert np.all(a >= 0) and np.all(b >= 0)
     curves = res["data"]["positive"]["curves"]
+    # The library function the study runs (jitted as the study runs it).
+    limited = jax.jit(fp8.limited_precision_matmul, static_argnames=("mantissa_bits",
+                                                                      "promote_every"))
     for i, k in enumerate(ks):
         ref = a[:, :k].astype(np.float64) @ b[:, :k].astype(np.float64).T
         for variant, pe in (("limited", None), ("promoted", 128)):
             emu = _numpy_limited_matmul(a[:, :k], b[:, :k], bits, pe)
-            got = np.asarray(accumulation._limited(a[:, :k], b[:, :k], mantissa_bits=bits,
-                                                   promote_every=pe))
+            got = np.asarray(limited(a[:, :k], b[:, :k], mantissa_bits=bits, promote_every=pe))
             np.testing.assert_array_equal(got.view(np.uint32), emu.view(np.uint32))
             err = emu.astype(np.float64) - ref
             # The study's numbers are those of the independent emulation (float64 error
