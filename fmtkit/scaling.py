@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fmtkit.casting import _FP6, check_decodable, check_floating, round_to_grid
+from fmtkit.casting import check_decodable, check_floating, round_to_grid
 from fmtkit.formats import Format, get_format
 
 __all__ = [
@@ -520,7 +520,7 @@ def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = Tensor
     # what the Pallas quantizers do), then clip: formats without inf turn |v| > max into NaN
     # (f32 -> e4m3fn beyond 464).
     v = jnp.clip(xs.astype(jnp.float32) * inv, -fmt.max, fmt.max)
-    if fmt.name in _FP6:
+    if fmt.bits == 6:
         # XLA's CPU backend cannot decode FP6; every FP6 value is exact in E4M3, so the
         # values are rounded onto the FP6 grid and kept in an E4M3 container.
         values = round_to_grid(v, fmt).astype(jnp.float8_e4m3fn)

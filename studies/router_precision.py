@@ -44,6 +44,7 @@ import numpy as np
 from fmtkit.policy import Rules, get_preset
 from studies._common import figure, format_table, no_progress, plot_style, save
 from studies.models import TransformerConfig
+from studies.training.config import TrainConfig
 
 __all__ = [
     "ROUTERS",
@@ -134,35 +135,25 @@ class Config:
     Attributes:
       routers: router variants to train (f32: p=f32,c=f32; bf16: p=f32,c=bf16).
       num_experts: experts per MoE block (top-1 routing).
-      steps: training steps per variant.
-      batch: sequences per step.
-      seq_len: bytes per sequence.
       d_model: model width.
-      num_layers: transformer blocks (each with an MoE).
       d_ff: expert MLP width.
-      lr: peak AdamW learning rate.
-      aux_loss_weight: weight of the Switch load-balancing loss (Switch: 0.01).
-      seed: seeds the initialization and the batches (the same for every variant).
+      train: the training settings shared by every variant (num_layers: transformer
+        blocks, each with an MoE; steps, batch, seq_len, lr,
+        aux_loss_weight: the Switch load-balancing loss weight, Switch uses 0.01; seed: the
+        same initialization and batches for every variant).
     """
 
     routers: tuple[str, ...] = ("f32", "bf16")
     num_experts: int = 4
-    steps: int = 150
-    batch: int = 8
-    seq_len: int = 64
     d_model: int = 64
-    num_layers: int = 2
     d_ff: int = 128
-    lr: float = 3e-3
-    aux_loss_weight: float = 0.01
-    seed: int = 0
+    train: TrainConfig = TrainConfig(steps=150, warmup=20, num_layers=2)
 
     def __post_init__(self):
         if not self.routers or any(r not in ROUTERS for r in self.routers):
             raise ValueError(f"routers must be a non-empty subset of {tuple(ROUTERS)}, got "
                              f"{self.routers!r}.")
-        for name in ("num_experts", "steps", "batch", "seq_len", "d_model", "num_layers",
-                     "d_ff"):
+        for name in ("num_experts", "d_model", "d_ff"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}.")
@@ -171,23 +162,19 @@ class Config:
                              f"{self.d_model}.")
         if self.num_experts < 2:
             raise ValueError(f"num_experts must be >= 2, got {self.num_experts}.")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}.")
-        if not (math.isfinite(self.aux_loss_weight) and self.aux_loss_weight >= 0):
-            raise ValueError(f"aux_loss_weight must be a finite number >= 0, got "
-                             f"{self.aux_loss_weight!r}.")
+        if not isinstance(self.train, TrainConfig):
+            raise TypeError(f"train must be a studies.train.TrainConfig, got "
+                            f"{type(self.train).__name__}.")
+        if self.train.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.train.num_layers}.")
 
-    def train_config(self):
-        """The ``studies.train.TrainConfig`` of every variant."""
-        from studies import train
-
-        model = TransformerConfig(d_model=self.d_model, num_heads=4, num_layers=self.num_layers,
-                                  d_ff=self.d_ff, max_len=self.seq_len,
+    def train_config(self) -> TrainConfig:
+        """``train`` with the MoE model of this study."""
+        model = TransformerConfig(d_model=self.d_model, num_heads=4,
+                                  num_layers=self.train.num_layers,
+                                  d_ff=self.d_ff, max_len=self.train.seq_len,
                                   num_experts=self.num_experts)
-        return train.TrainConfig(model=model, steps=self.steps, batch=self.batch,
-                                 seq_len=self.seq_len, lr=self.lr,
-                                 warmup=min(20, self.steps // 5),
-                                 aux_loss_weight=self.aux_loss_weight, seed=self.seed)
+        return dataclasses.replace(self.train, model=model)
 
 
 def _make_measure(model: nn.Module, num_experts: int):
@@ -218,8 +205,8 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     tcfg = config.train_config()
     data = train.load_data(tcfg)
     e = config.num_experts
-    out: dict[str, Any] = {"steps": config.steps, "num_experts": e,
-                           "num_layers": config.num_layers, "variants": {}}
+    out: dict[str, Any] = {"steps": tcfg.steps, "num_experts": e,
+                           "num_layers": tcfg.num_layers, "variants": {}}
     for name in config.routers:
         setup = train.Setup(f"router-{name}", router_rules(ROUTERS[name]),
                             grad_format="bfloat16",
@@ -230,7 +217,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         hist: dict[str, list] = {"loss": [], "flip_frac": [], "flip_frac_per_layer": [],
                                  "aux_loss": [], "max_load": []}
         fractions = None
-        for i in progress(range(config.steps), total=config.steps, desc=f"router {name}"):
+        for i in progress(range(tcfg.steps), total=tcfg.steps, desc=f"router {name}"):
             tokens = jnp.asarray(train.batch_at(data, tcfg, i))
             m = jax.device_get(measure(state.params, tokens))
             state, metrics = step_fn(state, tokens)
