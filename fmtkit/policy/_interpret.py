@@ -224,13 +224,13 @@ class Analysis:
     """Facts about the equations of one trace, keyed by their position (``idpath``)."""
 
     def __init__(self, closed: jex.ClosedJaxpr, param_inputs: Sequence[bool],
-                 head_outputs: Sequence[bool], policy_of: Callable[[int | None], Any]):
+                 head_outputs: Sequence[bool], modules: Interpreter):
         self.dots: dict[tuple, DotInfo] = {}
         self.facts: dict[tuple, _Facts] = {}
         self.sites: dict[tuple, str] = {}  # idpath of a delayed-FP8 matmul -> slot name
         self.site_shapes: dict[str, tuple[int, ...]] = {}  # slot -> [*layers, 3, history]
         self.scan_sites: dict[tuple, list[str]] = {}  # idpath of a scan -> slots inside
-        self._policy_of = policy_of
+        self._modules = modules  # module index -> path and Policy
         self._count: dict[str, int] = {}
         jaxpr = closed.jaxpr
         ins = [_Facts(param=bool(p), const=not _floating(v.aval.dtype))
@@ -258,7 +258,7 @@ class Analysis:
         return bool(facts and facts.upcast)
 
     def _new_site(self, module: int | None, dims: tuple[int, ...], history: int) -> str:
-        path = self._policy_of.path(module)
+        path = self._modules.path(module)
         n = self._count.get(path, 0)
         self._count[path] = n + 1
         key = f"{path or '<root>'}:dot{n}"
@@ -316,7 +316,7 @@ class Analysis:
             module = chain[-1] if chain else None
             info = DotInfo(module, any(a.param for a in args[:2]), bool(lb))
             self.dots[idp] = info
-            policy = self._policy_of(module)
+            policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
                     and name == "dot_general" and info.projection and not info.batched):
                 self.sites[idp] = self._new_site(module, dims, policy.fp8.history)
@@ -443,7 +443,7 @@ class Interpreter:
 
     def analyze(self, closed, param_inputs: Sequence[bool], head_outputs: Sequence[bool]
                 ) -> Analysis:
-        self.analysis = Analysis(closed, param_inputs, head_outputs, _PolicyOf(self))
+        self.analysis = Analysis(closed, param_inputs, head_outputs, self)
         return self.analysis
 
     # -- evaluation -----------------------------------------------------------------------
@@ -706,19 +706,6 @@ class Interpreter:
         return [*carry, *ys]
 
 
-class _PolicyOf:
-    """``policy_of`` plus ``path`` for the analysis (which only reads rules)."""
-
-    def __init__(self, interp: Interpreter):
-        self._interp = interp
-
-    def __call__(self, module):
-        return self._interp.policy_of(module)
-
-    def path(self, module):
-        return self._interp.path(module)
-
-
 # ---------------------------------------------------------------------------------------------
 # Running a function under rules.
 
@@ -774,6 +761,14 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     avals, out_tree = jax.tree.flatten(out_shape)
     params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
     return Traced(closed, registry, dyn, params, out_tree, avals)
+
+
+def fp8_slots(traced: Traced, rules: Rules) -> dict[str, tuple[int, ...]]:
+    """Shapes of the delayed-FP8 amax histories ``rules`` need for this trace, by slot name
+    (``"<module path>:dot<i>"``; shape ``[*layers, 3, history]``)."""
+    interp = Interpreter(rules, traced.registry)
+    return interp.analyze(traced.closed, traced.params,
+                          [True] * len(traced.out_avals)).site_shapes
 
 
 def run(traced: Traced, rules: Rules, *, main: Sequence[bool | None] | None = None,

@@ -88,14 +88,11 @@ class PolicyModel:
         variables = dict(variables)
         variables["params"] = self._store(variables.get("params", {}), registry)
         if has_delayed_fp8(self.rules):
-            traced = self._trace(variables, None, args, kwargs, method, False)
-            interp = _interpret.Interpreter(self.rules, traced.registry)
-            analysis = interp.analyze(traced.closed, traced.params,
-                                      [True] * len(traced.out_avals))
-            if analysis.site_shapes:
-                variables[FP8_COLLECTION] = {
-                    key: jnp.zeros(shape, jnp.float32)
-                    for key, shape in analysis.site_shapes.items()}
+            slots = _interpret.fp8_slots(self._trace(variables, None, args, kwargs, method,
+                                                     False), self.rules)
+            if slots:
+                variables[FP8_COLLECTION] = {k: jnp.zeros(shape, jnp.float32)
+                                             for k, shape in slots.items()}
         return variables
 
     def _store(self, params: Any, registry: _interpret.Registry) -> Any:
