@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,8 @@ class TrainResult:
 
 def train(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_progress,
           run_dir: str | Path | None = None, resume: bool = False, *,
-          data: np.ndarray | None = None, params: Any = None) -> TrainResult:
+          data: np.ndarray | None = None, params: Any = None,
+          step: tuple[Callable, Callable] | None = None) -> TrainResult:
     """Trains one setup for ``cfg.steps`` steps and returns its curve and telemetry.
 
     Compiles the step once (timed separately: ``compile_seconds``), then runs the steps,
@@ -146,6 +148,9 @@ def train(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_progress
       data: the training bytes (``load_data(cfg)`` if None; pass it to share one corpus).
       params: the f32 initial parameters (``init_params(cfg)`` if None; pass them to share
         one initialization between setups).
+      step: the ``(init_fn, step_fn)`` pair of ``make_train_step(setup, cfg)`` to reuse, so
+        that several runs of one setup compile its step once (built here when None; then
+        ``params`` goes to ``make_train_step``).
 
     Returns:
       A ``TrainResult``.
@@ -160,7 +165,7 @@ def train(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_progress
         raise ValueError("resume=True needs run_dir (the folder holding the checkpoints).")
     if data is None:
         data = load_data(cfg)
-    init_fn, step_fn = make_train_step(setup, cfg, params=params)
+    init_fn, step_fn = step if step is not None else make_train_step(setup, cfg, params=params)
     state = init_fn()
     history: dict[str, list[float]] = {k: [] for k in METRIC_KEYS}
     record = checkpoint.config_record(setup, cfg)

@@ -149,11 +149,12 @@ def _stop_after(k):
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     cfg = RESUME_CFG
     data = T.load_data(cfg)
-    full = T.train(SCALED_MASTER, cfg, data=data)  # uninterrupted, no checkpoints
+    fns = T.make_train_step(SCALED_MASTER, cfg)  # one compile for the three runs
+    full = T.train(SCALED_MASTER, cfg, data=data, step=fns)  # uninterrupted, no checkpoints
 
     with pytest.raises(_Interrupted):  # "killed" after 3 steps (a checkpoint at step 3)
-        T.train(SCALED_MASTER, cfg, _stop_after(3), run_dir=tmp_path, data=data)
-    resumed = T.train(SCALED_MASTER, cfg, run_dir=tmp_path, resume=True, data=data)
+        T.train(SCALED_MASTER, cfg, _stop_after(3), run_dir=tmp_path, data=data, step=fns)
+    resumed = T.train(SCALED_MASTER, cfg, run_dir=tmp_path, resume=True, data=data, step=fns)
 
     assert resumed.resumed_from == 3
     assert resumed.steps_done == full.steps_done == 6
@@ -223,13 +224,14 @@ def test_fp16_grad_flush_counts_values_below_half_the_smallest_subnormal():
 def test_non_finite_loss_marks_a_divergent_setup_and_stops_any_other():
     cfg = micro(steps=4, lr=1e30, warmup=0, clip_norm=0.0)  # the first update blows up
     may = T.Setup("fp32-may-diverge", "fp32", may_diverge=True)
-    result = T.train(may, cfg)
+    fns = T.make_train_step("fp32", cfg)  # the same step: only the reaction differs
+    result = T.train(may, cfg, step=fns)
     assert result.diverged and result.diverged_at == 1
     assert math.isfinite(result.history["loss"][0])
     assert not math.isfinite(result.history["loss"][-1])
     assert math.isnan(result.final_loss)
     with pytest.raises(StudyError, match=r"loss is .* at step 1 under setup 'fp32'"):
-        T.train("fp32", cfg)
+        T.train("fp32", cfg, step=fns)
 
 
 # ------------------------------------------------------------------------------ bad input
