@@ -48,23 +48,11 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 KNOWN_EDGES: dict[tuple[str, str], str] = {
-    # Known violation, being removed in parallel (issue 13): fmtkit.fp8 imports
-    # pallas_kernels (and its private _backend) by name to find the Pallas GEMM; the fp8
-    # engineer replaces that with a backend registry the kernel package registers itself
-    # into. Delete this entry then.
-    ("fmtkit.fp8", "pallas_kernels"): "fmtkit.fp8 finds the Pallas GEMM by name",
-    # Being removed in parallel by the kernel engineer (issue 14 item 4): gpu_check borrows
-    # the benchmark's operand builder from studies. Delete this entry then.
-    ("pallas_kernels", "studies"): "pallas_kernels.gpu_check imports studies.bench_fp8_matmul",
+    # Known violations, each with its reason; none today.
 }
 
 PENDING_PRIVATE: dict[tuple[str, str], str] = {
-    # Private names being made public by their owners in parallel (issue 13). Delete each
-    # entry when its owner's change is merged.
-    ("fmtkit.memory", "fmtkit.optim._master"): "optim engineer",
-    ("fmtkit.policy._inspect", "_is_floating"): "policy engineer",
-    ("fmtkit.policy._nnx", "_is_floating"): "policy engineer",
-    ("fmtkit.policy._runtime", "_is_floating"): "policy engineer",
+    # Private names imported across modules while their owners make them public; none today.
 }
 
 
