@@ -240,9 +240,10 @@ class Analysis:
         heads = {d for d in heads if self.dots[d].projection}
         for d in heads:
             self.dots[d] = dataclasses.replace(self.dots[d], head=True)
-            key = self.sites.pop(d, None)
-            if key is not None:
-                self.site_shapes.pop(key)
+            if modules.head_applies(self.dots[d].module):  # the head stays out of FP8
+                key = self.sites.pop(d, None)
+                if key is not None:
+                    self.site_shapes.pop(key)
         self.heads = frozenset(heads)
 
     def is_head_value(self, idprefix: tuple, var) -> bool:
@@ -441,6 +442,10 @@ class Interpreter:
     def policy_of(self, module: int | None) -> Policy | None:
         return self.resolve(module)[0]
 
+    def head_applies(self, module: int | None) -> bool:
+        """Whether a head matmul written in ``module`` gets ``Rules.head`` (patterns win)."""
+        return self.rules.head is not None and not self.resolve(module)[1]
+
     def analyze(self, closed, param_inputs: Sequence[bool], head_outputs: Sequence[bool]
                 ) -> Analysis:
         self.analysis = Analysis(closed, param_inputs, head_outputs, self)
@@ -581,8 +586,7 @@ class Interpreter:
     def _matmul(self, eqn, invals, chain, idp, idprefix, policy, fp8_local):
         info = self.analysis.dots.get(idp)
         module = chain[-1] if chain else None
-        _, explicit = self.resolve(module)
-        head = info is not None and info.head and not explicit and self.rules.head is not None
+        head = info is not None and info.head and self.head_applies(module)
         if head:
             policy = self.rules.head
         cdt = np.dtype(policy.compute_dtype)
@@ -631,9 +635,9 @@ class Interpreter:
     def _record(self, eqn, chain, idp):
         module = chain[-1] if chain else None
         info = ModuleInfo("", ()) if module is None else self.registry.modules[module]
-        policy, explicit = self.resolve(module)
+        policy = self.policy_of(module)
         dot = self.analysis.dots.get(idp)
-        head = bool(dot and dot.head and not explicit and self.rules.head is not None)
+        head = bool(dot and dot.head and self.head_applies(module))
         type_name = info.type_names[0] if info.type_names else "-"
         self.record.modules.setdefault(info.path, (type_name, policy))
         facts = [None if isinstance(v, jex.Literal) else self.analysis.facts.get((idp[:-1], v))
