@@ -70,7 +70,7 @@ def setup_of(name: str):
     recipe = recipe_of(name)
     mixed = get_preset("bf16-mixed")
     rules = Rules(mixed.rules, default=Policy("float32", "bfloat16", "bfloat16", fp8=recipe),
-                  check_unmatched=False)
+                  head=mixed.head, output_dtype=mixed.output_dtype, check_unmatched=False)
     return train.Setup(f"fp8-{name}", rules, grad_format="bfloat16",
                        description=f"bf16-mixed + FP8 {name} recipe on the linear layers")
 

@@ -68,7 +68,7 @@ def router_rules(router_policy: str) -> Rules:
     """bf16-mixed with ``router_policy`` on the routers (the first rule, so it wins)."""
     mixed = get_preset("bf16-mixed")
     return Rules([(ROUTER_PATTERN, router_policy), *mixed.rules], default=mixed.default,
-                 check_unmatched=False)
+                 head=mixed.head, output_dtype=mixed.output_dtype, check_unmatched=False)
 
 
 def route_with_shadow(model: Any, variables: Any, *args: Any,

@@ -106,11 +106,17 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
 
 def _policied_function(fn: Any, rules: Rules, strict: bool) -> Any:
     from fmtkit.policy import _linen
-    from fmtkit.policy._policy import report_unmatched
+    from fmtkit.policy._policy import has_delayed_fp8, report_unmatched
 
     if getattr(fn, "_fmtkit_rules", None) is not None:
         raise ValueError("This function already has a policy (with_policy was applied to it); "
                          "apply with_policy once, to the plain function, with all rules.")
+    if has_delayed_fp8(rules):
+        raise ValueError(
+            "A delayed FP8 recipe keeps an amax history per matmul, and a plain function has "
+            "nowhere to keep it: apply the policy to the Flax model instead (linen 'init' "
+            "creates its 'fp8_state'; NNX keeps an Fp8State), or use a current-scaling recipe "
+            "(fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8).")
     if isinstance(getattr(fn, "__self__", None), _linen.PolicyModel):
         raise ValueError("This is the apply of a linen model that already has a policy; "
                          "apply with_policy once, to the unwrapped model, with all rules.")

@@ -767,12 +767,15 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     return Traced(closed, registry, dyn, params, out_tree, avals)
 
 
-def fp8_slots(traced: Traced, rules: Rules) -> dict[str, tuple[int, ...]]:
+def fp8_slots(traced: Traced, rules: Rules, main: Sequence[bool | None] | None = None
+              ) -> dict[str, tuple[int, ...]]:
     """Shapes of the delayed-FP8 amax histories ``rules`` need for this trace, by slot name
-    (``"<module path>:dot<i>"``; shape ``[*layers, 3, history]``)."""
+    (``"<module path>:dot<i>"``; shape ``[*layers, 3, history]``); ``main`` as in ``run``."""
+    main = [True] * len(traced.out_avals) if main is None else main
     interp = Interpreter(rules, traced.registry)
     return interp.analyze(traced.closed, traced.params,
-                          [True] * len(traced.out_avals)).site_shapes
+                          [bool(m) and _floating(a.dtype)
+                           for m, a in zip(main, traced.out_avals)]).site_shapes
 
 
 def run(traced: Traced, rules: Rules, *, main: Sequence[bool | None] | None = None,

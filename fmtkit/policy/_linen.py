@@ -88,8 +88,9 @@ class PolicyModel:
         variables = dict(variables)
         variables["params"] = self._store(variables.get("params", {}), registry)
         if has_delayed_fp8(self.rules):
-            slots = _interpret.fp8_slots(self._trace(variables, None, args, kwargs, method,
-                                                     False), self.rules)
+            # Every collection mutable (BatchNorm in training mode updates its statistics).
+            traced = self._trace(variables, None, args, kwargs, method, True)
+            slots = _interpret.fp8_slots(traced, self.rules, _main_outputs(traced, True))
             if slots:
                 variables[FP8_COLLECTION] = {k: jnp.zeros(shape, jnp.float32)
                                              for k, shape in slots.items()}
@@ -120,16 +121,21 @@ class PolicyModel:
         fp8_state = variables.pop(FP8_COLLECTION, None)
         traced = self._trace(variables, rngs, args, kwargs, method, mutable)
         report_unmatched(self.rules, traced.registry.visited(), self.strict)
-        main = None
-        if mutable:  # (output, updated collections); sown intermediates as computed
-            shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
-            updates = {k: jax.tree.map(lambda _, k=k: None if k == "intermediates" else False,
-                                       v) for k, v in shapes[1].items()}
-            main = [True] * len(jax.tree.leaves(shapes[0])) + jax.tree.leaves(
-                updates, is_leaf=lambda x: x is None)
-        out, _ = _interpret.run(traced, self.rules, main=main,
+        out, _ = _interpret.run(traced, self.rules, main=_main_outputs(traced, mutable),
                                 fp8_state=None if fp8_state is None else dict(fp8_state))
         return out
+
+
+def _main_outputs(traced, mutable) -> list[bool | None] | None:
+    """Per output leaf of ``apply``: True for the model's output, False for an updated
+    collection (BatchNorm statistics), None for sown intermediates (reported as computed)."""
+    if not mutable:
+        return None
+    shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
+    updates = {k: jax.tree.map(lambda _, k=k: None if k == "intermediates" else False, v)
+               for k, v in shapes[1].items()}
+    return [True] * len(jax.tree.leaves(shapes[0])) + jax.tree.leaves(
+        updates, is_leaf=lambda x: x is None)
 
 
 def collect_paths(model: nn.Module, *inputs, **kwargs) -> dict[str, tuple[str, ...]]:

@@ -166,7 +166,9 @@ def _fp8_state(model: nnx.Module, traced, rules: Rules) -> dict | None:
         return dict(state.get_value())
     if not has_delayed_fp8(rules):
         return None
-    slots = _interpret.fp8_slots(traced, rules)
+    shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
+    n_main = len(jax.tree.leaves(shapes[0]))
+    slots = _interpret.fp8_slots(traced, rules, [i < n_main for i in range(len(traced.out_avals))])
     if not slots:
         return None
     fresh = {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}

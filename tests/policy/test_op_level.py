@@ -302,3 +302,23 @@ def test_bf16_policy_is_a_rounding_not_a_new_model():
                     + bf(PARAMS["b1"])[None, :])
     ref = jnp.dot(h, bf(PARAMS["w2"]), preferred_element_type=BF16).astype(F32)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+def test_delayed_fp8_on_a_plain_function_is_refused():
+    with pytest.raises(ValueError, match="nowhere to keep it"):
+        with_policy(_mlp, "fp8-delayed")
+
+
+class BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.BatchNorm(use_running_average=False)(nn.Dense(16, name="fc")(x))
+        return nn.Dense(4, name="out")(jax.nn.relu(h))
+
+
+def test_linen_delayed_init_with_batch_stats():
+    model = with_policy(BatchNormNet(), "fp8-delayed")
+    variables = model.init(jax.random.key(0), X)
+    assert set(variables["fp8_state"]) == {"fc:dot0"}
+    out, updates = model.apply(variables, X, mutable=["batch_stats"])
+    assert out.dtype == F32 and updates["batch_stats"]["BatchNorm_0"]["mean"].dtype == F32

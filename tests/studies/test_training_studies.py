@@ -371,14 +371,15 @@ def test_fp8_recipes_losses_close_to_bf16(tmp_path):
 def test_fp8_recipe_g128_changes_only_the_gradients():
     from studies.models import Mlp
 
-    # The two setups' rules on a two-layer MLP (both Dense layers FP8), 2 x 64 tokens.
+    # The two setups' rules on a three-layer MLP, 2 x 64 tokens: Dense_0 and Dense_1 in FP8,
+    # Dense_2 produces the output (the head, found by its role) and stays in bf16.
     kx, kt = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (2, 64, 128), jax.numpy.float32)
     target = jax.random.normal(kt, (2, 64, 128), jax.numpy.float32)
-    params = Mlp((256, 128)).init(jax.random.key(1), x)["params"]
+    params = Mlp((256, 128, 128)).init(jax.random.key(1), x)["params"]
     out = {}
     for name in ("blockwise", "blockwise-g128"):
-        model = fmtkit.with_policy(Mlp((256, 128)), fp8_recipes.setup_of(name).rules())
+        model = fmtkit.with_policy(Mlp((256, 128, 128)), fp8_recipes.setup_of(name).rules())
 
         def loss_fn(p, model=model):
             y = model.apply({"params": p}, x).astype(jax.numpy.float32)
@@ -390,6 +391,8 @@ def test_fp8_recipe_g128_changes_only_the_gradients():
     assert float(l1) == float(l2)
     # The output gradient is quantized in 128x128 blocks instead of 1x128: the weight
     # gradients of both layers change (Dense_0's through Dense_1's data gradient) ...
+    np.testing.assert_array_equal(np.asarray(g1["Dense_2"]["kernel"]),
+                                  np.asarray(g2["Dense_2"]["kernel"]))  # the bf16 head
     for layer in ("Dense_0", "Dense_1"):
         a = np.asarray(g1[layer]["kernel"], np.float64)
         b = np.asarray(g2[layer]["kernel"], np.float64)
