@@ -7,7 +7,7 @@ Modes:
     optional ``run_dir``/``resume``; ``kill_at`` = [process, step]: that process SIGKILLs
     itself when the loop reaches that step. Writes the history, the final state's
     fingerprint and (``dump``) the final params/opt state as .npz.
-  inf: the fp16-dynamic setup's optimizer on the library's model; at ``args["inf_step"]``
+  inf: fp16 compute, f32 masters, dynamic loss scale on the library's model; at ``args["inf_step"]``
     process 1 alone feeds an inf example weight into its rows of the batch; after every
     step the fingerprints of params and opt state of every process are gathered.
   fp8: a delayed-FP8 Dense layer; each process feeds inputs whose amax is
@@ -67,18 +67,18 @@ def run_train(args: dict, out: Path) -> dict:
 def run_inf(args: dict, out: Path) -> dict:
     import optax
 
+    from fmtkit import optim
     from studies.models import lm_loss
     from studies.training import mesh
     from studies.training.config import TrainConfig
     from studies.training.data import batch_at, load_data
     from studies.training.metrics import skipped_steps
     from studies.training.optimizer import make_optimizer
-    from studies.training.setups import get_setup
+    from studies.training.setups import Setup, get_setup
     from studies.training.step import build_model, make_train_step
 
-    from fmtkit import optim
-
-    setup = get_setup("fp16-dynamic")
+    setup = get_setup(Setup("fp16-master-dynamic", "fp16-mixed", update="master",
+                            loss_scaling="dynamic", grad_format="float16"))
     cfg = TrainConfig(**args["cfg"])
     init_fn, _ = make_train_step(setup, cfg)
     model, opt = build_model(setup, cfg), make_optimizer(setup, cfg)
@@ -110,7 +110,7 @@ def run_inf(args: dict, out: Path) -> dict:
         state = jstep(state, mesh.put_batch(batch_at(data, cfg, i), n), mesh.put_batch(w, n))
         fps = distributed.gather_from_all(
             distributed.fingerprint((state.params, state.opt_state)))
-        rows.append({"fingerprints": fps,
+        rows.append({"fingerprints": fps, "params": distributed.fingerprint(state.params),
                      "loss_scale": float(optim.loss_scale(state.opt_state)),
                      "skipped": int(skipped_steps(state.opt_state))})
     return {"rows": rows}
@@ -123,7 +123,13 @@ def run_fp8(args: dict, out: Path) -> dict:
     from studies.training import mesh
 
     n = jax.device_count()
-    layer = fmtkit.with_policy(nn.Dense(128, use_bias=False), "fp8-delayed")
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            # The last Dense is the policy's "head" (kept out of FP8): the first is FP8.
+            return nn.Dense(128, use_bias=False)(nn.Dense(128, use_bias=False)(x))
+
+    layer = fmtkit.with_policy(Net(), "fp8-delayed")
     rows_per = 4
     amaxes = args["amaxes"]
     p = jax.process_index()
