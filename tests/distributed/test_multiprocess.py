@@ -36,8 +36,9 @@ def _env(devices: int | None = None) -> dict[str, str]:
 
 
 def launch(mode: str, out: Path, args: dict, *, processes: int = 2,
-           check: bool = True) -> tuple[int, list[dict]]:
-    """Runs the worker as ``processes`` processes; returns the status and each one's JSON."""
+           check: bool = True) -> tuple[int, list[dict], str]:
+    """Runs the worker as ``processes`` processes; returns the status, each one's JSON and
+    the stderr."""
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("p*.json"):
         f.unlink()
@@ -49,7 +50,7 @@ def launch(mode: str, out: Path, args: dict, *, processes: int = 2,
     if check and r.returncode:
         pytest.fail(f"{processes} processes failed ({r.returncode}):\n{r.stderr[-3000:]}")
     return r.returncode, [json.loads((out / f"p{i}.json").read_text())
-                          for i in range(processes) if (out / f"p{i}.json").exists()]
+                          for i in range(processes) if (out / f"p{i}.json").exists()], r.stderr
 
 
 def single(mode: str, out: Path, args: dict, *, devices: int) -> dict:
@@ -71,7 +72,7 @@ def _params(path: Path) -> dict[str, np.ndarray]:
 @pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
     args = {"setup": "fp32", "cfg": dict(CFG, data_parallel=2), "dump": True}
-    _, two = launch("train", tmp_path / "two", args)
+    _, two, _ = launch("train", tmp_path / "two", args)
     one_2dev = single("train", tmp_path / "one2", args, devices=2)
     one_1dev = single("train", tmp_path / "one1",
                       dict(args, cfg=dict(CFG, data_parallel=1)), devices=1)
@@ -103,7 +104,7 @@ def test_inf_in_one_process_skips_everywhere(tmp_path):
     # fp16 compute, f32 masters, dynamic loss scale from 2^16; step 1 gets inf example
     # weights on the rows of process 1 only.
     args = {"cfg": dict(CFG, data_parallel=2), "inf_step": 1}
-    _, res = launch("inf", tmp_path, args)
+    _, res, _ = launch("inf", tmp_path, args)
     for r in res:
         rows = r["rows"]
         for row in rows:  # every process's fingerprint, gathered after every step
@@ -120,7 +121,7 @@ def test_inf_in_one_process_skips_everywhere(tmp_path):
 
 def test_delayed_fp8_history_is_the_global_max(tmp_path):
     # Inputs in [-0.5, 0.5] plus one element per process: 3.0 on process 0, 7.0 on 1.
-    _, res = launch("fp8", tmp_path, {"amaxes": [3.0, 7.0]})
+    _, res, _ = launch("fp8", tmp_path, {"amaxes": [3.0, 7.0]})
     assert res[0]["fingerprint"] == res[1]["fingerprint"]
     assert res[0]["fp8_state"] == res[1]["fp8_state"]
     (hist,) = [np.array(v) for v in res[0]["fp8_state"].values()]
@@ -128,3 +129,33 @@ def test_delayed_fp8_history_is_the_global_max(tmp_path):
     assert hist.shape[-2] == 3
     assert float(np.max(hist[..., 0, :])) == 7.0
     assert np.count_nonzero(hist[..., 0, :]) == 1
+
+
+@pytest.mark.slow
+def test_sigkill_then_restart_from_checkpoint_equals_uninterrupted(tmp_path):
+    cfg = dict(CFG, steps=5, data_parallel=2, checkpoint_every=2)
+    base = {"setup": "bf16-master", "cfg": cfg}
+    _, clean, _ = launch("train", tmp_path / "clean", base)
+    run = str(tmp_path / "run")
+    # Process 1 SIGKILLs itself when it reaches step 3 (checkpoints at 2 exist): the
+    # launcher stops process 0 too and reports the signal.
+    code, _, err = launch("train", tmp_path / "killed", dict(base, run_dir=run, kill_at=[1, 3]),
+                     check=False)
+    assert code != 0
+    assert sorted(p.name for p in (Path(run) / "checkpoints").iterdir()
+                  if p.name.isdigit()) == ["2"]
+    _, resumed, _ = launch("train", tmp_path / "resumed", dict(base, run_dir=run, resume=True))
+    for r in resumed:
+        assert r["resumed_from"] == 2
+        assert r["fingerprint"] == clean[0]["fingerprint"] == clean[1]["fingerprint"]
+        assert r["history"] == clean[0]["history"]
+
+
+def test_process_count_not_matching_the_mesh_is_a_clear_error(tmp_path):
+    run = tmp_path / "run"
+    code, _, err = launch("train", tmp_path, {"setup": "fp32", "run_dir": str(run),
+                                         "cfg": dict(CFG, data_parallel=1,
+                                                     checkpoint_every=1)}, check=False)
+    assert code != 0
+    assert "data_parallel=1 must equal the number of devices of all 2 processes" in err
+    assert not run.exists()  # nothing written
