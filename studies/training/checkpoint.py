@@ -99,7 +99,7 @@ def restore(mngr, template: TrainState, record: dict
         try:
             meta = mngr.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many types)
+        except Exception as e:  # orbax and tensorstore raise many types
             failures.append(f"{where}/meta: {type(e).__name__}: {e}")
             warnings.warn(f"cannot read checkpoint {where}/meta ({type(e).__name__}: {e}); "
                           "trying the previous one.", CheckpointWarning, stacklevel=2)
@@ -114,7 +114,7 @@ def restore(mngr, template: TrainState, record: dict
                 state=ocp.args.StandardRestore(abstract)))
             full = _fill(serialization.to_state_dict(template), out["state"])
             state = serialization.from_state_dict(template, full)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # (as above)
             failures.append(f"{where}/state: {type(e).__name__}: {e}")
             warnings.warn(f"cannot read checkpoint {where}/state ({type(e).__name__}: {e}); "
                           "trying the previous one.", CheckpointWarning, stacklevel=2)

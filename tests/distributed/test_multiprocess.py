@@ -139,8 +139,8 @@ def test_sigkill_then_restart_from_checkpoint_equals_uninterrupted(tmp_path):
     run = str(tmp_path / "run")
     # Process 1 SIGKILLs itself when it reaches step 3 (checkpoints at 2 exist): the
     # launcher stops process 0 too and reports the signal.
-    code, _, err = launch("train", tmp_path / "killed", dict(base, run_dir=run, kill_at=[1, 3]),
-                     check=False)
+    code, _, _ = launch("train", tmp_path / "killed",
+                        dict(base, run_dir=run, kill_at=[1, 3]), check=False)
     assert code != 0
     assert sorted(p.name for p in (Path(run) / "checkpoints").iterdir()
                   if p.name.isdigit()) == ["2"]
