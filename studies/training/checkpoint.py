@@ -13,7 +13,8 @@ has finished (an interrupted write leaves no ``<step>`` folder, and the previous
 is the latest); under ``jax.distributed`` every process takes part in the same save and
 restore. A checkpoint that cannot be read (truncated or corrupted files) is reported with its
 path by a ``CheckpointWarning`` and the next older one is restored instead; when none is
-readable, ``restore`` raises ``ValueError`` naming them.
+readable, ``restore`` raises ``ValueError`` naming them. The unreadable ones are renamed
+``<step>.unreadable`` (kept, not deleted) so that the resumed run can write those steps.
 """
 
 from __future__ import annotations
@@ -119,8 +120,31 @@ def restore(mngr, template: TrainState, record: dict
             warnings.warn(f"cannot read checkpoint {where}/state ({type(e).__name__}: {e}); "
                           "trying the previous one.", CheckpointWarning, stacklevel=2)
             continue
+        if failures:
+            _set_aside(mngr, [s for s in mngr.all_steps() if s > step])
         return state, meta["history"]
     raise ValueError(f"no readable checkpoint in {mngr.directory}: " + "; ".join(failures))
+
+
+def _set_aside(mngr, steps: list[int]) -> None:
+    """Renames the unreadable checkpoints ``<step>`` to ``<step>.unreadable`` (kept for
+    inspection, no longer a step: the resumed run writes those steps afresh)."""
+    if not steps:
+        return
+    if jax.process_index() == 0:
+        for step in steps:
+            src = Path(mngr.directory) / str(step)
+            dst = src.with_name(f"{step}.unreadable")
+            k = 1
+            while dst.exists():
+                dst = src.with_name(f"{step}.unreadable{k}")
+                k += 1
+            src.rename(dst)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("fmtkit-checkpoint-set-aside")
+    mngr.reload()
 
 
 def _fill(template: Any, restored: Any) -> Any:

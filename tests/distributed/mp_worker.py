@@ -5,7 +5,8 @@
 Modes:
   train: ``studies.train.train`` with ``TrainConfig(**args["cfg"])`` and ``args["setup"]``;
     optional ``run_dir``/``resume``; ``kill_at`` = [process, step]: that process SIGKILLs
-    itself when the loop reaches that step. Writes the history, the final state's
+    itself when the loop reaches that step; ``kill_in_write`` = step: SIGKILL inside the
+    write of that step's checkpoint. Writes the history, the final state's
     fingerprint and (``dump``) the final params/opt state as .npz.
   inf: fp16 compute, f32 masters, dynamic loss scale on the library's model; at ``args["inf_step"]``
     process 1 alone feeds an inf example weight into its rows of the batch; after every
@@ -56,6 +57,20 @@ def run_train(args: dict, out: Path) -> dict:
             return orig(data, c, i)
 
         T.batch_at = batch_at
+    if args.get("kill_in_write") is not None:
+        # SIGKILL after the step's files are written, before orbax's atomic rename makes it
+        # a checkpoint: the worst moment of a write (a test helper may reach into orbax).
+        from orbax.checkpoint._src.path import atomicity
+
+        orig_finalize = atomicity.AtomicRenameTemporaryPath.finalize
+        victim = str(args["kill_in_write"])
+
+        async def finalize(self):
+            if Path(str(self._final_path)).name == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await orig_finalize(self)
+
+        atomicity.AtomicRenameTemporaryPath.finalize = finalize
     res = train(args["setup"], cfg, run_dir=args.get("run_dir"),
                 resume=args.get("resume", False))
     if args.get("dump"):
