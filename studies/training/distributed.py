@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 __all__ = ["ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "fingerprint", "gather_from_all",
-           "initialize_from_env", "is_primary", "put_global_batch"]
+           "initialize_from_env", "is_primary", "put_global_batch", "same_on_all"]
 
 ENV_NUM_PROCESSES = "FMTKIT_NUM_PROCESSES"
 """Environment variable: the number of processes of a multi-process run."""
@@ -131,3 +131,12 @@ def gather_from_all(text: str) -> list[str]:
     sizes = np.asarray(multihost_utils.process_allgather(np.int32(raw.size)))
     data = np.asarray(multihost_utils.process_allgather(padded))
     return [bytes(data[k, :sizes[k]]).decode() for k in range(jax.process_count())]
+
+
+def same_on_all(value: int) -> int:
+    """Process 0's ``value`` on every process (e.g. a timestamp naming a shared folder)."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))

@@ -159,3 +159,19 @@ def test_process_count_not_matching_the_mesh_is_a_clear_error(tmp_path):
     assert code != 0
     assert "data_parallel=1 must equal the number of devices of all 2 processes" in err
     assert not run.exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_ablate_under_the_launcher_writes_once(tmp_path):
+    cmd = [sys.executable, "-m", "studies.launch", "--num-processes", "2", "--timeout",
+           str(TIMEOUT), "--", sys.executable, "-m", "studies.cli", "ablate", "--policies",
+           "fp32", "--steps", "2", "--batch", "4", "--seq-len", "16", "--corpus-bytes", "4096",
+           "--data-parallel", "2", "--warmup", "1", "--no-plot", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT + 30,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("study ablate:") == 1  # printed by process 0 only
+    (results,) = tmp_path.glob("ablate/*/results.json")  # one results folder
+    rows = json.loads(results.read_text())["results"]["rows"]
+    assert [row["setup"] for row in rows] == ["fp32"]
+    assert rows[0]["steps_done"] == 2
