@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,11 +145,19 @@ def test_sigkill_then_restart_from_checkpoint_equals_uninterrupted(tmp_path):
     assert code != 0
     assert sorted(p.name for p in (Path(run) / "checkpoints").iterdir()
                   if p.name.isdigit()) == ["2"]
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
     _, resumed, _ = launch("train", tmp_path / "resumed", dict(base, run_dir=run, resume=True))
     for r in resumed:
         assert r["resumed_from"] == 2
         assert r["fingerprint"] == clean[0]["fingerprint"] == clean[1]["fingerprint"]
         assert r["history"] == clean[0]["history"]
+    # The checkpoint of 2 processes restores onto 1 process with 2 devices (the state is
+    # replicated; same partitioning, so still bit-identical).
+    one = single("train", tmp_path / "one", dict(base, run_dir=str(copy), resume=True),
+                 devices=2)
+    assert one["resumed_from"] == 2
+    assert one["fingerprint"] == clean[0]["fingerprint"]
 
 
 def test_process_count_not_matching_the_mesh_is_a_clear_error(tmp_path):
