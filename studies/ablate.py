@@ -44,6 +44,7 @@ import numpy as np
 from studies import corpus
 from studies._common import figure, format_table, no_progress, plot_style, save
 from studies.train import DEFAULT_SETUPS, SETUPS, TrainConfig, init_params, load_data, train
+from studies.training import distributed
 
 __all__ = ["Config", "main", "plot", "run", "summarize"]
 
@@ -118,7 +119,10 @@ def _checkpoint_root(config: Config) -> Path | None:
                                  "no longer exists.")
         return root
     if config.train.checkpoint_every > 0:
-        return Path(config.checkpoint_dir) / time.strftime("%Y%m%d-%H%M%S")
+        # One folder for all processes of a multi-process run: process 0's clock names it.
+        stamp = distributed.same_on_all(int(time.time()))
+        return Path(config.checkpoint_dir) / time.strftime("%Y%m%d-%H%M%S",
+                                                           time.localtime(stamp))
     return None
 
 

@@ -32,6 +32,7 @@ from studies._common import (
     run_dir,
     write_results,
 )
+from studies.training import distributed
 
 __all__ = ["RESERVED_OPTIONS", "STUDIES", "Invocation", "load", "main", "module_name",
            "parse_args", "run_study"]
@@ -195,6 +196,9 @@ def run_study(name: str, config: Any = None, *, out_root: str | Path = "runs",
         raise TypeError(f"{module.__name__}.run must return a dict, got "
                         f"{type(results).__name__}.")
 
+    if not distributed.is_primary():  # several processes: files come from process 0 only
+        return Path(out_root) / name, {"study": name, "config": config, "results": results,
+                                       "plots": [], "timing": {"run_seconds": t_run}}
     folder = run_dir(out_root, name)
     plots: list[Path] = []
     t1 = time.perf_counter()
@@ -224,6 +228,7 @@ def _print_list(file: Any = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``fmtkit study --list`` / ``fmtkit study NAME [options]``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    distributed.initialize_from_env()  # a process of `python -m studies.launch` (or a host)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fmtkit study NAME [options] | fmtkit study --list", file=sys.stderr)
         _print_list(sys.stderr)
@@ -247,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = inv.config
 
-    print(f"study {name}: {config}")
+    if distributed.is_primary():
+        print(f"study {name}: {config}")
     try:
         folder, record = run_study(name, config, out_root=inv.out, plot=inv.plot)
     except (OSError, ValueError) as e:  # bad input found while running, e.g. a --data file
@@ -256,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     except StudyError as e:  # an expected failure, e.g. a non-finite loss
         print(f"fmtkit study {name}: failed: {e}", file=sys.stderr)
         return 1
+    if not distributed.is_primary():
+        return 0
     if hasattr(module, "summarize"):
         print(module.summarize(record["results"]))
     t = record["timing"]

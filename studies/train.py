@@ -161,6 +161,8 @@ def train(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_progress
       OSError, ValueError: a bad ``cfg.data`` (``load_data``).
     """
     setup = get_setup(setup)
+    if jax.process_count() > 1 and jax.process_index() != 0:
+        progress = no_progress  # progress is shown once, by process 0
     if resume and run_dir is None:
         raise ValueError("resume=True needs run_dir (the folder holding the checkpoints).")
     if data is None:

@@ -8,6 +8,8 @@
 * ``metrics``: the per-step metrics (loss, loss scale, skipped, grad flush, norm, update frac);
 * ``step``: ``TrainState`` and ``make_train_step`` (init and jitted step, no I/O);
 * ``checkpoint``: orbax checkpoints of the whole ``TrainState`` (structured) and the history.
+* ``distributed``: several processes (``jax.distributed`` from the environment
+  ``python -m studies.launch`` sets), per-process batch rows, fingerprints.
 
 The loop (``train``) and the public names are in ``studies.train``.
 """

@@ -56,7 +56,8 @@ class TrainConfig:
       checkpoint_every: save the full train state every this many steps (and at the end)
         when the run has a checkpoint folder; 0: never.
       data_parallel: shard each batch over this many local devices (a ``Mesh`` with axis
-        "data", ``NamedSharding``); 1: one device.
+        "data", ``NamedSharding``); 1: one device. Under ``jax.distributed`` (several
+        processes, ``python -m studies.launch``) the global device count of all processes.
       model: an explicit ``TransformerConfig`` (e.g. with ``num_experts``) instead of the
         size preset; its ``max_len`` must be >= seq_len. Not a command-line option.
       aux_loss_weight: weight of the Switch load-balancing loss when the model has experts.

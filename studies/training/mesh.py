@@ -1,4 +1,10 @@
-"""The data-parallel mesh: where the state and each batch live."""
+"""The data-parallel mesh: where the state and each batch live.
+
+In a single process the mesh is over the first ``n`` local devices. Under
+``jax.distributed`` (several processes, ``studies.training.distributed``) it is over every
+process's devices, in process order, and ``n`` must be that global device count: each process
+feeds the rows of the batch its devices hold.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +12,27 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from studies.training.distributed import put_global_batch
+
 __all__ = ["batch_sharding", "data_mesh", "put_batch", "state_sharding"]
 
 
 def data_mesh(n: int) -> Mesh:
-    """A ``Mesh`` with one axis "data" over the first ``n`` local devices.
+    """A ``Mesh`` with one axis "data" over ``n`` devices (all processes' devices when
+    there are several processes).
 
     Raises:
-      ValueError: fewer than ``n`` local devices (the message says how to simulate them).
+      ValueError: fewer than ``n`` local devices (the message says how to simulate them);
+        several processes and ``n`` other than the global device count.
     """
+    if jax.process_count() > 1:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if n != len(devices):
+            raise ValueError(
+                f"data_parallel={n} must equal the number of devices of all "
+                f"{jax.process_count()} processes together, {len(devices)} "
+                f"({jax.local_device_count()} per process): the mesh spans every process.")
+        return Mesh(np.array(devices), ("data",))
     devices = jax.local_devices()
     if n > len(devices):
         raise ValueError(f"data_parallel={n} needs {n} local devices; this process has "
@@ -23,20 +41,27 @@ def data_mesh(n: int) -> Mesh:
     return Mesh(np.array(devices[:n]), ("data",))
 
 
+def _sharded(n: int) -> bool:
+    return n > 1 or jax.process_count() > 1
+
+
 def state_sharding(n: int) -> jax.sharding.Sharding:
     """The train state's sharding: replicated over the mesh, or the first device for n = 1."""
-    if n > 1:
+    if _sharded(n):
         return NamedSharding(data_mesh(n), PartitionSpec())
     return SingleDeviceSharding(jax.local_devices()[0])
 
 
 def batch_sharding(n: int) -> jax.sharding.Sharding:
     """A batch's sharding: split along its first axis over the mesh (one device for n = 1)."""
-    if n > 1:
+    if _sharded(n):
         return NamedSharding(data_mesh(n), PartitionSpec("data"))
     return SingleDeviceSharding(jax.local_devices()[0])
 
 
 def put_batch(tokens: np.ndarray, n: int) -> jax.Array:
-    """``tokens`` on the device(s), sharded along the batch over ``n`` devices."""
+    """``tokens`` (the global batch) on the device(s), sharded along the batch over ``n``
+    devices; with several processes each supplies only its own rows."""
+    if jax.process_count() > 1:
+        return put_global_batch(tokens, batch_sharding(n))
     return jax.device_put(tokens, batch_sharding(n))
