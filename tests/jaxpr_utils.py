@@ -124,8 +124,10 @@ def _eqn_outs(eqn, ins, record):
         _run(eqn.params["body_jaxpr"], bconsts + carry, record)
         return carry
     if name == "cond":
+        # Values flow from the branches' operands; the branch index only selects (a weight
+        # passed through one branch stays a weight).
         outs = [_run(br, ins[1:], record) for br in eqn.params["branches"]]
-        return [_union(col) | ins[0] for col in zip(*outs)]
+        return [_union(col) for col in zip(*outs)]
     subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
     if len(subs) == 1 and len(getattr(subs[0], "invars", ())) == len(ins) and \
             len(subs[0].outvars) == len(eqn.outvars):
@@ -195,6 +197,7 @@ class Matmul:
     dtypes: tuple[str, str]
     flops: int
     where: str  # the equation, for messages
+    backward: bool = False  # fed the cotangent
 
     @property
     def fp8(self) -> bool:
@@ -214,7 +217,8 @@ def matmuls(records: list[Labeled], out_labels, head_size: int) -> list[Matmul]:
             dts = tuple(str(v.aval.dtype) for v in rec.eqn.invars[:2])
             shapes = " x ".join(str(v.aval.shape) for v in rec.eqn.invars[:2])
             found.append(Matmul(matmul_role(rec, head_size, weight_grads), dts,
-                                matmul_flops(rec.eqn), f"{rec.eqn.primitive.name} {shapes}"))
+                                matmul_flops(rec.eqn), f"{rec.eqn.primitive.name} {shapes}",
+                                any(COTANGENT in s for s in rec.ins[:2])))
     return found
 
 

@@ -3,8 +3,8 @@
 Each model is written in the style of a Flax repository example (our own code, tiny sizes):
 
 * ``Lm1bDecoder`` (linen): lm1b's decoder-only LM: ``nn.Embed``, a learned positional
-  embedding, ``nn.SelfAttention`` with a causal mask, a Dense MLP, and a Dense head named
-  ``"logitdense"``.
+  embedding, Flax's multi-head self-attention with a causal mask, a Dense MLP, and a Dense
+  head named ``"logitdense"``.
 * ``WmtTransformer`` (linen): wmt's encoder-decoder with a shared embedding and the tied head
   ``attend(y.astype(jnp.float32)) / sqrt(d)``; attention written by hand with DenseGeneral
   q/k/v/out projections and a max-subtract / exp / sum softmax.
@@ -104,8 +104,8 @@ class Lm1bBlock(nn.Module):
     @nn.compact
     def __call__(self, x, mask):
         y = nn.LayerNorm()(x)
-        y = nn.SelfAttention(num_heads=self.num_heads, use_bias=False, deterministic=True)(
-            y, mask=mask)
+        y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, use_bias=False,
+                                            deterministic=True)(y, mask=mask)
         x = x + y
         y = nn.LayerNorm()(x)
         return x + MlpBlock(self.mlp_dim)(y)
