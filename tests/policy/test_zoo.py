@@ -239,6 +239,32 @@ def test_mixed_preset_op_level_dtypes(name, preset):
     assert traced.logits.dtype == jnp.float32
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["linen_wmt", "nnx_lm"])
+def test_explicit_f32_upcast_before_the_tied_head_stays(name):
+    # wmt writes ``attend(y.astype(jnp.float32))``: the author's upcast is kept, so the tied
+    # head's forward matmul runs on f32 operands (issue 11: it was cast back to bf16).
+    case = zoo.CASES[name]
+    traced, _ = _trace(case, _wrap(case, "bf16-mixed"))
+    head_fwd = [m.dtypes for m in traced.matmuls(case.head_size)
+                if m.role == "head" and not m.backward]
+    assert head_fwd == [("float32", "float32")]
+
+
+@pytest.mark.slow
+def test_nnx_policied_module_trains_the_original_variables():
+    case = zoo.CASES["nnx_lm"]
+    original = case.build()
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(original, nnx.Param)))
+    wrapped = with_policy(original, "bf16-mixed")
+    losses = zoo.nnx_optimizer_train(case, wrapped, steps=2)
+    after = nnx.to_pure_dict(nnx.state(original, nnx.Param))
+    changed = [not np.array_equal(a, np.asarray(b)) for a, b in
+               zip(jax.tree.leaves(before), jax.tree.leaves(after))]
+    assert np.all(np.isfinite(losses)) and all(changed)
+    assert all(np.asarray(x).dtype == np.float32 for x in jax.tree.leaves(after))
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8 presets: projections in FP8 forward and backward, head and attention not
 
