@@ -1,9 +1,12 @@
-"""Precision policies for unmodified Flax linen and NNX models.
+"""Precision policies for unmodified Flax linen and NNX models and plain JAX functions.
 
-``Policy`` holds four dtypes (params, compute, output, grad); ``Rules`` map module paths (or
-class names) to Policies, first match wins; ``with_policy`` applies them to a model;
-``module_paths`` lists the paths to write rules against; ``inspect_policy`` reads back, from
-the jaxpr, what each module computed in and the dtype of each parameter gradient.
+``Policy`` holds a module's dtypes (params, compute, output, grad, reduce) and optionally an
+FP8 recipe; ``Rules`` map module paths (or class names) to Policies, first match wins, plus
+the output head's policy (found by role) and the model outputs' dtype; ``with_policy``
+applies them **per operation**, autocast-style (``_ops`` has the op table, ``_interpret`` the
+mechanism: the traced jaxpr re-interpreted under the rules); ``module_paths`` lists the paths
+to write rules against; ``inspect_policy`` reads back, from the jaxpr of the gradient, what
+each op class of each module computed in.
 
 This package is the only part of fmtkit that imports Flax, and it does so lazily: the
 adapters are loaded when a model is first given.
@@ -21,7 +24,6 @@ from fmtkit.policy._policy import (
 )
 
 __all__ = [
-    "Fp8DelayedDotGeneral",
     "Fp8State",
     "ModuleReport",
     "Policy",
@@ -38,11 +40,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The Flax-typed FP8 state holders load Flax only when asked for (lazy, like the adapters)."""
-    if name == "Fp8DelayedDotGeneral":
-        from fmtkit.policy._linen import Fp8DelayedDotGeneral
-
-        return Fp8DelayedDotGeneral
+    """The Flax-typed FP8 state holder loads Flax only when asked for (lazy, like the adapters)."""
     if name == "Fp8State":
         from fmtkit.policy._nnx import Fp8State
 

@@ -1,8 +1,15 @@
-"""``inspect_policy``: what dtypes a (policied) model really computes in, read from the jaxpr."""
+"""``inspect_policy``: what a (policied) model really computes in, per module and op class.
+
+The report is read from the jaxpr of ``jax.value_and_grad`` of the loss, not from the rules:
+every interpreted op runs in a named scope ``fmtkit_op_<i>`` that JAX keeps through
+differentiation, so each equation of the final jaxpr, forward or backward, is attributed to
+the op (and module) it came from.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -12,56 +19,60 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from fmtkit.policy import _runtime
+from fmtkit.policy import _interpret, _ops
 from fmtkit.policy._apply import flax_kind
-from fmtkit.policy._policy import Policy, Rules, _is_floating
+from fmtkit.policy._policy import Policy, Rules, is_floating
 
 __all__ = ["ModuleReport", "PolicyReport", "inspect_policy"]
 
-OUTSIDE = "<outside>"
-_MODULE_RX = re.compile(re.escape(_runtime.SCOPE_PREFIX) + r"(\d+)")
-_ROUND_RX = re.compile(re.escape(_runtime.GRAD_SCOPE) + r"([a-z0-9]+)")
+_OP_RX = re.compile(re.escape(_interpret.OP_SCOPE) + r"(\d+)")
+_FP8_KINDS = ("float8", "float6", "float4")
+MATMUL_KINDS = ("forward", "dgrad", "wgrad")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModuleReport:
-    """What one module computed, from the jaxpr of ``value_and_grad(loss)``.
-
-    Only the module's own operations count (a child module's are in the child's report).
+    """What the ops written in one module computed in (its submodules report their own).
 
     Attributes:
-      path: the module path (``"<outside>"``: code outside every module, e.g. the loss).
+      path: the module path (``""``: the model itself, or code outside every module).
       type_name: the module's class name.
       policy: the Policy the rules gave it (None: untouched).
-      input_dtypes, output_dtypes: dtypes of its floating inputs (after the input cast) and
-        outputs (after the output cast).
-      dots: its forward ``dot_general``s as ``"lhs x rhs -> out"`` dtype strings.
-      grad_dots: the backward ``dot_general``s attributed to it.
-      ops: forward primitive name -> dtypes of its results (e.g. ``exp``, ``rsqrt``).
-      grad_ops: the same for the backward pass.
-      grad_roundings: dtypes its incoming cotangents were rounded through (``grad_dtype``).
+      matmuls: ``"forward"``, ``"dgrad"``, ``"wgrad"`` -> the module's matmuls (excluding the
+        head) as ``"lhs x rhs -> out"`` dtype strings. FP8 matmuls show FP8 operand dtypes.
+      head: the same for the output head's matmul, when it is written in this module.
+      ops: primitive -> result dtypes of its other forward ops (``exp``, ``rsqrt``,
+        ``reduce_sum``, ...); ``grad_ops``: the same for the backward pass.
+      output_dtypes: dtypes of floating values leaving the module.
       params: parameter name -> ``(stored dtype, gradient dtype)``.
     """
 
     path: str
     type_name: str
     policy: Policy | None
-    input_dtypes: tuple[str, ...]
-    output_dtypes: tuple[str, ...]
-    dots: tuple[str, ...]
-    grad_dots: tuple[str, ...]
+    matmuls: Mapping[str, tuple[str, ...]]
+    head: Mapping[str, tuple[str, ...]]
     ops: Mapping[str, tuple[str, ...]]
     grad_ops: Mapping[str, tuple[str, ...]]
-    grad_roundings: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
     params: Mapping[str, tuple[str, str]]
 
     @property
-    def compute_dtypes(self) -> tuple[str, ...]:
-        """Operand dtypes of the module's forward matmuls."""
+    def softmax_dtypes(self) -> tuple[str, ...]:
+        """Result dtypes of the module's ``exp`` (softmax numerators)."""
+        return self.ops.get("exp", ())
+
+    @property
+    def norm_dtypes(self) -> tuple[str, ...]:
+        """Result dtypes of the module's ``rsqrt`` (norm statistics)."""
+        return self.ops.get("rsqrt", ())
+
+    @property
+    def reduction_dtypes(self) -> tuple[str, ...]:
+        """Result dtypes of the module's forward float reductions (sums, means, max)."""
         out = set()
-        for d in self.dots:
-            lhs, rhs = d.split(" -> ")[0].split(" x ")
-            out |= {lhs, rhs}
+        for name in _ops.F32_REDUCTIONS:
+            out |= set(self.ops.get(name, ()))
         return tuple(sorted(out))
 
 
@@ -70,8 +81,8 @@ class PolicyReport:
     """Per-module dtypes of one forward + backward pass (``inspect_policy``'s result).
 
     Attributes:
-      modules: path -> ``ModuleReport``, in call order; ``"<outside>"`` (the loss) last.
-      params: full parameter path (``"Block_0/Dense_0/kernel"``) -> (stored, gradient) dtype.
+      modules: path -> ``ModuleReport``, in the order the modules first ran.
+      params: full parameter path -> (stored, gradient) dtype.
       output_dtypes: dtypes of the model's floating outputs.
       loss_dtype: dtype of the loss.
     """
@@ -81,18 +92,27 @@ class PolicyReport:
     output_dtypes: tuple[str, ...]
     loss_dtype: str
 
-    def dots(self, *, backward: bool = False) -> list[tuple[str, str]]:
-        """All ``(module path, dot)`` pairs of the forward (or backward) pass."""
+    def matmuls(self, kind: str = "forward", *, head: bool = False) -> list[tuple[str, str]]:
+        """All ``(module path, matmul)`` pairs of one kind (forward, dgrad, wgrad)."""
+        if kind not in MATMUL_KINDS:
+            raise ValueError(f"kind must be one of {MATMUL_KINDS}, got {kind!r}.")
         return [(path, d) for path, m in self.modules.items()
-                for d in (m.grad_dots if backward else m.dots)]
+                for d in (m.head if head else m.matmuls).get(kind, ())]
 
     def __str__(self) -> str:
-        lines = [f"{'module':<40} {'policy':<26} {'matmul operands':<22} outputs"]
+        lines = [f"{'module':<36} {'policy':<28} {'fwd / dgrad / wgrad matmul operands':<40} "
+                 "f32 ops"]
         for path, m in self.modules.items():
             pol = str(m.policy) if m.policy else "-"
-            comp = ",".join(m.compute_dtypes) or "-"
-            lines.append(f"{path or '(model)':<40} {pol:<26} {comp:<22} "
-                         f"{','.join(m.output_dtypes) or '-'}")
+            for label, table in (("", m.matmuls), ("head ", m.head)):
+                if not table and label:
+                    continue
+                comp = " / ".join(",".join(sorted({d.split(" -> ")[0] for d in table.get(k, ())}))
+                                  or "-" for k in MATMUL_KINDS)
+                sens = ",".join(f"{k}:{'/'.join(v)}" for k, v in m.ops.items()
+                                if k in ("exp", "log", "rsqrt", "reduce_sum", "reduce_max"))
+                lines.append(f"{label + (path or '(model)'):<36} {pol:<28} {comp:<40} "
+                             f"{sens or '-'}")
             for name, (stored, grad) in m.params.items():
                 lines.append(f"{'':<4}{name}: stored {stored}, grad {grad}")
         lines.append(f"outputs: {','.join(self.output_dtypes)}; loss: {self.loss_dtype}")
@@ -127,12 +147,15 @@ def _param_table(params, grads) -> dict[str, tuple[str, str]]:
         parts = [_key_str(k) for k in path]
         while parts and parts[-1] in ("value", "raw_value", "_raw_value"):
             parts.pop()
+        if parts and parts[0] == "model":  # NNX: the PolicyModel's own attribute
+            parts = parts[1:]
         out["/".join(parts)] = (str(p.dtype), str(g.dtype))
     return out
 
 
 def _default_loss(out) -> jax.Array:
-    leaves = [x for x in jax.tree.leaves(out) if _is_floating(x)]
+    leaves = [x for x in jax.tree.leaves(out) if is_floating(x)
+              or isinstance(x, jax.ShapeDtypeStruct)]
     if not leaves:
         raise ValueError("The model returned no floating output; pass loss_fn.")
     total = jnp.sum(leaves[0].astype(jnp.float32))
@@ -144,20 +167,23 @@ def _default_loss(out) -> jax.Array:
 def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
                    loss_fn: Callable[[Any], jax.Array] | None = None,
                    **kwargs: Any) -> PolicyReport:
-    """Reports the dtypes a model actually computes in, per module, from the jaxpr.
+    """Reports the dtypes a model computes in, per module and op class, from the jaxpr.
 
-    Traces (never runs) ``jax.value_and_grad(lambda params: loss_fn(model(*inputs)))`` and
-    attributes each equation to the innermost module whose call produced it. Works on a model
-    returned by ``with_policy`` and on an unwrapped one (to compare).
+    Traces (never runs) ``jax.value_and_grad`` of ``loss_fn(model(*inputs))`` with respect to
+    the parameters and attributes each equation, forward and backward, to the op it came
+    from: matmuls as forward / data gradient (dgrad) / weight gradient (wgrad), the output
+    head, exp/log/rsqrt and reductions, and each module's outputs and parameter gradients.
 
     Args:
-      model: a linen or NNX model, wrapped by ``with_policy`` or not.
-      *inputs: example inputs (arrays or ``jax.ShapeDtypeStruct``).
+      model: a linen or NNX model or a function, wrapped by ``with_policy`` or not (unwrapped:
+        what it computes as written).
+      *inputs: example inputs (arrays or ``jax.ShapeDtypeStruct``; an ``nnx.Rngs`` for NNX
+        models that take one).
       variables: linen only: the variables (default: ``jax.eval_shape`` of ``init``, so no
         memory is used). Gradients are taken with respect to ``variables["params"]``.
       loss_fn: maps the model's output to a scalar (default: the f32 sum of its floating
         outputs).
-      **kwargs: keyword arguments of the model call.
+      **kwargs: keyword arguments of the model call (e.g. ``train=True``).
 
     Returns:
       A ``PolicyReport``; ``print`` it for a table.
@@ -166,69 +192,110 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
       >>> import jax.numpy as jnp, flax.linen as nn
       >>> from fmtkit.policy import with_policy
       >>> report = inspect_policy(with_policy(nn.Dense(4), "bf16-mixed"), jnp.ones((2, 3)))
-      >>> report.modules[""].dots, report.params["kernel"]
-      (('bfloat16 x bfloat16 -> bfloat16',), ('float32', 'float32'))
+      >>> report.modules[""].head["forward"], report.params["kernel"]
+      (('bfloat16 x bfloat16 -> float32',), ('float32', 'float32'))
     """
+    from fmtkit.policy._apply import with_policy
+
     kind = flax_kind(model)
     loss_fn = loss_fn or _default_loss
     if kind == "linen":
         from fmtkit.policy import _linen
 
-        wrapped = model if isinstance(model, _linen.PolicyModule) else _linen.PolicyModule(
+        wrapped = model if isinstance(model, _linen.PolicyModel) else _linen.PolicyModel(
             inner=model, rules=Rules())
         if variables is None:
             keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
             variables = jax.eval_shape(lambda ins: wrapped.init(keys, *ins, **kwargs), inputs)
         params = variables["params"]
         rest = {k: v for k, v in variables.items() if k != "params"}
+        mutable = [k for k in rest if k != _linen.FP8_COLLECTION] or False
+        rngs = {"dropout": jax.random.key(1)}
 
-        def f(params, ins):
-            out = wrapped.apply({**rest, "params": params}, *ins, **kwargs)
+        def f(params, rest, ins):
+            out = wrapped.apply({**rest, "params": params}, *ins, rngs=rngs,
+                                mutable=mutable, **kwargs)
+            out = out[0] if mutable else out
             return loss_fn(out), out
-    else:
+    elif kind == "nnx":
         from flax import nnx
 
         from fmtkit.policy import _nnx
 
         if variables is not None:
             raise TypeError("variables is for linen models; an NNX model holds its own.")
-        wrapped = model if _nnx.is_wrapped(model) else _nnx.wrap(model, Rules(), False)
-        graphdef, params, rest = nnx.split(wrapped, nnx.Param, ...)
+        wrapped = model if isinstance(model, _nnx.PolicyModel) else _nnx.PolicyModel(
+            model, Rules())
+        graphdef, params, rest = nnx.split((wrapped, *inputs), nnx.Param, ...)
+        n_in = len(inputs)
 
-        def f(params, ins):
-            out = nnx.merge(graphdef, params, rest)(*ins, **kwargs)
+        def f(params, rest, ins):
+            del ins
+            merged, *merged_ins = nnx.merge(graphdef, params, rest)
+            out = merged(*merged_ins[:n_in], **kwargs)
             return loss_fn(out), out
 
-    with _runtime.recording() as rec:
+        inputs = ()
+    else:
+        if variables is not None:
+            raise TypeError("variables is for linen models.")
+        wrapped = model if getattr(model, "_fmtkit_rules", None) else with_policy(model, Rules())
+        params, rest = inputs, None
+
+        def f(params, rest, ins):
+            del rest, ins
+            out = wrapped(*params, **kwargs)
+            return loss_fn(out), out
+
+        inputs = ()
+
+    with _interpret.recording() as rec:
         closed, shapes = jax.make_jaxpr(jax.value_and_grad(f, has_aux=True),
-                                        return_shape=True)(params, inputs)
+                                        return_shape=True)(params, rest, inputs)
     (loss_shape, out_shapes), grad_shapes = shapes
     return _assemble(closed, rec, _param_table(params, grad_shapes), out_shapes, loss_shape)
 
 
-def _assemble(closed, rec: _runtime.Recorder, param_table, out_shapes, loss_shape) -> PolicyReport:
-    n = len(rec.records)
-    acc = [dict(dots=[], grad_dots=[], ops={}, grad_ops={}, rounds=set()) for _ in range(n + 1)]
+def _matmul_kind(eqn, rec: _interpret.OpRecord, backward: bool) -> str:
+    """forward; or, on the backward pass, wgrad when the result has as many elements as a
+    parameter operand (the weight's gradient, in whatever layout), else dgrad."""
+    if not backward:
+        return "forward"
+    size = math.prod(getattr(eqn.outvars[0].aval, "shape", ()))
+    for j in rec.param_operands:
+        if j < len(rec.operand_shapes) and math.prod(rec.operand_shapes[j]) == size:
+            return "wgrad"
+    return "dgrad"
+
+
+def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_shape
+              ) -> PolicyReport:
+    acc: dict[str, dict] = {}
+
+    def entry(path):
+        return acc.setdefault(path, dict(matmuls={}, head={}, ops={}, grad_ops={}))
+
+    for path in rec.modules:
+        entry(path)
 
     def visit(eqn, stack: str):
-        found = _MODULE_RX.findall(stack)
-        a = acc[int(found[-1])] if found else acc[n]
+        found = _OP_RX.findall(stack)
+        if not found:
+            return
+        op = rec.ops[int(found[-1])]
+        a = entry(op.path)
         backward = "transpose(" in stack
         name = eqn.primitive.name
-        if name == "dot_general":
+        if name in _ops.MATMUL and op.primitive in _ops.MATMUL:
             d = (f"{_dtype(eqn.invars[0])} x {_dtype(eqn.invars[1])} -> "
                  f"{_dtype(eqn.outvars[0])}")
-            lst = a["grad_dots" if backward else "dots"]
-            if d not in lst:
-                lst.append(d)
-        if not list(jex.jaxprs_in_params(eqn.params)):
+            kind = _matmul_kind(eqn, op, backward)
+            table = a["head" if op.head else "matmuls"].setdefault(kind, [])
+            if d not in table:
+                table.append(d)
+        elif not list(jex.jaxprs_in_params(eqn.params)):
             ops = a["grad_ops" if backward else "ops"]
             ops.setdefault(name, set()).update(_dtype(v) for v in eqn.outvars)
-        if backward and name == "convert_element_type":
-            ms = list(_ROUND_RX.finditer(stack))
-            m = ms[-1] if ms else None
-            if m and m.start() > stack.rfind(_runtime.SCOPE_PREFIX):
-                a["rounds"].add(m.group(1))
 
     _walk(closed.jaxpr, "", visit)
 
@@ -236,22 +303,17 @@ def _assemble(closed, rec: _runtime.Recorder, param_table, out_shapes, loss_shap
         return MappingProxyType({k: tuple(sorted(v)) for k, v in sorted(d.items())})
 
     modules = {}
-    for i, r in enumerate([*rec.records, None]):
-        a = acc[i]
-        path = r.path if r else OUTSIDE
+    for path, a in acc.items():
+        type_name, policy = rec.modules.get(path, ("-", None))
         prefix = f"{path}/" if path else ""
-        own = {}
-        if r is not None:
-            for full, dt in param_table.items():
-                if full.startswith(prefix) and "/" not in full[len(prefix):]:
-                    own[full[len(prefix):]] = dt
-        rounds = sorted(a["rounds"])
+        own = {full[len(prefix):]: dt for full, dt in param_table.items()
+               if full.startswith(prefix) and "/" not in full[len(prefix):]}
         modules[path] = ModuleReport(
-            path=path, type_name=r.type_name if r else "-", policy=r.policy if r else None,
-            input_dtypes=tuple(sorted(r.input_dtypes)) if r else (),
-            output_dtypes=tuple(sorted(r.output_dtypes)) if r else (),
-            dots=tuple(a["dots"]), grad_dots=tuple(a["grad_dots"]), ops=frozen(a["ops"]),
-            grad_ops=frozen(a["grad_ops"]), grad_roundings=tuple(rounds),
+            path=path, type_name=type_name, policy=policy,
+            matmuls=MappingProxyType({k: tuple(v) for k, v in a["matmuls"].items()}),
+            head=MappingProxyType({k: tuple(v) for k, v in a["head"].items()}),
+            ops=frozen(a["ops"]), grad_ops=frozen(a["grad_ops"]),
+            output_dtypes=tuple(sorted(rec.exits.get(path, ()))),
             params=MappingProxyType(own))
     out_dtypes = tuple(sorted({str(s.dtype) for s in jax.tree.leaves(out_shapes)
                                if jnp.issubdtype(s.dtype, jnp.floating)}))

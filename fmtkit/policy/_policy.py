@@ -60,7 +60,16 @@ def _dtype_name(value: Any, field: str) -> str:
     return fmt.name
 
 
-def _is_floating(x: Any) -> bool:
+def _is_dtype_name(text: str) -> bool:
+    try:
+        get_format(text.strip())
+    except (ValueError, TypeError):
+        return text.strip().lower() in _EXTRA_NAMES
+    return True
+
+
+def is_floating(x: Any) -> bool:
+    """Whether ``x`` is a floating array (JAX or NumPy)."""
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
         x.dtype, jnp.floating)
 
@@ -184,7 +193,7 @@ def cast_floating(tree: Any, dtype: Any, is_leaf: Any = None) -> Any:
     dtype = np.dtype(dtype)
 
     def cast(x):
-        if _is_floating(x) and x.dtype != dtype:
+        if is_floating(x) and x.dtype != dtype:
             return jnp.asarray(x).astype(dtype)
         return x
 
@@ -225,6 +234,9 @@ class Rules:
       matches every Flax norm layer and user subclasses of them, whatever they are called.
 
     Modules no rule matches get ``default``; with ``default=None`` they run untouched.
+    Rules act per operation inside each module (``fmtkit.policy`` explains the op classes): a
+    module's Policy decides its matmuls' compute dtype or FP8 recipe, its outputs' dtype and
+    its cotangents' rounding.
 
     Args:
       rules: ``(pattern, policy)`` pairs; a policy may be a ``Policy`` or its string form.
@@ -232,6 +244,13 @@ class Rules:
       check_unmatched: whether ``with_policy`` warns (or, with ``strict=True``, raises) when a
         pattern matches no module. The presets switch it off: they cover layers a model may
         lack.
+      head: the Policy of the output head, the matmul that produces the model's outputs
+        (found by its role, not its name: a tied-embedding ``attend``, a ``Dense`` called
+        anything). Its ``compute_dtype`` is the matmul's operand dtype and its
+        ``output_dtype`` the logits' dtype; it never runs in FP8. Applies only where the
+        head's module matched no pattern (patterns override roles). None: the head is an
+        ordinary matmul of its module.
+      output_dtype: the dtype of the model's floating outputs (None: as computed).
 
     Raises:
       ValueError: an invalid regex; TypeError: a rule that is not a (str, Policy) pair.
@@ -245,9 +264,12 @@ class Rules:
     rules: tuple[tuple[str, Policy], ...] = ()
     default: Policy | None = None
     check_unmatched: bool = True
+    head: Policy | None = None
+    output_dtype: str | None = None
 
     def __init__(self, rules: Iterable[tuple[str, Policy | str]] = (),
-                 default: Policy | str | None = None, check_unmatched: bool = True):
+                 default: Policy | str | None = None, check_unmatched: bool = True, *,
+                 head: Policy | str | None = None, output_dtype: Any = None):
         if isinstance(rules, (str, bytes)) or isinstance(rules, Mapping):
             raise TypeError("rules must be a sequence of (pattern, policy) pairs, got "
                             f"{type(rules).__name__}.")
@@ -262,6 +284,14 @@ class Rules:
         object.__setattr__(self, "default", None if default is None
                            else _as_rule_value(default, "default"))
         object.__setattr__(self, "check_unmatched", bool(check_unmatched))
+        head = None if head is None else _as_rule_value(head, "head")
+        if head is not None and head.fp8 is not None:
+            raise ValueError(f"head={head} has an FP8 recipe; the output head stays out of FP8 "
+                             "(DeepSeek-V3 section 3.3, Transformer Engine): use a Policy "
+                             "without fp8=.")
+        object.__setattr__(self, "head", head)
+        object.__setattr__(self, "output_dtype", None if output_dtype is None
+                           else _dtype_name(output_dtype, "output_dtype"))
 
     def match(self, path: str, type_names: Sequence[str] = ()) -> int | None:
         """Index of the first rule matching the module, or None."""
@@ -281,6 +311,10 @@ class Rules:
     def __str__(self) -> str:
         lines = [f"  {pat!r:<60} {pol}" for pat, pol in self.rules]
         lines.append(f"  {'(default)':<60} {self.default if self.default else '(unchanged)'}")
+        if self.head is not None:
+            lines.append(f"  {'(output head, by role)':<60} {self.head}")
+        if self.output_dtype is not None:
+            lines.append(f"  {'(model outputs)':<60} {_SHORT[self.output_dtype]}")
         return "\n".join(lines)
 
 
@@ -321,6 +355,13 @@ def as_rules(policy_or_rules: Any) -> Rules:
     if isinstance(policy_or_rules, str):
         if policy_or_rules in _PRESETS:
             return _PRESETS[policy_or_rules][1]
+        if "=" not in policy_or_rules and _is_dtype_name(policy_or_rules):
+            raise ValueError(
+                f"{policy_or_rules!r} is a dtype, not a policy: it does not say what is stored, "
+                "computed and kept in f32. Use a preset (" + ", ".join(_PRESETS) + "), e.g. "
+                "'bf16-mixed' (f32 params, bf16 compute, f32 softmax/norms/logits), or say it "
+                f"in full: Policy.parse('p={policy_or_rules}') for everything in "
+                f"{policy_or_rules} ('pure-bf16' is that preset for bf16).")
         try:
             return Rules((), default=Policy.parse(policy_or_rules))
         except ValueError as err:
@@ -347,44 +388,41 @@ NORM_PATHS = (r"(^|/)(ln|norm)(_?\d+|_[a-z0-9]+)?$|(^|/)[a-z0-9]+_norm(_?\d+)?$"
 # Router / gate of a mixture of experts.
 ROUTER_PATHS = r"(^|/)(router|gate|gating)(_\d+)?$"
 ROUTER_TYPES = "type:Router$"
-# Output head producing the logits.
-HEAD_PATHS = r"(^|/)(head|lm_head|logits|unembed|output_head)(_\d+)?$"
-ROOT = "^$"
 
 
 def _mixed(half: str) -> Rules:
-    half_out = f"p=f32,c={half},o={half}"
     return Rules(
         [
-            # The model's outputs (the logits) reach the loss in f32; the loss's gradient is
-            # not rounded at the root (the head rounds it, as a bf16 head matmul would).
-            (ROOT, f"p=f32,c={half},o=f32,g=f32"),
-            # Norm statistics and scaling in f32; the result goes back to the half stream.
+            # Norm layers: statistics and scaling in f32 (the op classes make every norm's
+            # mean/variance/rsqrt f32 anyway); the result goes back to the half stream.
             (NORM_TYPES, f"p=f32,c=f32,o={half},g={half}"),
             (NORM_PATHS, f"p=f32,c=f32,o={half},g={half}"),
             # Router: input, logits (and so the softmax in the MoE layer) in f32 (Switch).
             (ROUTER_TYPES, "p=f32,c=f32,o=f32,g=f32"),
             (ROUTER_PATHS, "p=f32,c=f32,o=f32,g=f32"),
-            # Head: half matmul, logits handed on in f32.
-            (HEAD_PATHS, f"p=f32,c={half},o=f32,g={half}"),
         ],
-        default=half_out,
+        default=f"p=f32,c={half},o={half}",
+        # The head: half matmul, f32 logits; its backward GEMMs take the cotangent in half.
+        head=f"p=f32,c={half},o=f32,g={half}",
+        output_dtype="float32",
         check_unmatched=False,
     )
 
 
 def _fp8(recipe: str) -> Rules:
-    """bf16-mixed with an FP8 recipe on every other matmul layer (DeepSeek-V3 section 3.3:
-    embeddings, the output head, norms, the MoE router and attention's softmax stay in
-    bf16/f32; the linear layers, attention projections included, run in FP8)."""
+    """bf16-mixed with an FP8 recipe on every projection matmul (DeepSeek-V3 section 3.3:
+    embeddings, the output head, norms, the MoE router and attention's QK/PV matmuls and
+    softmax stay in bf16/f32; the linear layers, attention projections included, run in
+    FP8)."""
     mixed = _mixed("bf16")
-    return Rules(mixed.rules, default=f"p=f32,c=bf16,o=bf16,fp8={recipe}",
-                 check_unmatched=False)
+    return Rules(mixed.rules, default=f"p=f32,c=bf16,o=bf16,fp8={recipe}", head=mixed.head,
+                 output_dtype=mixed.output_dtype, check_unmatched=False)
 
 
 _FP8_PRESETS = {
-    f"fp8-{name}": (f"bf16-mixed, with the FP8 recipe {name!r} (fmtkit.fp8) on the linear "
-                    "layers; embeddings, head, norms and router as in bf16-mixed.", _fp8(name))
+    f"fp8-{name}": (f"bf16-mixed, with the FP8 recipe {name!r} (fmtkit.fp8) on every "
+                    "projection matmul; embeddings, head, norms, router and attention's "
+                    "QK/PV as in bf16-mixed.", _fp8(name))
     for name in ("current", "delayed", "rowwise", "blockwise", "mxfp8")
 }
 
@@ -392,8 +430,9 @@ _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
     "fp32": ("Everything in float32 (the reference).",
              Rules((), default="p=f32,c=f32,o=f32,g=f32", check_unmatched=False)),
     "bf16-mixed": (
-        "f32 params, bf16 compute/activations/gradients; norms, router logits and softmax, the "
-        "model's logits and the loss in f32. No loss scaling needed (bf16 has f32's range).",
+        "f32 params; matmuls on bf16 operands; exp/log/softmax, norm statistics, sums and the "
+        "loss in f32 wherever the model writes them; router and the head's logits in f32. No "
+        "loss scaling needed (bf16 has f32's range).",
         _mixed("bf16")),
     "fp16-mixed": (
         "As bf16-mixed with float16; pair it with dynamic loss scaling "
@@ -401,8 +440,8 @@ _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
         _mixed("f16")),
     "pure-bf16": (
         "bf16 everywhere, params stored in bf16 too: no master weights, so small updates are "
-        "rounded away (1 + 1e-3 == 1 in bf16). Attention softmax stays f32 inside Flax's "
-        "attention, as jax.nn.dot_product_attention does.",
+        "rounded away (1 + 1e-3 == 1 in bf16). exp/log/softmax, norm statistics and sums still "
+        "run in f32 (their outputs are f32 until the next matmul).",
         Rules((), default="p=bf16,c=bf16,o=bf16,g=bf16", check_unmatched=False)),
     **_FP8_PRESETS,
 })
@@ -434,6 +473,12 @@ def describe_presets() -> str:
     for name, (doc, rules) in _PRESETS.items():
         out.append(f"{name}: {doc}\n{rules}")
     return "\n\n".join(out)
+
+
+def has_delayed_fp8(rules: Rules) -> bool:
+    """Whether any policy of ``rules`` has a delayed FP8 recipe (which needs an amax state)."""
+    policies = [p for _, p in rules.rules] + [rules.default]
+    return any(p is not None and p.fp8 is not None and p.fp8.delayed for p in policies)
 
 
 def report_unmatched(rules: Rules, modules: dict[str, tuple[str, ...]], strict: bool) -> None:

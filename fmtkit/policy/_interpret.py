@@ -1,0 +1,777 @@
+"""Operation-level policies: the traced jaxpr of a model, re-interpreted with precision rules.
+
+How ``with_policy`` works, for a linen model, an NNX model and a plain function alike:
+
+1. **Trace.** The unmodified model runs once under ``jax.make_jaxpr`` in its own dtypes. Each
+   Flax module call is wrapped in a named scope ``fmtkit_module_<i>`` (linen:
+   ``nn.intercept_methods``; NNX: the traced copy's classes are swapped for subclasses whose
+   methods enter the scope), and a ``Registry`` maps ``i`` to the module's path and class
+   names. Every equation's name stack then says which modules wrote it, innermost last, even
+   inside ``jit``, ``scan`` and ``remat`` bodies.
+2. **Analyze** (``analyze``). One pass over the jaxpr finds, for every matmul: whether one
+   operand is a view of a parameter (a *projection*, what FP8 recipes target: Dense,
+   DenseGeneral, Einsum, Linear, LinearGeneral, ``x @ w`` with a parameter), whether it is the
+   model's *output head* (by role, below), and the delayed-FP8 amax-history slots it needs
+   (one per projection per layer: inside a ``scan`` the slot gets a leading layer axis).
+3. **Interpret** (``Interpreter``). Every equation is bound again with the dtypes the rules
+   give it (op classes in ``_ops``): matmuls on the compute dtype (or the FP8 recipe),
+   precision-sensitive ops in f32, the rest following their inputs; module outputs are cast to
+   the module's ``output_dtype`` and their cotangents rounded through ``grad_dtype``. The
+   interpretation is ordinary JAX code, so ``jit``, ``grad`` and ``vmap`` around it work and
+   the backward pass is JAX's own transpose of the policied forward pass. ``jit`` bodies are
+   inlined; ``scan``, ``remat`` and ``custom_jvp`` bodies are interpreted and rebuilt
+   (``lax.scan``, ``jax.checkpoint``, a ``custom_jvp`` whose tangent is the original rule's);
+   ``while``, ``cond`` and ``custom_vjp`` bodies run as traced (inputs cast back).
+
+Why re-interpretation rather than intercepting ``Primitive.bind`` as the model runs (qwix's
+way): changing a dtype while user code still runs breaks its Python-level dtype logic
+(``jnp`` promotion raises under ``jax_numpy_dtype_promotion="strict"`` and silently widens
+under "standard"; ``lax.scan`` rejects a carry whose dtype changed), and needs no private JAX
+API patched. On a finished trace every dtype decision is the policy's.
+
+**The output head, by role.** A value "derives transparently" from a matmul when every op on
+the way combines it only with constants, parameters (a bias) or values computed from the same
+matmul (a log-softmax's ``x - logsumexp(x)``); a residual add of two independent streams
+breaks the chain, and so does any other matmul. The matmuls that the model's outputs derive
+from transparently, with a parameter operand, are the head: lm1b's ``logitdense``, a
+tied-embedding ``attend``, a CNN's classifier, whatever their names. A model whose output is
+a hidden state has no head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fmtkit import fp8
+from fmtkit.policy import _ops
+from fmtkit.policy._policy import Policy, Rules
+
+MODULE_SCOPE = "fmtkit_module_"
+OP_SCOPE = "fmtkit_op_"
+GRAD_SCOPE = "fmtkit_grad_round_"
+_MODULE_RX = re.compile(MODULE_SCOPE + r"(\d+)")
+_F32 = np.dtype(np.float32)
+
+# ---------------------------------------------------------------------------------------------
+# Module registry and scopes (filled while the model is traced).
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleInfo:
+    """A module the trace called: its path ("" for the root) and class names (most derived
+    first), which rules match against."""
+
+    path: str
+    type_names: tuple[str, ...]
+
+
+class Registry:
+    """The modules seen during one trace; index ``i`` is scope ``fmtkit_module_<i>``."""
+
+    def __init__(self):
+        self.modules: list[ModuleInfo] = []
+        self._index: dict[ModuleInfo, int] = {}
+
+    def index(self, path: str, type_names: Sequence[str]) -> int:
+        info = ModuleInfo(path, tuple(type_names))
+        if info not in self._index:
+            self._index[info] = len(self.modules)
+            self.modules.append(info)
+        return self._index[info]
+
+    def visited(self) -> dict[str, tuple[str, ...]]:
+        """``{path: class names}`` of every module called (for unmatched-rule reports)."""
+        return {m.path: m.type_names for m in self.modules}
+
+
+@dataclasses.dataclass
+class OpRecord:
+    """One interpreted equation, for ``inspect_policy``: scope ``fmtkit_op_<index>``."""
+
+    path: str
+    type_name: str
+    policy: Policy | None
+    primitive: str
+    head: bool = False
+    projection: bool = False
+    param_operands: tuple[int, ...] = ()
+    operand_shapes: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclasses.dataclass
+class Recorder:
+    """What ``inspect_policy`` collects while a policied model is traced."""
+
+    ops: list[OpRecord] = dataclasses.field(default_factory=list)
+    exits: dict[str, set] = dataclasses.field(default_factory=dict)  # path -> output dtypes
+    modules: dict[str, tuple[str, Policy | None]] = dataclasses.field(default_factory=dict)
+
+
+class _Active(threading.local):
+    registry: Registry | None = None
+    recorder: Recorder | None = None
+
+
+_ACTIVE = _Active()
+
+
+@contextlib.contextmanager
+def tracing(registry: Registry):
+    """Makes ``module_scope`` record into ``registry`` (for the duration of one trace)."""
+    prev = _ACTIVE.registry
+    _ACTIVE.registry = registry
+    try:
+        yield registry
+    finally:
+        _ACTIVE.registry = prev
+
+
+@contextlib.contextmanager
+def recording():
+    """Records every interpreted op and module exit (for ``inspect_policy``)."""
+    prev = _ACTIVE.recorder
+    _ACTIVE.recorder = rec = Recorder()
+    try:
+        yield rec
+    finally:
+        _ACTIVE.recorder = prev
+
+
+def module_scope(path: str, type_names: Sequence[str]):
+    """The named scope of one module call (a no-op outside ``tracing``)."""
+    reg = _ACTIVE.registry
+    if reg is None:
+        return contextlib.nullcontext()
+    return jax.named_scope(f"{MODULE_SCOPE}{reg.index(path, type_names)}")
+
+
+def _chain(eqn, prefix: tuple[int, ...]) -> tuple[int, ...]:
+    found = _MODULE_RX.findall(str(eqn.source_info.name_stack))
+    return prefix + tuple(int(i) for i in found) if found else prefix
+
+
+# ---------------------------------------------------------------------------------------------
+# Cotangent rounding (a module's grad_dtype).
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def round_cotangent(x: jax.Array, dtype: str) -> jax.Array:
+    """Identity on the forward pass; the tangent (so the cotangent) is rounded to ``dtype``.
+
+    JAX ties a cotangent's dtype to its primal's, so ``grad_dtype`` is a rounding
+    (``t.astype(dtype).astype(t.dtype)``), not a change of dtype. A custom JVP rather than a
+    custom VJP, so ``jax.jvp`` and grad-of-grad work as well.
+    """
+    return x
+
+
+@round_cotangent.defjvp
+def _round_cotangent_jvp(dtype, primals, tangents):
+    (x,), (t,) = primals, tangents
+    with jax.named_scope(GRAD_SCOPE + str(dtype)):
+        return x, t.astype(dtype).astype(t.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis: projections, the head, delayed-FP8 slots.
+
+
+def _floating(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Facts:
+    param: bool = False  # a view of a parameter
+    const: bool = False  # depends on no floating input (literals, labels, iota)
+    dep: frozenset = frozenset()  # every matmul upstream
+    head: frozenset = frozenset()  # matmuls this value derives from transparently
+    upcast: bool = False  # the author's cast of a narrower float to f32
+
+
+@dataclasses.dataclass(frozen=True)
+class DotInfo:
+    """What the analysis knows of one matmul equation."""
+
+    module: int | None  # registry index of the innermost module (None: outside modules)
+    projection: bool  # an operand is a view of a parameter
+    batched: bool  # dot_general with batch dimensions
+    head: bool = False
+
+
+_NO_FACTS = _Facts()
+
+
+class Analysis:
+    """Facts about the equations of one trace, keyed by their position (``idpath``)."""
+
+    def __init__(self, closed: jex.ClosedJaxpr, param_inputs: Sequence[bool],
+                 head_outputs: Sequence[bool], policy_of: Callable[[int | None], Any]):
+        self.dots: dict[tuple, DotInfo] = {}
+        self.facts: dict[tuple, _Facts] = {}
+        self.sites: dict[tuple, str] = {}  # idpath of a delayed-FP8 matmul -> slot name
+        self.site_shapes: dict[str, tuple[int, ...]] = {}  # slot -> [*layers, 3, history]
+        self.scan_sites: dict[tuple, list[str]] = {}  # idpath of a scan -> slots inside
+        self._policy_of = policy_of
+        self._count: dict[str, int] = {}
+        jaxpr = closed.jaxpr
+        ins = [_Facts(param=bool(p), const=not _floating(v.aval.dtype))
+               for v, p in zip(jaxpr.invars, param_inputs)]
+        outs = self._walk(jaxpr, ins, (), (), ())
+        heads = frozenset().union(*(f.head for f, h in zip(outs, head_outputs) if h))
+        heads = {d for d in heads if self.dots[d].projection}
+        for d in heads:
+            self.dots[d] = dataclasses.replace(self.dots[d], head=True)
+            key = self.sites.pop(d, None)
+            if key is not None:
+                self.site_shapes.pop(key)
+        self.heads = frozenset(heads)
+
+    def is_head_value(self, idprefix: tuple, var) -> bool:
+        facts = self.facts.get((idprefix, var))
+        return bool(facts and facts.head & self.heads)
+
+    def is_param(self, idprefix: tuple, var) -> bool:
+        facts = self.facts.get((idprefix, var))
+        return bool(facts and facts.param)
+
+    def is_upcast(self, idprefix: tuple, var) -> bool:
+        facts = self.facts.get((idprefix, var))
+        return bool(facts and facts.upcast)
+
+    def _new_site(self, module: int | None, dims: tuple[int, ...], history: int) -> str:
+        path = self._policy_of.path(module)
+        n = self._count.get(path, 0)
+        self._count[path] = n + 1
+        key = f"{path or '<root>'}:dot{n}"
+        self.site_shapes[key] = (*dims, 3, history)
+        return key
+
+    def _walk(self, jaxpr, ins: list[_Facts], prefix: tuple, idprefix: tuple,
+              dims: tuple[int, ...]) -> list[_Facts]:
+        env: dict[Any, _Facts] = {}
+        for v, f in zip(jaxpr.invars, ins):
+            env[v] = f
+            self.facts[(idprefix, v)] = f
+        for v in jaxpr.constvars:
+            env[v] = _Facts(const=True)
+
+        def get(v):
+            if isinstance(v, jex.Literal):
+                return _Facts(const=True)
+            return env.get(v, _NO_FACTS)
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            idp = (*idprefix, i)
+            chain = _chain(eqn, prefix)
+            args = [get(v) for v in eqn.invars]
+            outs = self._eqn(eqn, args, chain, idp, dims)
+            for v, f in zip(eqn.outvars, outs):
+                env[v] = f
+                self.facts[(idprefix, v)] = f
+        return [get(v) for v in jaxpr.outvars]
+
+    def _eqn(self, eqn, args: list[_Facts], chain, idp, dims) -> list[_Facts]:
+        name = eqn.primitive.name
+        dep = frozenset().union(*(a.dep for a in args))
+        const = all(a.const for a in args)
+        n_out = len(eqn.outvars)
+        if name in _ops.INLINE_CALLS:
+            return self._walk(eqn.params["jaxpr"].jaxpr, args, chain, idp, dims)
+        if name == "custom_jvp_call":
+            return self._walk(eqn.params["call_jaxpr"].jaxpr, args, chain, idp, dims)
+        if name in _ops.REMAT:
+            return self._walk(eqn.params["jaxpr"], args, chain, idp, dims)
+        if name == "scan" and _scan_counts(eqn) is not None:
+            n0, n1, _ = _scan_counts(eqn)
+            body = [a if not (n0 <= j < n0 + n1) else _Facts(dep=a.dep)
+                    for j, a in enumerate(args)]
+            before = set(self.sites.values())
+            inner = self._walk(eqn.params["jaxpr"].jaxpr, body, chain, idp,
+                               (*dims, int(eqn.params["length"])))
+            self.scan_sites[idp] = [k for k in self.sites.values() if k not in before]
+            dep = dep.union(*(f.dep for f in inner))
+            return [_Facts(dep=dep, const=const)] * n_out
+        if name in _ops.MATMUL:
+            (_lc, _rc), (lb, _) = (eqn.params["dimension_numbers"] if name == "dot_general"
+                                 else (((), ()), ((), ())))
+            module = chain[-1] if chain else None
+            info = DotInfo(module, any(a.param for a in args[:2]), bool(lb))
+            self.dots[idp] = info
+            policy = self._policy_of(module)
+            if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
+                    and name == "dot_general" and info.projection and not info.batched):
+                self.sites[idp] = self._new_site(module, dims, policy.fp8.history)
+            return [_Facts(dep=dep | {idp}, head=frozenset({idp}))] * n_out
+        if list(jex.jaxprs_in_params(eqn.params)):  # while, cond, custom_vjp, ...: opaque
+            return [_Facts(dep=dep, const=const)] * n_out
+        heads = frozenset().union(*(a.head for a in args))
+        if heads:
+            heads = frozenset(d for d in heads
+                              if all(a.const or a.param or d in a.dep for a in args))
+        param = name in _ops.VIEW_OPS and bool(args) and args[0].param
+        upcast = (name == "convert_element_type" and eqn.params["new_dtype"] == _F32
+                  and _floating(eqn.invars[0].aval.dtype)
+                  and np.dtype(eqn.invars[0].aval.dtype).itemsize < 4)
+        outs = []
+        for v in eqn.outvars:
+            floating = _floating(v.aval.dtype)
+            outs.append(_Facts(param=param, const=const, dep=dep,
+                               head=heads if floating else frozenset(), upcast=upcast))
+        return outs
+
+
+def _scan_counts(eqn) -> tuple[int, int, int] | None:
+    """(consts, carry, xs) operand counts of a ``scan`` equation, or None if unknown."""
+    try:
+        n0, n1, n2 = (len(group) for group in eqn.params["ft_in"].elts)
+    except (KeyError, AttributeError, TypeError, ValueError):
+        return None
+    if n0 + n1 + n2 != len(eqn.invars):
+        return None
+    if len(eqn.params["jaxpr"].jaxpr.outvars) != len(eqn.outvars):
+        return None
+    return n0, n1, n2
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpretation.
+
+
+def _bind(eqn, invals: Sequence[Any], **overrides) -> list[Any]:
+    params = dict(eqn.primitive.get_bind_params(eqn.params))
+    params.update(overrides)
+    out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _is_float_value(x) -> bool:
+    return hasattr(x, "dtype") and _floating(x.dtype)
+
+
+def _cast(x, dtype):
+    dtype = np.dtype(dtype)
+    if _is_float_value(x) and x.dtype != dtype:
+        return lax.convert_element_type(x, dtype)
+    return x
+
+
+def _wider(a, b) -> np.dtype:
+    a, b = np.dtype(a), np.dtype(b)
+    if a == b:
+        return a
+    if a.itemsize != b.itemsize:
+        return a if a.itemsize > b.itemsize else b
+    return _F32  # bf16 vs f16: neither holds the other
+
+
+def _mixed_matmul(eqn, lhs, rhs, out_dtype):
+    """A matmul on narrow operands with a wider result (the head's f32 logits), whose two
+    backward GEMMs also run on the narrow dtype (the cotangent is cast down first), as a
+    bf16 head matmul does in frameworks that keep f32 logits."""
+    narrow = lhs.dtype
+
+    def low(a, b):
+        return _bind(eqn, [a, b], preferred_element_type=narrow)[0]
+
+    @jax.custom_vjp
+    def matmul(a, b):
+        return _bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
+
+    def fwd(a, b):
+        return matmul(a, b), (a, b)
+
+    def bwd(res, g):
+        _, vjp = jax.vjp(low, *res)
+        return vjp(g.astype(narrow))
+
+    matmul.defvjp(fwd, bwd)
+    return matmul(lhs, rhs)
+
+
+class Interpreter:
+    """Evaluates a traced jaxpr under ``rules`` (see the module docstring)."""
+
+    def __init__(self, rules: Rules, registry: Registry, *, fp8_state: dict | None = None,
+                 record: Recorder | None = None):
+        self.rules = rules
+        self.registry = registry
+        self.fp8_state = fp8_state
+        self.record = record
+        self._policies: dict[int | None, tuple[Policy | None, bool]] = {}
+        self._warned: set[str] = set()
+        self.analysis: Analysis | None = None
+
+    # -- rules ----------------------------------------------------------------------------
+    def path(self, module: int | None) -> str:
+        return "" if module is None else self.registry.modules[module].path
+
+    def resolve(self, module: int | None) -> tuple[Policy | None, bool]:
+        """(policy, matched-by-a-pattern) of a module (None: code outside every module)."""
+        if module not in self._policies:
+            info = (self.registry.modules[module] if module is not None
+                    else ModuleInfo("", ()))
+            i = self.rules.match(info.path, info.type_names)
+            self._policies[module] = ((self.rules.default, False) if i is None
+                                      else (self.rules.rules[i][1], True))
+        return self._policies[module]
+
+    def policy_of(self, module: int | None) -> Policy | None:
+        return self.resolve(module)[0]
+
+    def analyze(self, closed, param_inputs: Sequence[bool], head_outputs: Sequence[bool]
+                ) -> Analysis:
+        self.analysis = Analysis(closed, param_inputs, head_outputs, _PolicyOf(self))
+        return self.analysis
+
+    # -- evaluation -----------------------------------------------------------------------
+    def run(self, closed, args: Sequence[Any]) -> list[Any]:
+        """Interprets ``closed`` on ``args`` (flat); module outputs leave every module."""
+        assert self.analysis is not None, "analyze first"
+        return self._walk(closed.jaxpr, closed.consts, list(args), [()] * len(args), (), (),
+                          self.fp8_state or {})
+
+    def _walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local):
+        env: dict[Any, Any] = {}
+        chains: dict[Any, tuple] = {}
+        exits: dict[tuple, Any] = {}
+        for v, x, c in zip(jaxpr.invars, args, arg_chains):
+            env[v], chains[v] = x, c
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v], chains[v] = x, ()
+
+        def read(v, consumer: tuple):
+            if isinstance(v, jex.Literal):
+                return np.asarray(v.val, dtype=v.aval.dtype)
+            x, producer = env[v], chains[v]
+            common = 0
+            for a, b in zip(producer, consumer):
+                if a != b:
+                    break
+                common += 1
+            if len(producer) == common or not _is_float_value(x):
+                return x
+            key = (v, common)
+            if key not in exits:
+                exits[key] = self._exit(x, producer[common:],
+                                        self.analysis.is_head_value(idprefix, v))
+            return exits[key]
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            chain = _chain(eqn, prefix)
+            invals = [read(v, chain) for v in eqn.invars]
+            outs = self._eqn(eqn, invals, chain, (*idprefix, i), idprefix, fp8_local)
+            for v, x in zip(eqn.outvars, outs):
+                env[v], chains[v] = x, chain
+        return [read(v, prefix) for v in jaxpr.outvars]
+
+    def _exit(self, x, modules: tuple[int, ...], head_value: bool):
+        """Casts a value leaving ``modules`` (innermost last) to their output dtypes."""
+        for m in reversed(modules):
+            policy, explicit = self.resolve(m)
+            path = self.registry.modules[m].path
+            if policy is not None and (path != "" or explicit):  # else: Rules.output_dtype
+                odt = np.dtype(policy.output_dtype)
+                if not (head_value and odt.itemsize < x.dtype.itemsize):
+                    x = _cast(x, odt)
+                if policy.grad_dtype != "float32" and np.dtype(policy.grad_dtype) != x.dtype:
+                    x = round_cotangent(x, policy.grad_dtype)
+            if self.record is not None:
+                self.record.exits.setdefault(path, set()).add(str(x.dtype))
+        return x
+
+    def _eqn(self, eqn, invals, chain, idp, idprefix, fp8_local) -> list[Any]:
+        name = eqn.primitive.name
+        scope = (self._record(eqn, chain, idp) if self.record is not None
+                 else contextlib.nullcontext())
+        with scope:
+            if name in _ops.INLINE_CALLS:
+                inner = eqn.params["jaxpr"]
+                return self._walk(inner.jaxpr, inner.consts, invals, [chain] * len(invals),
+                                  chain, idp, fp8_local)
+            if name == "custom_jvp_call":
+                return self._custom_jvp(eqn, invals, chain, idp, fp8_local)
+            if name in _ops.REMAT:
+                return self._checkpoint(eqn, invals, chain, idp, fp8_local)
+            if name == "scan" and _scan_counts(eqn) is not None:
+                return self._scan(eqn, invals, chain, idp, fp8_local)
+            if list(jex.jaxprs_in_params(eqn.params)):
+                return _bind(eqn, [_cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
+            policy = self.policy_of(chain[-1] if chain else None)
+            if name in _ops.MATMUL and policy is not None:
+                return [self._matmul(eqn, invals, chain, idp, idprefix, policy, fp8_local)]
+            if name in _ops.F32_OPS and policy is not None:
+                return _bind(eqn, [_cast(x, _F32) if _is_float_value(x)
+                                   and x.dtype.itemsize < 4 else x for x in invals])
+            if name == "convert_element_type":
+                return [self._convert(eqn, invals[0])]
+            return _bind(eqn, self._follow(eqn, invals, idprefix, policy))
+
+    def _follow(self, eqn, invals, idprefix, policy):
+        """Operands that had one dtype in the trace get the widest of their current dtypes.
+
+        Constants written in the model (literals, weakly typed Python scalars) take their
+        partners' dtype, and parameters count in the module's compute dtype (a bias added to a
+        bf16 matmul result stays bf16, as parameters cast at use would), so only activations
+        decide.
+        """
+        groups: dict[np.dtype, list[int]] = {}
+        for j, v in enumerate(eqn.invars):
+            if _floating(v.aval.dtype):
+                groups.setdefault(np.dtype(v.aval.dtype), []).append(j)
+        out = list(invals)
+        cdt = None if policy is None else np.dtype(policy.compute_dtype)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            weak, strong = [], []
+            for j in members:
+                v = eqn.invars[j]
+                if isinstance(v, jex.Literal) or v.aval.weak_type:
+                    weak.append(j)
+                elif cdt is not None and self.analysis.is_param(idprefix, v):
+                    out[j] = _cast(out[j], cdt)
+                    weak.append(j)
+                else:
+                    strong.append(j)
+            pick = strong or members
+            target = np.dtype(out[pick[0]].dtype)
+            for j in pick[1:]:
+                target = _wider(target, out[j].dtype)
+            for j in members:
+                out[j] = _cast(out[j], target)
+        return out
+
+    @staticmethod
+    def _convert(eqn, x):
+        src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+        if _floating(src) and src == dst:
+            return x  # a weak-type change in the trace: the value follows its input
+        return _bind(eqn, [x])[0]
+
+    def _matmul(self, eqn, invals, chain, idp, idprefix, policy, fp8_local):
+        info = self.analysis.dots.get(idp)
+        module = chain[-1] if chain else None
+        _, explicit = self.resolve(module)
+        head = info is not None and info.head and not explicit and self.rules.head is not None
+        if head:
+            policy = self.rules.head
+        cdt = np.dtype(policy.compute_dtype)
+        lhs, rhs = invals[0], invals[1]
+        targets = []
+        for x, v in zip((lhs, rhs), eqn.invars[:2]):
+            keep = (_is_float_value(x) and x.dtype == _F32
+                    and self.analysis.is_upcast(idprefix, v))
+            targets.append(_F32 if keep else cdt)
+        target = _wider(*targets)
+        lhs, rhs = _cast(lhs, target), _cast(rhs, target)
+        out_dt = np.dtype(policy.output_dtype) if head else target
+        recipe = policy.fp8
+        if (recipe is not None and not head and target == cdt and info is not None
+                and info.projection and eqn.primitive.name == "dot_general"):
+            out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt)
+            if out is not None:
+                return out
+        if not (_is_float_value(lhs) and _is_float_value(rhs)):
+            return _bind(eqn, [lhs, rhs, *invals[2:]])[0]
+        if out_dt.itemsize > target.itemsize:
+            return _mixed_matmul(eqn, lhs, rhs, out_dt)
+        return _bind(eqn, [lhs, rhs, *invals[2:]], preferred_element_type=out_dt)[0]
+
+    def _fp8_matmul(self, eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt):
+        path = self.path(module)
+        kwargs = {}
+        if recipe.delayed:
+            key = self.analysis.sites.get(idp)
+            if key is None or key not in fp8_local:
+                reason = ("it has batch dimensions (delayed scaling keeps one amax per "
+                          "tensor of a plain GEMM)" if info.batched else
+                          "no amax history was passed for it (initialize the policied model "
+                          "and pass its 'fp8_state')")
+                self._warn(path, f"FP8 recipe {recipe} skipped for a matmul in module "
+                                 f"{path or '<root>'!r}: {reason}; it runs in {cdt.name}.")
+                return None
+            kwargs["fp8_state"] = fp8.Fp8DotState(fp8_local[key])
+        try:
+            return fp8.dot_general(recipe)(lhs, rhs, eqn.params["dimension_numbers"], None,
+                                           preferred_element_type=cdt, **kwargs)
+        except ValueError as err:
+            raise ValueError(f"FP8 matmul in module {path or '<root>'!r} (recipe "
+                             f"{recipe}): {err}") from None
+
+    def _record(self, eqn, chain, idp):
+        module = chain[-1] if chain else None
+        info = ModuleInfo("", ()) if module is None else self.registry.modules[module]
+        policy, explicit = self.resolve(module)
+        dot = self.analysis.dots.get(idp)
+        head = bool(dot and dot.head and not explicit and self.rules.head is not None)
+        type_name = info.type_names[0] if info.type_names else "-"
+        self.record.modules.setdefault(info.path, (type_name, policy))
+        facts = [None if isinstance(v, jex.Literal) else self.analysis.facts.get((idp[:-1], v))
+                 for v in eqn.invars]
+        self.record.ops.append(OpRecord(
+            path=info.path, type_name=type_name, policy=self.rules.head if head else policy,
+            primitive=eqn.primitive.name, head=head,
+            projection=bool(dot and dot.projection),
+            param_operands=tuple(j for j, f in enumerate(facts) if f is not None and f.param),
+            operand_shapes=tuple(tuple(getattr(v.aval, "shape", ())) for v in eqn.invars)))
+        return jax.named_scope(f"{OP_SCOPE}{len(self.record.ops) - 1}")
+
+    def _warn(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, UserWarning, stacklevel=2)
+
+    def _custom_jvp(self, eqn, invals, chain, idp, fp8_local):
+        traced = [v.aval.dtype for v in eqn.invars]
+        if all(not _is_float_value(x) or x.dtype == d for x, d in zip(invals, traced)):
+            return _bind(eqn, invals)  # dtypes as traced: the original, custom rule and all
+        body = eqn.params["call_jaxpr"]
+
+        def original(*xs):
+            return _bind(eqn, list(xs))
+
+        @jax.custom_jvp
+        def policied(*xs):
+            return self._walk(body.jaxpr, body.consts, list(xs), [chain] * len(xs), chain,
+                              idp, fp8_local)
+
+        @policied.defjvp
+        def policied_jvp(primals, tangents):
+            out = policied(*primals)
+            p0 = [_cast(p, d) for p, d in zip(primals, traced)]
+            t0 = [_cast(t, d) for t, d in zip(tangents, traced)]
+            _, t_out = jax.jvp(original, p0, t0)
+            return out, [_cast(t, o.dtype) for t, o in zip(t_out, out)]
+
+        return policied(*invals)
+
+    def _checkpoint(self, eqn, invals, chain, idp, fp8_local):
+        body = eqn.params["jaxpr"]
+
+        def fn(*xs):
+            return self._walk(body, (), list(xs), [chain] * len(xs), chain, idp, fp8_local)
+
+        return jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"],
+                              policy=eqn.params["policy"])(*invals)
+
+    def _scan(self, eqn, invals, chain, idp, fp8_local):
+        n0, n1, _ = _scan_counts(eqn)
+        body = eqn.params["jaxpr"]
+        consts, init, xs = invals[:n0], invals[n0:n0 + n1], invals[n0 + n1:]
+        carry_dtypes = [getattr(x, "dtype", None) for x in init]
+        keys = [k for k in self.analysis.scan_sites.get(idp, []) if k in fp8_local]
+        n_in = len(invals)
+
+        def step(carry, inp):
+            x, hist = inp
+            local = {**fp8_local, **dict(zip(keys, hist))}
+            outs = self._walk(body.jaxpr, body.consts, [*consts, *carry, *x], [chain] * n_in,
+                              chain, idp, local)
+            new = [_cast(o, d) if d is not None else o for o, d in zip(outs[:n1], carry_dtypes)]
+            return new, outs[n1:]
+
+        carry, ys = lax.scan(step, list(init), (list(xs), [fp8_local[k] for k in keys]),
+                             length=int(eqn.params["length"]), reverse=eqn.params["reverse"],
+                             unroll=eqn.params["unroll"])
+        return [*carry, *ys]
+
+
+class _PolicyOf:
+    """``policy_of`` plus ``path`` for the analysis (which only reads rules)."""
+
+    def __init__(self, interp: Interpreter):
+        self._interp = interp
+
+    def __call__(self, module):
+        return self._interp.policy_of(module)
+
+    def path(self, module):
+        return self._interp.path(module)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a function under rules.
+
+
+def _is_dynamic(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass
+class Traced:
+    """One trace of a function: its jaxpr, the modules it called, its array inputs."""
+
+    closed: jex.ClosedJaxpr
+    registry: Registry
+    dyn: list[Any]
+    params: list[bool]  # per array input: is it a parameter?
+    out_tree: Any
+    out_avals: list[Any]
+
+
+def trace(fn: Callable, args: tuple, kwargs: dict, *,
+          is_param: Callable[[tuple, Any], bool] = lambda path, x: True,
+          scopes: Callable | None = None) -> Traced:
+    """Traces ``fn(*args, **kwargs)`` recording module scopes; array leaves are the inputs.
+
+    Args:
+      is_param: ``(key path in (args, kwargs), leaf) -> bool``: which inputs are parameters.
+      scopes: a context-manager factory entered around the call inside the trace (the NNX
+        adapter's class swap); linen's interceptor is installed by its adapter inside ``fn``.
+    """
+    with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [x for _, x in with_path]
+    dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    registry = Registry()
+
+    def flat_fn(*dyn_vals):
+        full = list(leaves)
+        for i, x in zip(dyn_idx, dyn_vals):
+            full[i] = x
+        a, k = jax.tree.unflatten(treedef, full)
+        with tracing(registry), (scopes() if scopes else contextlib.nullcontext()):
+            return fn(*a, **k)
+
+    dyn = [leaves[i] for i in dyn_idx]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+    avals, out_tree = jax.tree.flatten(out_shape)
+    params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
+    return Traced(closed, registry, dyn, params, out_tree, avals)
+
+
+def run(traced: Traced, rules: Rules, *, main: Sequence[bool] | None = None,
+        fp8_state: dict | None = None, record: Recorder | None = None
+        ) -> tuple[Any, Interpreter]:
+    """Interprets a trace under ``rules``; returns (output tree, the interpreter).
+
+    ``main``: per output leaf, whether it is a model output (cast to ``rules.output_dtype``,
+    searched for the head) rather than state handed back (kept in its traced dtype).
+    """
+    main = [True] * len(traced.out_avals) if main is None else list(main)
+    interp = Interpreter(rules, traced.registry, fp8_state=fp8_state,
+                         record=record if record is not None else _ACTIVE.recorder)
+    interp.analyze(traced.closed, traced.params,
+                   [m and _floating(a.dtype) for m, a in zip(main, traced.out_avals)])
+    outs = interp.run(traced.closed, traced.dyn)
+    odt = rules.output_dtype
+    final = []
+    for x, aval, is_main in zip(outs, traced.out_avals, main):
+        if is_main:
+            final.append(_cast(x, odt) if odt is not None else x)
+        else:
+            final.append(_cast(x, aval.dtype))
+    return jax.tree.unflatten(traced.out_tree, final), interp

@@ -1,0 +1,76 @@
+"""The operation classes of an autocast-style policy, keyed by JAX primitive name.
+
+A policy decides per *operation*, wherever a model writes it (inside Flax layers, in a
+hand-written ``__call__``, in a plain function). The classes follow PyTorch's autocast op
+reference (``torch.amp``, "CUDA Ops that can autocast to float16 / to float32"), mapped to the
+primitives JAX models lower to (``jnp.einsum``, ``@``, ``Dense``, ``Einsum``, ``Embed.attend``
+all become ``dot_general``; ``jax.nn.softmax`` is inlined as reduce_max / sub / exp /
+reduce_sum / div; a hand-written RMSNorm is mean / rsqrt / mul):
+
+=============  ====================================================  ==========================
+class          primitives                                            what the policy does
+=============  ====================================================  ==========================
+matmul         dot_general, conv_general_dilated                     operands in the module's
+                                                                     compute dtype, or its FP8
+                                                                     recipe (projections only)
+f32            exp, exp2, log, log1p, expm1, rsqrt, pow, tan, sinh,  floating inputs below f32
+               cosh, asin, acos, erf_inv, lgamma, digamma;           are upcast; the result
+               reduce_sum, reduce_prod, reduce_max, reduce_min,      stays f32 and the next
+               cumsum, cumprod, cumlogsumexp, cummax, cummin          matmul casts its own input
+follow         everything else (add, mul, div, tanh, select_n,       inputs of one dtype in
+               concatenate, reshape, gather, ...)                    the trace are brought to
+                                                                     the widest of their current
+                                                                     dtypes (autocast's
+                                                                     "promote" class); a
+                                                                     weakly typed constant takes
+                                                                     its partner's dtype
+=============  ====================================================  ==========================
+
+Why these: autocast's float32 list holds the ops whose error grows with the input's
+rounding (exp/log amplify relative error; pow; rsqrt of a small variance) and every sum
+(softmax denominators, norm statistics, losses: bf16's 8 mantissa bits lose the low bits of a
+long sum). ``reduce_max``/``reduce_min`` are exact in any dtype; they are in the f32 class so
+the whole max-subtract / exp / sum chain of a softmax stays in one dtype. Squares
+(``integer_pow``, ``square``) follow their inputs: autocast leaves ``x * x`` alone too, and the
+f32 sum that follows holds the statistic's precision. ``logistic`` (sigmoid) and ``tanh``
+follow their inputs (bounded outputs; autocast lists neither).
+
+An author's own casts are kept: a ``convert_element_type`` that changes the dtype in the trace
+is applied as written, and a matmul operand the author upcast to f32 is not cast down.
+"""
+
+from __future__ import annotations
+
+MATMUL = frozenset({"dot_general", "conv_general_dilated"})
+
+F32_ELEMENTWISE = frozenset({
+    "exp", "exp2", "log", "log1p", "expm1", "rsqrt", "pow", "tan", "sinh", "cosh", "asin",
+    "acos", "erf_inv", "lgamma", "digamma",
+})
+F32_REDUCTIONS = frozenset({
+    "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "cumsum", "cumprod",
+    "cumlogsumexp", "cummax", "cummin",
+})
+F32_OPS = F32_ELEMENTWISE | F32_REDUCTIONS
+
+# Ops through which a parameter stays "a parameter" (a view of the stored tensor): a matmul
+# with such an operand is a projection (the FP8 presets' target).
+VIEW_OPS = frozenset({
+    "convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+    "expand_dims", "slice", "dynamic_slice", "copy", "copy_p", "reduce_precision",
+})
+
+# Primitives whose sub-jaxprs the interpreter enters (the rest run as written, their inputs
+# cast back to the dtypes they were traced with).
+INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# jax.checkpoint / nn.remat / nnx.remat (the primitive is "remat2" in jax 0.11).
+REMAT = frozenset({"checkpoint", "remat2", "remat"})
+
+
+def op_class(name: str) -> str:
+    """``"matmul"``, ``"f32"`` or ``"follow"`` for a primitive name."""
+    if name in MATMUL:
+        return "matmul"
+    if name in F32_OPS:
+        return "f32"
+    return "follow"
