@@ -69,8 +69,7 @@ def _is_weight(labels: frozenset) -> bool:
 
 
 def _matmul_outs(eqn, ins):
-    base = frozenset(lab for s in ins for lab in s
-                     if not (isinstance(lab, tuple) and lab[0] == "mm"))
+    base = _drop_mm(_union(ins))
     if any(COTANGENT in s for s in ins[:2]) and not any(_is_weight(s) for s in ins[:2]):
         base = base | {("mm", id(eqn))}
     return [base] * len(eqn.outvars)
@@ -92,10 +91,23 @@ def _union(sets):
     return frozenset().union(*sets)
 
 
+def _drop_mm(labels: frozenset) -> frozenset:
+    return frozenset(lab for lab in labels if not (isinstance(lab, tuple) and lab[0] == "mm"))
+
+
+# Ops through which a matmul's output reaches a gradient only as a scale or a decision (an FP8
+# amax, an overflow check), not as a value: its "mm" label stops there.
+_SCALE_OPS = ("reduce_max", "reduce_min", "argmax", "argmin", "reduce_and", "reduce_or")
+
+
 def _eqn_outs(eqn, ins, record):
     name = eqn.primitive.name
     if name in MATMULS:
         return _matmul_outs(eqn, ins)
+    if name in _SCALE_OPS or (eqn.outvars and all(
+            not jnp.issubdtype(getattr(v.aval, "dtype", jnp.float32), jnp.inexact)
+            for v in eqn.outvars)):
+        return [_drop_mm(_union(ins))] * len(eqn.outvars)
     if name == "scan":
         body = eqn.params["jaxpr"]
         if "num_consts" in eqn.params:

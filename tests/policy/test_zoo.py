@@ -148,6 +148,39 @@ def test_a_matmul_not_reaching_a_weight_gradient_is_not_wgrad():
     assert roles["wgrad"] == 1 and roles["act_bwd"] == 2 and roles["act_fwd"] == 1
 
 
+@jax.custom_vjp
+def _amax_scaled_matmul(x, w):
+    return x @ w
+
+
+def _amax_scaled_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _amax_scaled_bwd(res, g):
+    # As an FP8 recipe does: the gradient is scaled by its amax, the products rescaled.
+    x, w = res
+    s = jnp.max(jnp.abs(g))
+    return ((g / s) @ w.T) * s, jnp.einsum("bti,btj->ij", x, g / s) * s
+
+
+_amax_scaled_matmul.defvjp(_amax_scaled_fwd, _amax_scaled_bwd)
+
+
+def test_an_amax_scale_does_not_make_a_weight_gradient():
+    # The attention-like backward dots feed the weight gradient's *scale* (an amax), not its
+    # value: they stay activation gradients.
+    params = {"w": jnp.ones((4, 4))}
+
+    def loss(p, x):
+        h = _amax_scaled_matmul(x, p["w"])
+        return jnp.sum(jnp.einsum("bij,bjk->bik", h, h))
+
+    records, outs = _labelled_step(loss, params, jnp.ones((2, 4, 4)))
+    roles = _roles(matmuls(records, outs, head_size=97))
+    assert roles["wgrad"] == 1 and roles["act_bwd"] == 2, roles
+
+
 def test_matmul_flops_by_hand():
     dot = jax.make_jaxpr(lambda a, b: jnp.einsum("bij,bjk->bik", a, b))(
         jnp.ones((2, 4, 5)), jnp.ones((2, 5, 6))).jaxpr.eqns[0]
