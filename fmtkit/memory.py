@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 from fmtkit.formats import get_format
-from fmtkit.optim._master import MasterWeightsState
+from fmtkit.optim import MasterWeightsState
 
 __all__ = ["MemoryLedger", "ledger"]
 

@@ -16,11 +16,23 @@ at promotion):
 
 Kernel structure (``_matmul_kernel``): a persistent grid of one CTA per SM walks the output
 tiles (``plgpu.nd_loop`` + ``plgpu.planar_snake``); each CTA runs three warpgroups, one
-issuing TMA copies of the A/B tiles and their scales into a ``max_concurrent_steps``-deep
-shared-memory ring (``plgpu.emit_pipeline_warp_specialized``), two computing: per K block a
-``plgpu.wgmma`` of FP8 operands (both K-major: FP8 ``wgmma`` cannot transpose) into a fresh
-accumulator, then the scaled promotion into a register-resident running sum. The epilogue
-casts, stages the tile in shared memory and stores it with TMA.
+issuing TMA copies of the FP8 A and B tiles into a shared-memory ring
+(``plgpu.emit_pipeline_warp_specialized``), two computing. Per K block and per 64-row pass
+of its tile, a compute warpgroup
+
+1. issues a ``plgpu.wgmma`` of FP8 operands (both K-major: FP8 ``wgmma`` cannot transpose)
+   into a fresh f32 accumulator,
+2. loads the block's A row scales and B scale(s) from global memory while it runs (plain
+   loads, L2-resident; nothing in shared memory, so no proxy fence before the TMA warpgroup
+   refills the slot),
+3. waits for the wgmma and, after its last pass, releases the slot
+   (``manual_consumed_barriers``), before
+4. the promotion ``sum += fresh * (a_scale ⊗ b_scale)`` into the register-resident sum.
+
+When the stages divide the K blocks (``config.pipeline_stages``), one pipeline runs through
+all of a CTA's tiles (``pipeline_state``), so the ring is not drained and refilled between
+tiles. The epilogue casts and stores each 64-row pass through a 16 KiB shared-memory chunk
+per warpgroup with TMA.
 """
 
 from __future__ import annotations
@@ -34,7 +46,13 @@ from jax import lax
 
 from pallas_kernels import _backend
 from pallas_kernels._backend import Impl, pl, plgpu
-from pallas_kernels.config import BLOCK_K, TuningConfig, choose_config
+from pallas_kernels.config import (
+    BLOCK_K,
+    TuningConfig,
+    choose_config,
+    epilogue_n,
+    pipeline_stages,
+)
 from pallas_kernels.quantize import quantize_1x128
 
 __all__ = [
@@ -46,12 +64,7 @@ __all__ = [
 
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_SCALE_GROUP = 4  # B scales copied per step: 4 x f32 = 16 bytes, TMA's minimum width.
 KERNEL_NAME = "blockwise_fp8_matmul"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _swizzled(dtype) -> tuple:
@@ -65,20 +78,25 @@ def _swizzled(dtype) -> tuple:
 
 
 def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfig,
-                   m_tiles: int, n_tiles: int, k_blocks: int, b_rows: bool):
+                   m_tiles: int, n_tiles: int, k_blocks: int, b_rows: bool, stages: int,
+                   persistent: bool):
     """One persistent CTA: ``a_ref`` [Mp, K] e4m3, ``as_ref`` [K/128, Mp] f32 (A scales,
-    transposed so a step's scales are one contiguous row), ``b_ref`` [Np, K] e4m3,
+    transposed so a K block's scales are one contiguous row), ``b_ref`` [Np, K] e4m3,
     ``bs_ref`` f32 B scales, transposed: [K/128, Np] per row (``b_rows``) or
-    [K/128, 4*ceil(Np/512)] per 128x128 block (padded to groups of 4), ``out_ref`` [Mp, Np].
+    [K/128, ceil(Np/128)] per 128x128 block, ``out_ref`` [Mp, Np].
 
-    Each output tile runs its own pipeline, which drains at the end of the tile (the TMA
-    warpgroup waits for the last K blocks to be consumed before fetching the next tile's).
+    With ``persistent``, one pipeline runs through all the CTA's output tiles: the TMA
+    warpgroup fetches the next tile's first K blocks while the compute warpgroups finish
+    the current one (``pipeline_state``: START on the CTA's first tile, STEADY, STOP on
+    its last; a CTA with one tile runs a self-contained pipeline).
     """
     bm, bn, wg_m, wg_n = config.block_m, config.block_n, config.wg_m, config.wg_n
+    pass_n = config.pass_n
     out_dtype = out_ref.dtype
+    epi_n = epilogue_n(config, out_dtype)
     fp8_transforms = _swizzled(_FP8)
 
-    def make_pipeline(body, compute_context):
+    def make_pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_blocks,),
@@ -86,13 +104,15 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
             in_specs=[
                 plgpu.BlockSpec((bm, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms),
                 plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms),
-                plgpu.BlockSpec((1, bm), lambda k: (k, 0)),
-                plgpu.BlockSpec((1, bn if b_rows else _SCALE_GROUP), lambda k: (k, 0)),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=config.max_concurrent_steps,
+            max_concurrent_steps=stages,
             compute_context=compute_context,
+            # The compute warpgroups release a slot as soon as their wgmmas have read it,
+            # before the promotion FMAs (the automatic release comes after the body).
+            manual_consumed_barriers=True,
+            pipeline_state=state,
         )
 
     def ignore(*_, **__):
@@ -100,8 +120,8 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
 
     @functools.partial(
         pl.run_scoped,
-        allocs=make_pipeline(ignore, ignore).get_allocations(a_ref, b_ref, as_ref, bs_ref),
-        out_smem=plgpu.SMEM((2, wg_m, wg_n), out_dtype, transforms=_swizzled(out_dtype)),
+        allocs=make_pipeline(ignore, ignore).get_allocations(a_ref, b_ref),
+        out_smem=plgpu.SMEM((2, 64, epi_n), out_dtype, transforms=_swizzled(out_dtype)),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
@@ -114,59 +134,74 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
             mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), minor, config.grid_tile_width)
             cta_m = pl.ds(mi * bm, bm)
             cta_n = pl.ds(ni * bn, bn)
+            # This warpgroup's tile, relative to the CTA's and in absolute coordinates.
             if config.wg_split == "m":
-                wg_rows, wg_cols = pl.ds(wg * wg_m, wg_m), pl.ds(0, wg_n)
-                n0 = ni * bn
+                r0, c0 = wg * wg_m, 0
             else:
-                wg_rows, wg_cols = pl.ds(0, wg_m), pl.ds(wg * wg_n, wg_n)
-                n0 = ni * bn + wg * wg_n
-            # This warpgroup's 128-column B-scale block, within the CTA's group of 4.
-            group = (ni * bn) // (BLOCK_K * _SCALE_GROUP)
-            b_col = n0 // BLOCK_K - group * _SCALE_GROUP
+                r0, c0 = 0, wg * wg_n
+            row0, col0 = mi * bm + r0, ni * bn + c0
 
             def compute_context(run_pipeline):
-                acc = plgpu.layout_cast(jnp.zeros((wg_m, wg_n), jnp.float32),
-                                        plgpu.Layout.WGMMA)
-                acc = run_pipeline(acc)
-                # The previous tile's TMA store must have read out_smem before we overwrite.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_smem[wg] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                        out_ref.at[cta_m, cta_n].at[wg_rows, wg_cols])
+                sums = tuple(plgpu.layout_cast(jnp.zeros((64, pass_n), jnp.float32),
+                                               plgpu.Layout.WGMMA) for _ in config.passes)
+                sums = run_pipeline(sums)
+                for (pr, pc), acc in zip(config.passes, sums):
+                    for e in range(0, pass_n, epi_n):
+                        # The previous chunk's TMA store must have read out_smem first.
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[wg] = acc[:, e:e + epi_n].astype(out_dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg],
+                            out_ref.at[pl.ds(row0 + pr, 64), pl.ds(col0 + pc + e, epi_n)])
 
-            def k_step(_, a_smem, b_smem, as_smem, bs_smem, acc):
-                def product(acc_ref):
-                    # B is [N, K] in memory; the transposed view is the K-major RHS.
-                    plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[wg_cols].T)
-                    return acc_ref[...]  # waits for the wgmma
-
-                fresh = pl.run_scoped(product, plgpu.ACC((wg_m, wg_n), jnp.float32))
-                a_s = plgpu.load(as_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+            def load_scales(kb, pr, pc):
+                """The pass's A row scales and B scale(s) for K block ``kb``, straight from
+                global memory (L2): plain loads, so no shared-memory slot to fence."""
+                a_s = plgpu.load(as_ref.at[kb, pl.ds(row0 + pr, 64)],
+                                 layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 if b_rows:
-                    b_s = plgpu.load(bs_smem.at[0, wg_cols],
-                                     layout=plgpu.Layout.WGMMA.reduce(0))
-                else:
-                    b_s = bs_smem[0, b_col]
-                # Commit the (generic-proxy) scale reads before the slot is released to the
-                # TMA warpgroup (async proxy) that refills it: commit_smem's contract, and
-                # what the interpreter's race detector checks.
-                plgpu.commit_smem()
-                if b_rows:  # outer product of the row and column scales of this K block
-                    s = (lax.broadcast_in_dim(a_s, (wg_m, wg_n), [0])
-                         * lax.broadcast_in_dim(b_s, (wg_m, wg_n), [1]))
-                else:  # one B scale for the whole warpgroup tile
-                    s = lax.broadcast_in_dim(a_s * b_s, (wg_m, wg_n), [0])
-                return acc + fresh * s
+                    b_s = plgpu.load(bs_ref.at[kb, pl.ds(col0 + pc, pass_n)],
+                                     layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    return (lax.broadcast_in_dim(a_s, (64, pass_n), [0])
+                            * lax.broadcast_in_dim(b_s, (64, pass_n), [1]))
+                # One 128x128 block of B per pass (pass_n <= 128, passes aligned to it).
+                b_s = bs_ref[kb, (col0 + pc) // BLOCK_K]
+                return lax.broadcast_in_dim(a_s * b_s, (64, pass_n), [0])
 
-            make_pipeline(k_step, compute_context)(
-                a_ref.at[cta_m, :],
-                b_ref.at[cta_n, :],
-                as_ref.at[:, cta_m],
-                bs_ref.at[:, cta_n] if b_rows
-                else bs_ref.at[:, pl.ds(group * _SCALE_GROUP, _SCALE_GROUP)],
-                allocations=allocs,
-            )
+            def k_step(idxs, a_smem, b_smem, a_consumed, b_consumed, sums):
+                (kb,) = idxs
+                out = []
+                for p, ((pr, pc), acc) in enumerate(zip(config.passes, sums)):
+                    def product(acc_ref, pr=pr, pc=pc):
+                        # B is [N, K] in memory; the transposed view is the K-major RHS.
+                        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(r0 + pr, 64)],
+                                    b_smem.at[pl.ds(c0 + pc, pass_n)].T)
+                        s = load_scales(kb, pr, pc)  # in flight while the wgmma runs
+                        return acc_ref[...], s  # reading the accumulator waits for it
+
+                    fresh, s = pl.run_scoped(product, plgpu.ACC((64, pass_n), jnp.float32))
+                    if p == len(sums) - 1:  # every wgmma of this K block has read the slot
+                        plgpu.barrier_arrive(a_consumed)
+                        plgpu.barrier_arrive(b_consumed)
+                    out.append(acc + fresh * s)
+                return tuple(out)
+
+            def run(state):
+                make_pipeline(k_step, compute_context, state)(
+                    a_ref.at[cta_m, :], b_ref.at[cta_n, :], allocations=allocs)
+
+            if not persistent:
+                run(None)
+                return
+            first = info.local_index == 0
+            last = info.local_index == info.num_local_steps - 1
+            start, steady, stop = (plgpu.PipelinePipeline.START,
+                                   plgpu.PipelinePipeline.STEADY, plgpu.PipelinePipeline.STOP)
+            pl.when(first & last)(lambda: run(None))  # the CTA's only tile
+            pl.when(first & ~last)(lambda: run(start))
+            pl.when(~first & ~last)(lambda: run(steady))
+            pl.when(~first & last)(lambda: run(stop))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -177,10 +212,12 @@ def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Imp
     m, k = a.shape
     n = b.shape[0]
     m_tiles, n_tiles, k_blocks = m // config.block_m, n // config.block_n, k // BLOCK_K
+    stages, persistent = pipeline_stages(config, k_blocks)
     grid = min(_backend.num_sms(impl), m_tiles * n_tiles)
     kernel = plgpu.kernel(
         functools.partial(_matmul_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles,
-                          k_blocks=k_blocks, b_rows=b_rows),
+                          k_blocks=k_blocks, b_rows=b_rows, stages=stages,
+                          persistent=persistent),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(grid,),
         grid_names=("sm",),
@@ -233,7 +270,7 @@ def _check_operands(a, a_scale, b, b_scale, out_dtype, b_layout):
     if tuple(a_scale.shape) != want_as:
         raise ValueError(f"a_scale must have shape {want_as} (one scale per 1x{BLOCK_K} tile "
                          f"of a {a.shape}), got {a_scale.shape}.")
-    blocks, rows = (_cdiv(n, BLOCK_K), kb), (n, kb)
+    blocks, rows = (pl.cdiv(n, BLOCK_K), kb), (n, kb)
     if tuple(b_scale.shape) not in (blocks, rows):
         flip = (lambda t: t) if b_layout == "nk" else (lambda t: tuple(t)[::-1])
         raise ValueError(f"b_scale must have shape {flip(blocks)} (one scale per "
@@ -357,18 +394,18 @@ def blockwise_fp8_matmul(
         config = choose_config(m, n, k, out_dtype, _backend.num_sms("kernel"), b_rows=b_rows)
     elif not isinstance(config, TuningConfig):
         raise TypeError(f"config must be a TuningConfig or None, got {type(config).__name__}.")
-    mp = _cdiv(m, config.block_m) * config.block_m
-    np_ = _cdiv(n, config.block_n) * config.block_n
+    mp = pl.cdiv(m, config.block_m) * config.block_m
+    np_ = pl.cdiv(n, config.block_n) * config.block_n
     if mp != m:  # zero rows: their products are zero, any finite scale will do
         a2 = jnp.pad(a2, ((0, mp - m), (0, 0)))
         as2 = jnp.pad(as2, ((0, mp - m), (0, 0)), constant_values=1.0)
     if np_ != n:
         b2 = jnp.pad(b2, ((0, np_ - n), (0, 0)))
-    # Scales in the layouts the kernel copies per K block (transposed: one row per K
-    # block): A's per row; B's per row, or per 128-block padded to groups of 4 (padding
+    # Scales transposed, one contiguous row per K block (what the kernel reads per step):
+    # A's per row; B's per row or per 128-row block, padded to the padded N (padding
     # scales are 1; they only meet zero padding).
     as_t = as2.T  # [KB, Mp]
-    width = np_ if b_rows else _cdiv(np_, BLOCK_K * _SCALE_GROUP) * _SCALE_GROUP
+    width = np_ if b_rows else pl.cdiv(np_, BLOCK_K)
     bs_t = jnp.pad(bs2.T, ((0, 0), (0, width - bs2.shape[0])), constant_values=1.0)
     out = _kernel_call(a2, as_t, b2, bs_t, config=config, out_dtype=out_dtype, impl=impl,
                        b_rows=b_rows)
@@ -454,7 +491,7 @@ def blockwise_fp8_wgrad(
         raise ValueError(f"dy.shape[0]={dy.shape[0]} and x.shape[0]={x.shape[0]} (tokens) "
                          f"must match.")
     m = dy.shape[0]
-    mp = _cdiv(m, BLOCK_K) * BLOCK_K
+    mp = pl.cdiv(m, BLOCK_K) * BLOCK_K
     if mp != m:
         dy = jnp.pad(dy, ((0, mp - m), (0, 0)))
         x = jnp.pad(x, ((0, mp - m), (0, 0)))

@@ -5,23 +5,25 @@ split it, the pipeline depth and the order in which the persistent programs visi
 tiles. K is always walked in 128-wide blocks: the scale granularity of DeepSeek-V3's recipe
 and the K of one 128-byte-swizzled FP8 ``wgmma`` group.
 
-Constraints (checked in ``TuningConfig.__post_init__``):
+Each compute warpgroup owns a ``wg_m x wg_n`` tile that it covers in one or two *passes*
+of ``64 x pass_n`` (one ``wgmma`` of M = 64 each, ``pass_n = min(wg_n, 128)``): per K block
+a pass runs its ``wgmma`` into a fresh f32 accumulator and promotes it, scaled, into the
+pass's running f32 sum. Registers bound this (checked in ``TuningConfig.__post_init__``):
+the running sums take ``wg_m * wg_n / 128`` f32 registers per thread and the fresh
+accumulator ``64 * pass_n / 128``; 128 + 64 at most, against the 232 registers the
+warp-specialized pipeline leaves each of two compute warpgroups (Hopper's 64 K registers
+per SM, 40 per thread for the TMA warpgroup). Two passes (a 128x128 or 64x256 warpgroup
+tile) make a 256x128 or 128x256 CTA tile, which loads a quarter fewer bytes per FLOP from
+L2/HBM than 128x128 (1.5x the bytes per K block for 2x the FLOPs).
 
-* each compute warpgroup owns a 64-row slab (one ``wgmma`` M of 64): it keeps two f32
-  accumulators of ``64 x wg_n`` in registers, the fresh per-K-block product and the
-  promoted running sum (2 x 64 regs/thread at ``wg_n = 128``). A 128-row or 256-column
-  slab would need 256 regs/thread, past Hopper's 255 (and the 232 the warp-specialized
-  pipeline leaves to compute warpgroups);
-* ``wg_n`` divides 128, so one warpgroup tile reads a single B scale per K block; then
-  ``block_n`` (<= 256) divides 512, so a CTA's B scales lie in one aligned group of 4, the
-  block the pipeline copies per step (a TMA copy must move >= 16 bytes,
-  ``notes/pallas-fp8.md``).
-
-Stages are the most that fit the H200's 227 KiB of shared memory per block
-(``smem_bytes`` models Mosaic GPU's allocation exactly;
+Shared memory (``smem_bytes`` models Mosaic GPU's allocation exactly;
 ``tests/pallas_kernels/test_pallas_cross_lowering.py`` lowers every shipped config and checks
-the model against Mosaic's own count). With per-row B scales (the weight-gradient GEMM)
-``choose_config`` trims stages to fit (``fit_to_smem``).
+the model against Mosaic's own count): the ring of FP8 A and B tiles (the scales are read
+from global memory by the compute warpgroups, so they need no ring and no proxy fence), one
+16 KiB output staging chunk per compute warpgroup, and the barriers. Stages are the most
+that fit the H200's 227 KiB per block; ``pipeline_stages`` then takes the largest count
+that divides the number of K blocks, so that one pipeline runs across all the output tiles
+of a CTA (``plgpu.emit_pipeline_warp_specialized``'s ``pipeline_state`` needs it).
 """
 
 from __future__ import annotations
@@ -33,12 +35,17 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SHIPPED_CONFIGS", "TuningConfig", "choose_config", "fit_to_smem", "smem_bytes"]
+__all__ = ["SHIPPED_CONFIGS", "TuningConfig", "choose_config", "epilogue_n", "max_stages",
+           "pipeline_stages", "smem_bytes"]
 
 BLOCK_K = 128  # DeepSeek-V3 (arXiv 2412.19437) §3.3.2: scales per 128 K, promotion N_C = 128.
 SMEM_BYTES_H200 = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200 (227 KiB).
 _SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns every shared-memory allocation to 1 KiB
 _BARRIER_BYTES = 8  # one mbarrier
+_EPILOGUE_BYTES = 16384  # output staged per warpgroup in 64 x (16 KiB / 64 rows) chunks
+# Fewest stages worth keeping a pipeline running across output tiles with: enough K blocks
+# in flight to cover a TMA load's latency (~1 µs) at ~0.3 µs of wgmma per K block.
+_MIN_PERSISTENT_STAGES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +53,12 @@ class TuningConfig:
     """Tile sizes and pipeline depth of ``blockwise_fp8_matmul``'s kernel.
 
     Attributes:
-      block_m: rows of the CTA output tile (64 or 128).
+      block_m: rows of the CTA output tile (64, 128 or 256).
       block_n: columns of the CTA output tile (128 or 256).
-      wg_split: how the two compute warpgroups split the CTA tile: "m" (two 64-row slabs)
+      wg_split: how the two compute warpgroups split the CTA tile: "m" (two row slabs)
         or "n" (two column halves).
-      max_concurrent_steps: pipeline stages (K blocks in flight in shared memory).
+      max_concurrent_steps: pipeline stages (K blocks in flight in shared memory), before
+        ``pipeline_stages`` fits them to the number of K blocks.
       grid_minor_dim: output-tile order of the persistent loop (``plgpu.planar_snake``):
         "m" walks bands of ``grid_tile_width`` tile-rows (A rows stay in L2), "n" bands of
         tile-columns.
@@ -69,14 +77,19 @@ class TuningConfig:
             raise ValueError(f"wg_split must be 'm' or 'n', got {self.wg_split!r}.")
         if self.grid_minor_dim not in ("m", "n"):
             raise ValueError(f"grid_minor_dim must be 'm' or 'n', got {self.grid_minor_dim!r}.")
-        if self.wg_m != 64:
+        if self.wg_m not in (64, 128):
             raise ValueError(
-                f"each compute warpgroup must own 64 rows (got {self.wg_m} from "
+                f"each compute warpgroup must own 64 or 128 rows (got {self.wg_m} from "
                 f"block_m={self.block_m}, wg_split={self.wg_split!r}).")
-        if self.wg_n not in (64, 128):
+        if self.wg_n not in (64, 128, 256):
             raise ValueError(
-                f"each compute warpgroup must own 64 or 128 columns (got {self.wg_n} from "
-                f"block_n={self.block_n}, wg_split={self.wg_split!r}).")
+                f"each compute warpgroup must own 64, 128 or 256 columns (got {self.wg_n} "
+                f"from block_n={self.block_n}, wg_split={self.wg_split!r}).")
+        if self.wg_m * self.wg_n > 2 * 64 * 128:
+            raise ValueError(
+                f"a {self.wg_m}x{self.wg_n} warpgroup tile needs more than two 64x128 "
+                f"passes ({self.wg_m * self.wg_n // 128} f32 registers per thread of "
+                f"running sums; at most 128 fit beside the fresh accumulator).")
         if not 1 <= self.max_concurrent_steps <= 16:
             raise ValueError(
                 f"max_concurrent_steps must be in [1, 16], got {self.max_concurrent_steps}.")
@@ -91,6 +104,17 @@ class TuningConfig:
     def wg_n(self) -> int:
         return self.block_n // 2 if self.wg_split == "n" else self.block_n
 
+    @property
+    def pass_n(self) -> int:
+        """Columns of one pass (one ``wgmma`` of 64 rows)."""
+        return min(self.wg_n, 128)
+
+    @property
+    def passes(self) -> tuple[tuple[int, int], ...]:
+        """(row, column) offsets of the warpgroup's 64 x ``pass_n`` passes."""
+        return tuple((r, c) for r in range(0, self.wg_m, 64)
+                     for c in range(0, self.wg_n, self.pass_n))
+
     def __str__(self) -> str:
         return (f"bm{self.block_m}_bn{self.block_n}_split{self.wg_split}"
                 f"_s{self.max_concurrent_steps}")
@@ -100,47 +124,64 @@ def _align(nbytes: int) -> int:
     return -(-nbytes // _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT
 
 
-def smem_bytes(config: TuningConfig, out_dtype, b_rows: bool = False) -> int:
+def epilogue_n(config: TuningConfig, out_dtype) -> int:
+    """Columns of one output staging chunk: 16 KiB of 64 rows, at most one pass wide."""
+    return min(config.pass_n, _EPILOGUE_BYTES // (64 * np.dtype(out_dtype).itemsize))
+
+
+def smem_bytes(config: TuningConfig, out_dtype, stages: int | None = None) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it, in bytes: the pipeline ring
-    (FP8 A and B tiles, f32 A scales, f32 B scales), the output staging buffer, each
-    aligned to 1 KiB, and a produced and a consumed mbarrier per stage.
+    (FP8 A and B tiles, each aligned to 1 KiB), the two warpgroups' output staging chunks,
+    and per stage a produced barrier and a consumed barrier per operand."""
+    s = config.max_concurrent_steps if stages is None else stages
+    ring = _align(s * config.block_m * BLOCK_K) + _align(s * config.block_n * BLOCK_K)
+    out = _align(2 * 64 * epilogue_n(config, out_dtype) * np.dtype(out_dtype).itemsize)
+    return ring + out + 3 * s * _BARRIER_BYTES
 
-    ``b_rows``: B scaled per 1x128 tile (a row of ``block_n`` scales per stage) rather than
-    per 128x128 block (a group of 4).
+
+def max_stages(config: TuningConfig, out_dtype, limit: int = SMEM_BYTES_H200) -> int:
+    """The most stages of ``config``'s tiles that fit in ``limit`` bytes."""
+    s = 1
+    while s < 16 and smem_bytes(config, out_dtype, s + 1) <= limit:
+        s += 1
+    return s
+
+
+def pipeline_stages(config: TuningConfig, k_blocks: int) -> tuple[int, bool]:
+    """(stages, persistent): the pipeline depth for ``k_blocks`` K blocks, and whether one
+    pipeline runs across all of a CTA's output tiles.
+
+    ``emit_pipeline_warp_specialized`` can hand its ring from one output tile's pipeline
+    to the next (``pipeline_state``) only if the stages divide the K blocks. So: the
+    largest divisor of ``k_blocks`` not above ``config.max_concurrent_steps``, used across
+    tiles when it is all the stages the tile can use or at least
+    ``_MIN_PERSISTENT_STAGES``; otherwise every tile drains and refills a ring of
+    ``min(max_concurrent_steps, k_blocks)`` stages.
     """
-    s = config.max_concurrent_steps
-    ring = (_align(s * config.block_m * BLOCK_K) + _align(s * config.block_n * BLOCK_K)
-            + _align(s * config.block_m * 4)
-            + _align(s * (config.block_n if b_rows else 4) * 4))
-    out = _align(2 * config.wg_m * config.wg_n * np.dtype(out_dtype).itemsize)
-    return ring + out + 2 * s * _BARRIER_BYTES
+    cap = min(config.max_concurrent_steps, k_blocks)
+    best = max(d for d in range(1, cap + 1) if k_blocks % d == 0)
+    if best == cap or best >= _MIN_PERSISTENT_STAGES:
+        return best, True
+    return cap, False
 
 
-def fit_to_smem(config: TuningConfig, out_dtype, b_rows: bool = False,
-                limit: int = SMEM_BYTES_H200) -> TuningConfig:
-    """``config`` with as many of its stages as fit in ``limit`` bytes (at least 1)."""
-    stages = config.max_concurrent_steps
-    while stages > 1 and smem_bytes(dataclasses.replace(config, max_concurrent_steps=stages),
-                                    out_dtype, b_rows) > limit:
-        stages -= 1
-    return dataclasses.replace(config, max_concurrent_steps=stages)
-
-
-# Shipped configs, per output dtype (an f32 output tile takes 32 KiB more staging, one stage
-# less). Stage counts are the largest that cross-lower for the H200.
-SHIPPED_CONFIGS: dict[tuple[str, str], TuningConfig] = {
-    ("128x128", "bfloat16"): TuningConfig(128, 128, "m", 5),
-    ("128x128", "float32"): TuningConfig(128, 128, "m", 4),
-    ("64x256", "bfloat16"): TuningConfig(64, 256, "n", 4, grid_tile_width=16),
-    ("64x256", "float32"): TuningConfig(64, 256, "n", 4, grid_tile_width=16),
-    ("64x128", "bfloat16"): TuningConfig(64, 128, "n", 8, grid_tile_width=16),
-    ("64x128", "float32"): TuningConfig(64, 128, "n", 7, grid_tile_width=16),
+# Shipped configs: the most stages that fit (both output dtypes stage 16 KiB chunks, so the
+# count does not depend on it; ``test_pallas_cross_lowering`` checks that one more does not
+# fit). Names are the CTA tile.
+SHIPPED_CONFIGS: dict[str, TuningConfig] = {
+    "128x128": TuningConfig(128, 128, "m", 6),
+    "256x128": TuningConfig(256, 128, "m", 4),  # two 64-row passes per warpgroup
+    "128x256": TuningConfig(128, 256, "m", 4, grid_tile_width=4),  # two 128-column passes
+    "64x256": TuningConfig(64, 256, "n", 4, grid_tile_width=16),
+    "64x128": TuningConfig(64, 128, "n", 8, grid_tile_width=16),
 }
 
-# Relative cost of one output element per K block, by tile shape: a 64x64 warpgroup tile
-# reads its B operand twice as often per FLOP as a 64x128 one, and the 128x128 CTA shares its
-# B tile between both warpgroups. Guesses to be replaced by H200 measurements.
-_TILE_COST = {"128x128": 1.0, "64x256": 1.05, "64x128": 1.25}
+# Relative cost of one output element per K block, by tile shape: bytes loaded per FLOP
+# fall with the tile's (bm + bn) / (bm * bn), and a 64x64 warpgroup tile issues twice the
+# wgmmas per FLOP of 64x128. Guesses to be replaced by H200 measurements (gpu_check's tune
+# phase times every config at 8192^3 and 4096x7168x2048).
+_TILE_COST = {"256x128": 0.95, "128x256": 0.95, "128x128": 1.0, "64x256": 1.05,
+              "64x128": 1.25}
 
 
 def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int = 132,
@@ -148,8 +189,10 @@ def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int =
     """Picks a shipped config for an ``[m, k] x [n, k]`` product.
 
     Cost model: waves of the persistent grid (``ceil(tiles / num_sms)``) times the tile's
-    area and relative cost, padding included (M and N are padded up to the tile). With
-    per-row B scales (``b_rows``), stages are trimmed to fit (``fit_to_smem``).
+    area and relative cost, padding included (M and N are padded up to the tile); ties go
+    to the earlier config in ``SHIPPED_CONFIGS``. ``k`` and ``b_rows`` (B scaled per row,
+    the weight gradient) do not change the choice: scales come from global memory and
+    every config walks K alike.
 
     Raises:
       ValueError: ``out_dtype`` is not bfloat16 or float32.
@@ -157,14 +200,13 @@ def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int =
     dt = np.dtype(out_dtype).name
     if dt not in ("bfloat16", "float32"):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {dt}.")
-    del k  # every config walks K the same way
+    del k, b_rows
     best, best_cost = None, math.inf
-    for name in ("128x128", "64x256", "64x128"):
-        cfg = SHIPPED_CONFIGS[(name, dt)]
+    for name, cfg in SHIPPED_CONFIGS.items():
         tiles = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
         waves = math.ceil(tiles / num_sms)
         cost = waves * cfg.block_m * cfg.block_n * _TILE_COST[name]
         if cost < best_cost:
             best, best_cost = cfg, cost
     assert best is not None
-    return fit_to_smem(best, dt, b_rows)
+    return best

@@ -55,10 +55,6 @@ _MAX_CHUNKS = 4  # column blocks per CTA
 _SCALE_REPEAT = 4  # a 128x128 scale is written 4 times: a TMA copy moves >= 16 bytes
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _swizzled(dtype) -> tuple:
     bits = jnp.dtype(dtype).itemsize * 8
     return (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
@@ -230,7 +226,7 @@ def quantize_128x128_reference(w: jax.Array, *, power_of_two: bool = False
     """
     w = _check(w, "w", two_d=True, power_of_two=power_of_two)
     n = w.shape[0]
-    pad = _cdiv(n, _BLOCK) * _BLOCK - n
+    pad = pl.cdiv(n, _BLOCK) * _BLOCK - n
     wp = jnp.pad(w, ((0, pad), (0, 0))) if pad else w
     sa = quantize(wp, _E4M3, BlockScaling((_BLOCK, _BLOCK), power_of_two=power_of_two))
     return sa.values[:n], sa.scale
@@ -268,7 +264,7 @@ def quantize_1x128(x: jax.Array, *, power_of_two: bool = False, impl: Impl = "au
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     r = x2.shape[0]
-    rp = _cdiv(r, _ROWS_1X128) * _ROWS_1X128
+    rp = pl.cdiv(r, _ROWS_1X128) * _ROWS_1X128
     if rp != r:  # zero rows get scale 1 and are sliced away
         x2 = jnp.pad(x2, ((0, rp - r), (0, 0)))
     values, scale_t = _kernel_call(x2, per_block=False, power_of_two=power_of_two, impl=impl)
@@ -306,7 +302,7 @@ def quantize_128x128(w: jax.Array, *, power_of_two: bool = False, impl: Impl = "
     if kind == "reference" or jnp.dtype(w.dtype) not in _KERNEL_DTYPES:
         return quantize_128x128_reference(w, power_of_two=power_of_two)
     n, k = w.shape
-    np_ = _cdiv(n, _BLOCK) * _BLOCK
+    np_ = pl.cdiv(n, _BLOCK) * _BLOCK
     wp = jnp.pad(w, ((0, np_ - n), (0, 0))) if np_ != n else w
     values, scale_rep = _kernel_call(wp, per_block=True, power_of_two=power_of_two, impl=impl)
     scale = scale_rep.reshape(np_ // _BLOCK, k // _BLOCK, _SCALE_REPEAT)[..., 0]

@@ -3,7 +3,7 @@
     fmtkit bench optim [--params 10000000] [--width 1024] [--repeats 20] [--no-jmp]
 
 * ``fmtkit``: bf16 parameters, scaled bf16 gradients, ``dynamic_loss_scale(master_weights(
-  optax.adamw(1e-3)))`` and ``fmtkit.optim.apply_updates``.
+  optax.adamw(1e-3)))`` and ``optax.apply_updates``.
 * ``optax_f32`` (the baseline): f32 parameters and gradients, ``optax.adamw(1e-3)`` and
   ``optax.apply_updates``.
 * ``jmp_select`` / ``jmp_cond`` (only if ``jmp`` is importable; ``pip install jmp==0.0.4``):
@@ -47,7 +47,7 @@ def make_params(n_params: int, width: int, dtype: Any, key: jax.Array) -> dict[s
 def _fmtkit_step(opt: optax.GradientTransformation) -> Callable:
     def step(params, state, grads):
         updates, state = opt.update(grads, state, params)
-        return optim.apply_updates(params, updates, state), state
+        return optax.apply_updates(params, updates), state
     return jax.jit(step, donate_argnums=(0, 1))
 
 

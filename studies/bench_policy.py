@@ -1,7 +1,14 @@
 """Benchmark: a train step under ``with_policy(model, "bf16-mixed")`` vs the same model
 written by hand in mixed precision.
 
-    fmtkit bench policy [--api linen|nnx] [--d-model 128] [--layers 2] [--seq 64] [--batch 8]
+    fmtkit bench policy [--api linen|nnx] [--model transformer|einsum] [--d-model 128]
+                        [--layers 2] [--seq 64] [--batch 8] [--trace-layers 12]
+
+``--model einsum`` (linen) is a gemma-style model: ``nn.Einsum`` q/k/v/out projections,
+attention written by hand (``jnp.einsum`` + ``jax.nn.softmax``), an RMSNorm written by hand;
+its baseline casts by hand (bf16 activations, f32 norm statistics, softmax and logits).
+``--trace-layers N`` also times tracing (``jit(...).lower``) and compiling the train step of
+an N-layer model, wrapped vs unwrapped f32 (target: within 1.5x).
 
 The model is ``studies.models.TransformerLM`` (or ``NnxTransformerLM``). The baseline is the
 same class configured by hand the way a user writes mixed precision with Flax's own knobs:
@@ -20,7 +27,9 @@ import dataclasses
 import re
 import time
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from fmtkit.policy import with_policy
@@ -57,10 +66,64 @@ def _nnx_step(model, lr):
     return jax.jit(step), params
 
 
+class EinsumLM(nn.Module):
+    """gemma-style LM written the way that codebase writes it (see the module docstring).
+
+    ``dtype=None``: an f32 model (what ``with_policy`` wraps); ``bfloat16``: the same model
+    with mixed precision cast by hand, the baseline.
+    """
+
+    vocab: int
+    d_model: int
+    heads: int
+    layers: int
+    dtype: str | None = None
+
+    @nn.compact
+    def __call__(self, tokens):
+        dt = jnp.dtype(self.dtype or "float32")
+        hd = self.d_model // self.heads
+        x = nn.Embed(self.vocab, self.d_model, name="embedder")(tokens).astype(dt)
+        for i in range(self.layers):
+            h = _rms_norm(x, self.param(f"norm_{i}", nn.initializers.ones, (self.d_model,)), dt)
+            q, k, v = (nn.Einsum((self.d_model, self.heads, hd), "btd,dhk->bthk",
+                                 use_bias=False, dtype=dt, name=f"{n}_{i}")(h)
+                       for n in ("q", "k", "v"))
+            s = jnp.einsum("bthk,bshk->bhts", q, k).astype(jnp.float32) * (hd ** -0.5)
+            mask = jnp.tril(jnp.ones((s.shape[-1], s.shape[-1]), bool))[None, None]
+            p = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1).astype(dt)
+            o = jnp.einsum("bhts,bshk->bthk", p, v)
+            x = x + nn.Einsum((self.heads, hd, self.d_model), "bthk,hkd->btd", use_bias=False,
+                              dtype=dt, name=f"out_{i}")(o)
+            h = _rms_norm(x, self.param(f"ffn_norm_{i}", nn.initializers.ones,
+                                        (self.d_model,)), dt)
+            h = jax.nn.gelu(nn.Dense(4 * self.d_model, dtype=dt, name=f"up_{i}")(h))
+            x = x + nn.Dense(self.d_model, dtype=dt, name=f"down_{i}")(h)
+        return nn.Dense(self.vocab, dtype=dt, name="logitdense")(x).astype(jnp.float32)
+
+
+def _rms_norm(x, scale, dt):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return (y * scale[None, None, :]).astype(dt)
+
+
+def trace_and_compile_seconds(step, *args) -> tuple[float, float]:
+    """(trace + lower, compile) wall seconds of a jitted step."""
+    t0 = time.perf_counter()
+    lowered = step.lower(*args)
+    t1 = time.perf_counter()
+    lowered.compile()
+    return t1 - t0, time.perf_counter() - t1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fmtkit bench policy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--api", choices=("linen", "nnx"), default="linen")
+    p.add_argument("--model", choices=("transformer", "einsum"), default="transformer")
+    p.add_argument("--trace-layers", type=int, default=0,
+                   help="also time trace/compile of an N-layer step (0: skip)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
@@ -74,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    if args.model == "einsum" and args.api != "linen":
+        p.error("--model einsum is a linen model; use --api linen")
 
     cfg = models.TransformerConfig(d_model=args.d_model, num_heads=args.heads,
                                    num_layers=args.layers, d_ff=4 * args.d_model,
@@ -83,7 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                                    logits_dtype="float32", softmax_f32=args.api == "linen")
     tokens = models.random_tokens(jax.random.key(0), args.batch, args.seq)
     lr = 1e-2
-    if args.api == "linen":
+    if args.model == "einsum":
+        dims = dict(vocab=256, d_model=args.d_model, heads=args.heads, layers=args.layers)
+        plain = EinsumLM(**dims)
+        params = jax.jit(plain.init)(jax.random.key(1), tokens)["params"]
+        steps = {"hand_written": _linen_step(EinsumLM(**dims, dtype="bfloat16"), lr),
+                 "with_policy": _linen_step(with_policy(plain, "bf16-mixed"), lr)}
+        args_of = {k: (params, tokens) for k in steps}
+    elif args.api == "linen":
         plain = models.TransformerLM(cfg)
         params = jax.jit(plain.init)(jax.random.key(1), tokens)["params"]
         steps = {"hand_written": _linen_step(models.TransformerLM(hand_cfg), lr),
@@ -107,16 +179,28 @@ def main(argv: list[str] | None = None) -> int:
     times = time_interleaved({k: (lambda k=k: steps[k](*args_of[k])) for k in steps},
                              repeats=args.repeats)
     ratio = times["with_policy"] / times["hand_written"]
-    print(f"{args.api} TransformerLM d_model={args.d_model} layers={args.layers} "
+    print(f"{args.api} {args.model} d_model={args.d_model} layers={args.layers} "
           f"heads={args.heads} batch={args.batch} seq={args.seq}; median of {args.repeats}")
     for k in steps:
         print(f"  {k:<13} step {times[k] * 1e3:8.2f} ms   HLO ops {ops[k]:6d}   "
               f"compile {compile_s[k]:6.2f} s   loss {losses[k]:.5f}")
     print(f"ratio with_policy / hand_written: {ratio:.3f}x  (target <= 1.05x)")
+    tracing = {}
+    if args.trace_layers:
+        deep = dataclasses.replace(cfg, num_layers=args.trace_layers)
+        model = models.TransformerLM(deep)
+        params = jax.jit(model.init)(jax.random.key(1), tokens)["params"]
+        for k, m in (("unwrapped", model), ("with_policy", with_policy(model, "bf16-mixed"))):
+            tracing[k] = trace_and_compile_seconds(_linen_step(m, lr), params, tokens)
+        for k, (tr, co) in tracing.items():
+            print(f"  {args.trace_layers}-layer {k:<12} trace {tr:6.2f} s   compile {co:6.2f} s")
+        tr_ratio = tracing["with_policy"][0] / tracing["unwrapped"][0]
+        co_ratio = tracing["with_policy"][1] / tracing["unwrapped"][1]
+        print(f"ratio trace {tr_ratio:.2f}x, compile {co_ratio:.2f}x  (target <= 1.5x)")
     file = write_results("policy", {
-        "api": args.api, "config": dataclasses.asdict(cfg), "batch": args.batch,
-        "seconds": times, "hlo_ops": ops, "compile_seconds": compile_s, "loss": losses,
-        "ratio": ratio}, args.out)
+        "api": args.api, "model": args.model, "config": dataclasses.asdict(cfg),
+        "batch": args.batch, "seconds": times, "hlo_ops": ops, "compile_seconds": compile_s,
+        "loss": losses, "ratio": ratio, "trace_compile_seconds": tracing}, args.out)
     print(f"wrote {file}")
     return 0
 

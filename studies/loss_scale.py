@@ -96,8 +96,10 @@ class Config:
         if not math.isfinite(self.spike_value):
             raise ValueError(f"spike_value must be finite, got {self.spike_value}.")
         # The scale hyperparameters are validated by optim.dynamic_loss_scale itself.
-        optim.dynamic_loss_scale(optax.sgd(self.lr), self.init_scale, self.growth_factor,
-                                 self.backoff_factor, self.growth_interval,
+        optim.dynamic_loss_scale(optax.sgd(self.lr), init_scale=self.init_scale,
+                                 growth_factor=self.growth_factor,
+                                 backoff_factor=self.backoff_factor,
+                                 growth_interval=self.growth_interval,
                                  hysteresis=self.hysteresis)
 
 
@@ -126,8 +128,9 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
       "underflow_unscaled"}, ...], ...}``.
     """
     opt = optim.dynamic_loss_scale(
-        optim.master_weights(optax.sgd(config.lr)), config.init_scale, config.growth_factor,
-        config.backoff_factor, config.growth_interval, hysteresis=config.hysteresis)
+        optim.master_weights(optax.sgd(config.lr)), init_scale=config.init_scale,
+        growth_factor=config.growth_factor, backoff_factor=config.backoff_factor,
+        growth_interval=config.growth_interval, hysteresis=config.hysteresis)
     params = jnp.zeros((config.n_grads,), jnp.float16)
     state = opt.init(params)
 
@@ -136,7 +139,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         scale = optim.loss_scale(state)
         g16 = cast(g32 * scale, "fp16")  # the fp16 backward pass of the scaled loss
         updates, new_state = opt.update(g16, state, params)
-        new_params = optim.apply_updates(params, updates, new_state)
+        new_params = optim.add_updates(params, updates)  # = optax.apply_updates
         nonzero = (g32 != 0) & jnp.isfinite(g32)
         n = jnp.sum(nonzero, dtype=jnp.float32)
         flushed = jnp.sum(nonzero & (g16 == 0), dtype=jnp.float32) / n

@@ -111,8 +111,8 @@ def _paths(config: Config) -> dict[str, tuple[str, Any]]:
     bf16, f16 = jnp.bfloat16, jnp.float16
     sgd = optax.sgd(u)  # gradient -1: each step adds exactly f32(u) to the master
 
-    def plain(p, _u, _state):
-        return optax.apply_updates(p, _u)
+    def plain(p, _u, _state):  # optax.apply_updates, also under strict dtype promotion
+        return optim.add_updates(p, _u)
 
     return {
         "float32": ("f32 weights", lambda: _direct(F32, w0, u, n)),
@@ -120,10 +120,10 @@ def _paths(config: Config) -> dict[str, tuple[str, Any]]:
         "float16": ("fp16 weights", lambda: _direct(f16, w0, u, n)),
         "bf16_master": ("bf16 params, f32 master (optim.master_weights)",
                         lambda: _optax(optim.master_weights(sgd), jnp.full((1,), w0, bf16), n,
-                                       lambda p, du, s: optim.apply_updates(p, du, s))),
+                                       plain)),
         "fp16_master": ("fp16 params, f32 master (optim.master_weights)",
                         lambda: _optax(optim.master_weights(sgd), jnp.full((1,), w0, f16), n,
-                                       lambda p, du, s: optim.apply_updates(p, du, s))),
+                                       plain)),
         "bf16_stochastic": (f"bf16, stochastic rounding (mean of {config.sr_elements})",
                             lambda: _optax(optim.stochastic_round_updates(sgd, seed=config.seed),
                                            jnp.full((config.sr_elements,), w0, bf16), n,

@@ -14,6 +14,12 @@ Module paths are the natural Flax ones: linen ``Block_0/MlpBlock_0/Dense_1``,
 ``Block_0/MoeBlock_0/router``, ``Block_0/attn/query``, ``ln_f``, ``head``; NNX
 ``blocks/0/mlp/linear1``, ``blocks/0/moe/router``, ``blocks/0/attn/query``, ``ln_f``, ``head``.
 
+``TransformerConfig.outlier_scale`` (off by default) multiplies the outputs of every block's
+``ln_1`` and ``ln_2`` by a fixed per-channel vector: the normalized residual stream that the
+blocks' input GEMMs (attention query/key/value, the MLP's first Dense, the MoE router and
+experts) read then has outlier channels, as a large norm scale gives them in LLMs
+(``studies.regimes.OutlierFeatures`` builds the vector and documents its sources).
+
 The models are written as users write them: no precision logic beyond Flax's per-layer
 ``dtype``/``param_dtype`` arguments, which ``TransformerConfig`` exposes so a mixed-precision
 model can also be written "by hand" (the baseline of ``studies/bench_policy.py``). Outputs
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -77,6 +84,10 @@ class TransformerConfig:
       logits_dtype: the model casts its logits to this (None: leave them as computed).
       softmax_f32: linen only: Flax's attention with its softmax in f32 (logits cast up,
         probabilities cast back to ``dtype`` for PV), as autocast does.
+      outlier_scale: None (default), or d_model finite positive numbers that multiply the
+        outputs of ``ln_1`` and ``ln_2`` channel-wise (a constant, not a parameter; cast to
+        the norm output's dtype): outlier features in what the blocks' GEMMs see
+        (``studies.regimes.OutlierFeatures``).
     """
 
     vocab_size: int = 256
@@ -97,6 +108,7 @@ class TransformerConfig:
     router_dtype: str | None = None
     logits_dtype: str | None = None
     softmax_f32: bool = False
+    outlier_scale: tuple[float, ...] | None = None
 
     def __post_init__(self):
         for name in ("norm", "final_norm"):
@@ -106,6 +118,13 @@ class TransformerConfig:
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by "
                              f"num_heads={self.num_heads}.")
+        if self.outlier_scale is not None:
+            scale = tuple(float(v) for v in self.outlier_scale)
+            if len(scale) != self.d_model or not all(math.isfinite(v) and v > 0
+                                                     for v in scale):
+                raise ValueError(f"outlier_scale must be None or d_model={self.d_model} finite "
+                                 f"numbers > 0, got {len(scale)} values.")
+            object.__setattr__(self, "outlier_scale", scale)  # hashable, plain floats
 
 
 def random_tokens(key: jax.Array, batch: int, seq_len: int, vocab_size: int = 256) -> jax.Array:
@@ -209,6 +228,14 @@ def _linen_norm(kind: str, cfg: TransformerConfig, name: str) -> nn.Module:
     return cls(dtype=dtype, param_dtype=_dt(cfg.param_dtype), name=name)
 
 
+def _outlier_channels(y: jax.Array, cfg: TransformerConfig) -> jax.Array:
+    """``y * outlier_scale`` over the last axis (``TransformerConfig.outlier_scale``)."""
+    if cfg.outlier_scale is None:
+        return y
+    scale = jnp.asarray(cfg.outlier_scale, dtype=y.dtype)
+    return y * scale.reshape((1,) * (y.ndim - 1) + scale.shape)
+
+
 def _qk_einsum():
     return lambda subs, q, k: jnp.einsum(subs, q, k)
 
@@ -233,11 +260,11 @@ class Block(nn.Module):
         if cfg.softmax_f32:
             extra = dict(force_fp32_for_softmax=True, qk_attn_weights_einsum_cls=_qk_einsum,
                          attn_weights_value_einsum_cls=_pv_einsum)
-        y = _linen_norm(cfg.norm, cfg, "ln_1")(x)
+        y = _outlier_channels(_linen_norm(cfg.norm, cfg, "ln_1")(x), cfg)
         y = nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads, dtype=dt, param_dtype=pdt,
                                             name="attn", **extra)(y, mask=mask)
         x = x + y
-        y = _linen_norm(cfg.norm, cfg, "ln_2")(x)
+        y = _outlier_channels(_linen_norm(cfg.norm, cfg, "ln_2")(x), cfg)
         if cfg.num_experts:
             y = MoeBlock(cfg.num_experts, cfg.d_ff, dtype=dt, param_dtype=pdt,
                          router_dtype=_dt(cfg.router_dtype) or dt)(y)
@@ -368,6 +395,7 @@ class NnxBlock(nnx.Module):
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
+        self.cfg = cfg
         self.ln_1 = _nnx_norm(cfg.norm, cfg, rngs)
         self.attn = nnx.MultiHeadAttention(cfg.num_heads, cfg.d_model, decode=False, dtype=dt,
                                            param_dtype=pdt, rngs=rngs)
@@ -380,9 +408,10 @@ class NnxBlock(nnx.Module):
             self.mlp = NnxMlpBlock(cfg.d_model, cfg.d_ff, dtype=dt, param_dtype=pdt, rngs=rngs)
 
     def __call__(self, x, mask):
-        x = x + self.attn(self.ln_1(x), mask=mask)
+        cfg = self.cfg
+        x = x + self.attn(_outlier_channels(self.ln_1(x), cfg), mask=mask)
         ffn = self.moe if hasattr(self, "moe") else self.mlp
-        return x + ffn(self.ln_2(x))
+        return x + ffn(_outlier_channels(self.ln_2(x), cfg))
 
 
 class NnxTransformerLM(nnx.Module):

@@ -437,7 +437,7 @@ def make_optimizer(setup: Setup, cfg: TrainConfig) -> optax.GradientTransformati
         opt = optim.dynamic_loss_scale(opt, init_scale=setup.init_scale,
                                        growth_interval=setup.growth_interval)
     elif setup.loss_scaling == "static":
-        opt = optim.static_loss_scale(opt, setup.init_scale)
+        opt = optim.static_loss_scale(opt, scale=setup.init_scale)
     return opt
 
 
@@ -483,7 +483,7 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig
         loss = lm_loss(f32(logits), tokens) [+ aux_loss_weight * aux for MoE]
         g, obs = grad(S * loss) w.r.t. (p, s)
         updates, opt_state = opt.update(g, opt_state, p)           (make_optimizer)
-        p = fmtkit.optim.apply_updates(p, updates, opt_state)
+        p = optax.apply_updates(p, updates)
         s = fmtkit.fp8.update_state(s, obs)     (delayed recipe only; not on a skipped step)
 
     The functions are cached per (step-relevant fields of the setup, config): a second call
@@ -574,7 +574,7 @@ def _build_step(setup: Setup, cfg: TrainConfig):
         grad_norm = _global_norm(grads) / scale
         with jax.numpy_dtype_promotion("standard"):  # optax mixes f32 schedules and bf16
             updates, opt_state = opt.update(grads, state.opt_state, state.params)
-            params = optim.apply_updates(state.params, updates, opt_state)
+            params = optax.apply_updates(state.params, updates)
         fp8_state = state.fp8_state
         if fp8_state:
             fp8_state = fp8_update_state(fp8_state, obs)

@@ -1,13 +1,17 @@
 """Optax transformations for low-precision training (no flax in this package).
 
 * Loss scaling: ``dynamic_loss_scale`` (PyTorch GradScaler semantics; Megatron hysteresis),
-  ``static_loss_scale``, and ``loss_scale`` / ``scale_loss`` / ``unscale_grads``.
-* Master weights: ``master_weights`` keeps f32 masters; ``apply_updates`` sets each
-  low-precision parameter to exactly round(master).
+  ``static_loss_scale``, and ``loss_scale`` / ``scale_loss`` / ``unscale_grads``;
+  ``all_finite``, the finiteness test they skip steps by.
+* Master weights: ``master_weights`` keeps f32 masters and returns f32 deltas that
+  ``optax.apply_updates`` (and ``nnx.Optimizer``) turn into exactly round(master);
+  ``param_mismatches`` checks it; ``add_updates`` is ``optax.apply_updates`` that also runs
+  under strict dtype promotion.
 * Pure low-precision updates: ``stochastic_round_updates``, ``kahan_updates``.
 * Optimizer-state precision: ``scale_by_adam`` / ``adam`` / ``adamw`` with bf16, fp16 or FP8
   (scaled) moments.
-* Gradient accumulation that survives an overflow: ``multi_steps``.
+* Gradient accumulation that survives an overflow: ``multi_steps`` (use it, not
+  ``optax.MultiSteps``, around a loss scaler).
 
 A training step (params in bf16 or fp16)::
 
@@ -17,7 +21,7 @@ A training step (params in bf16 or fp16)::
     def step(params, state, batch):
         grads = jax.grad(lambda p: scale_loss(loss_fn(p, batch), state))(params)
         updates, state = opt.update(grads, state, params)
-        return apply_updates(params, updates, state), state
+        return optax.apply_updates(params, updates), state
 """
 
 from fmtkit.optim._accumulate import multi_steps
@@ -36,7 +40,7 @@ from fmtkit.optim._master import (
     KahanUpdatesState,
     MasterWeightsState,
     StochasticRoundUpdatesState,
-    apply_updates,
+    add_updates,
     kahan_updates,
     master_weights,
     param_mismatches,
@@ -52,8 +56,8 @@ __all__ = [
     "StochasticRoundUpdatesState",
     "adam",
     "adamw",
+    "add_updates",
     "all_finite",
-    "apply_updates",
     "dynamic_loss_scale",
     "kahan_updates",
     "loss_scale",

@@ -23,18 +23,20 @@ from fmtkit.optim._common import check_float_leaves, increment, positive_int
 __all__ = ["multi_steps"]
 
 
-def multi_steps(inner: optax.GradientTransformation, every_k: int, *,
+def multi_steps(inner: optax.GradientTransformation, *, every_k: int,
                 use_grad_mean: bool = True,
                 accumulator_dtype: jax.typing.DTypeLike = jnp.float32,
                 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates ``every_k`` micro-batch gradients, then calls ``inner`` once.
 
     Micro-steps return zero updates and leave ``inner``'s state untouched; the k-th passes
-    the mean (or sum) of the k gradients, cast back to the gradients' dtype, to ``inner``.
-    The accumulator is reset to zeros after each effective batch even when it held inf/NaN.
-    ``multi_steps(dynamic_loss_scale(...), k)`` gives PyTorch's documented AMP accumulation:
-    constant scale across the micro-batches, one unscale + finiteness check + scale update
-    per effective batch.
+    the mean (or sum) of the k gradients, cast back to the gradients' dtype, to ``inner``,
+    and returns ``inner``'s updates in the dtypes ``inner`` gives them (float32 deltas under
+    ``master_weights``; the micro-steps' zeros have the same dtypes). The accumulator is
+    reset to zeros after each effective batch even when it held inf/NaN.
+    ``multi_steps(dynamic_loss_scale(...), every_k=k)`` gives PyTorch's documented AMP
+    accumulation: constant scale across the micro-batches, one unscale + finiteness check +
+    scale update per effective batch.
 
     Args:
       inner: the optimizer to call once per effective batch.
@@ -49,7 +51,7 @@ def multi_steps(inner: optax.GradientTransformation, every_k: int, *,
       TypeError, ValueError: ``every_k`` is not a positive int; non-floating gradients.
 
     Example:
-      >>> opt = multi_steps(optax.sgd(1.0), 2)
+      >>> opt = multi_steps(optax.sgd(1.0), every_k=2)
       >>> s = opt.init(jnp.zeros(1))
       >>> u, s = opt.update(jnp.array([1.0]), s)
       >>> u, s = opt.update(jnp.array([3.0]), s)
@@ -82,17 +84,24 @@ def multi_steps(inner: optax.GradientTransformation, every_k: int, *,
             acc = jax.tree.map(lambda g, a: a + g.astype(acc_dtype), updates, state.acc_grads)
         emit = n == every_k - 1
 
-        def do_emit(_):
+        def do_emit(acc, inner_state, params, dyn_args):
             grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
-            new_updates, inner_state = inner.update(grads, state.inner_opt_state, params,
-                                                    **extra_args)
-            new_updates = jax.tree.map(lambda u, g: u.astype(g.dtype), new_updates, updates)
+            new_updates, inner_state = inner.update(grads, inner_state, params, **dyn_args,
+                                                    **static_args)
             return new_updates, inner_state, optax.tree.zeros_like(acc)
 
-        def accumulate(_):
-            return optax.tree.zeros_like(updates), state.inner_opt_state, acc
+        # Micro-steps return zeros in the dtypes of the inner updates, found by tracing the
+        # inner update abstractly (as optax.MultiSteps does).
+        static_args = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
+        dyn_args = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
+        shapes = jax.eval_shape(do_emit, acc, state.inner_opt_state, params, dyn_args)[0]
 
-        new_updates, inner_state, acc = jax.lax.cond(emit, do_emit, accumulate, None)
+        def accumulate(acc, inner_state, params, dyn_args):
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return zeros, inner_state, acc
+
+        new_updates, inner_state, acc = jax.lax.cond(
+            emit, do_emit, accumulate, acc, state.inner_opt_state, params, dyn_args)
         return new_updates, optax.MultiStepsState(
             mini_step=jnp.where(emit, jnp.zeros([], jnp.int32), increment(n)),
             gradient_step=jnp.where(emit, increment(state.gradient_step),

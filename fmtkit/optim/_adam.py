@@ -122,11 +122,11 @@ def _check_decay(value: float, name: str) -> float:
 
 
 def scale_by_adam(
+    *,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    *,
     mu_dtype: jax.typing.DTypeLike | str | None = None,
     nu_dtype: jax.typing.DTypeLike | str | None = None,
     mu_scaling: Any = None,
@@ -214,29 +214,33 @@ def scale_by_adam(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+def adam(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-8, eps_root: float = 0.0, **storage: Any
          ) -> optax.GradientTransformation:
     """``optax.adam`` with moment storage options (``scale_by_adam``'s keyword arguments).
+
+    ``learning_rate`` stays positional, as in ``optax.adam``; every other argument is
+    keyword-only.
 
     Example:
       >>> opt = adam(1e-3, mu_dtype="bf16", nu_dtype="bf16", rounding="stochastic")
       >>> _ = opt.init(jnp.zeros(3))
     """
-    return optax.chain(scale_by_adam(b1, b2, eps, eps_root, **storage),
+    return optax.chain(scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, **storage),
                        optax.scale_by_learning_rate(learning_rate))
 
 
-def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+def adamw(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, weight_decay: float = 1e-4,
           mask: Any = None, **storage: Any) -> optax.GradientTransformation:
     """``optax.adamw`` (decoupled weight decay, Loshchilov & Hutter 2019; optax's default
     ``weight_decay=1e-4``) with moment storage options (``scale_by_adam``'s keywords).
+    ``learning_rate`` stays positional, as in ``optax.adamw``; the rest is keyword-only.
 
     Example:
       >>> opt = adamw(1e-3, mu_dtype="e4m3", nu_dtype="fp16", nu_scaling=TensorScaling())
       >>> _ = opt.init({"w": jnp.zeros((2, 2))})
     """
-    return optax.chain(scale_by_adam(b1, b2, eps, eps_root, **storage),
+    return optax.chain(scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, **storage),
                        optax.add_decayed_weights(weight_decay, mask),
                        optax.scale_by_learning_rate(learning_rate))

@@ -26,15 +26,32 @@ With ``hysteresis=1`` (default) every overflow backs off: PyTorch's rule, step f
 the scale backs off on the h-th overflow since the last growth and on every overflow after
 that (Megatron's docstring says "consecutive"; its code counts since the last growth).
 
-The finiteness check is one f32 sum per gradient leaf: a sum is finite iff every term is
-finite and the partial sums do not overflow. For fp16 gradients (|g| <= 65504) that is
-exactly PyTorch's elementwise test for any leaf under 5e33 elements; for bf16/f32 gradients
-a leaf whose magnitudes sum beyond f32's max (3.4e38) also counts as an overflow. Like
-PyTorch's, the check is on the scaled gradients.
+The finiteness check is ``fmtkit.optim.all_finite`` on the scaled gradients: exact, like
+PyTorch's elementwise test (a fast f32 sum per leaf; the elementwise test runs only when the
+sum is not finite).
+
+``last_step_skipped`` in the state says whether the update that produced it was skipped;
+``skipped_steps`` counts all skips (and ``DynamicLossScaleState.consecutive_overflows`` the
+current run of them).
+
+The updates are the inner transformation's, in the dtypes it returns (float32 for an
+optax optimizer given the float32 unscaled gradients; float32 deltas under
+``master_weights``); a skipped step returns zeros of those dtypes.
+
+**Gradient accumulation: use ``fmtkit.optim.multi_steps``, not ``optax.MultiSteps``.**
+``optax.MultiSteps`` (0.2.8) resets its accumulator with ``(1 - emit) * acc``: after one
+effective batch that overflowed, ``0 * inf = NaN`` stays in the accumulator, so every later
+effective batch is non-finite and the loss scaler skips every step while the scale backs off
+towards zero. ``dynamic_loss_scale`` and ``static_loss_scale`` detect being called from
+``optax.MultiSteps`` (at ``init`` and when ``update`` is traced, by looking for
+``optax.MultiSteps.init`` / ``update`` on the Python call stack: nothing is passed down that
+would tell otherwise) and warn.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +61,7 @@ import optax
 
 from fmtkit.optim._common import (
     F32,
+    all_finite,
     check_float_leaves,
     increment,
     positive_float,
@@ -73,6 +91,8 @@ class DynamicLossScaleState(NamedTuple):
       hysteresis_tracker: int32, overflows still tolerated before a backoff (Megatron's
         ``_hysteresis_tracker``, floored at 0).
       skipped_steps: int32, total steps skipped for non-finite gradients.
+      last_step_skipped: bool scalar, whether the update that returned this state was
+        skipped (False after ``init``). Log it, or test it to drop a step's metrics.
       consecutive_overflows: int32, non-finite steps in a row (0 after a finite step); a value
         that keeps growing means the gradients are NaN for a reason the scale cannot fix.
       inner_state: the wrapped transformation's state.
@@ -82,16 +102,19 @@ class DynamicLossScaleState(NamedTuple):
     growth_tracker: jax.Array
     hysteresis_tracker: jax.Array
     skipped_steps: jax.Array
+    last_step_skipped: jax.Array
     consecutive_overflows: jax.Array
     inner_state: Any
 
 
 class StaticLossScaleState(NamedTuple):
-    """State of ``static_loss_scale``: the constant f32 scale, the skipped-step count and the
-    wrapped transformation's state."""
+    """State of ``static_loss_scale``: the constant f32 scale, the skipped-step count (int32),
+    whether the last update was skipped (bool scalar) and the wrapped transformation's
+    state."""
 
     loss_scale: jax.Array
     skipped_steps: jax.Array
+    last_step_skipped: jax.Array
     inner_state: Any
 
 
@@ -100,42 +123,57 @@ def _unscale(updates: Any, scale: jax.Array) -> Any:
     return jax.tree.map(lambda g: g.astype(F32) * inv, updates)
 
 
-def _all_finite(updates: Any) -> jax.Array:
-    """Whether every gradient element is finite (see the module docstring), one f32 sum per
-    leaf: IEEE addition propagates inf and NaN (inf + -inf is NaN). On CPU this is ~4x
-    faster than ``all(isfinite(x))`` (a bool array, then a reduce). A max-reduction would not
-    do: XLA's vectorised max may drop a NaN."""
-    total = jnp.zeros([], F32)
-    for g in jax.tree.leaves(updates):
-        total = total + jnp.sum(g.astype(F32))
-    return jnp.isfinite(total)
-
-
 def _guarded_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
                     scale: jax.Array, inner_state: Any, params: Any, extra_args: dict
                     ) -> tuple[Any, Any, jax.Array]:
     """Unscales, checks finiteness, and runs the inner update only on a finite step."""
     check_float_leaves(updates, "updates (gradients)")
     inv = jnp.float32(1.0) / scale
-    finite = _all_finite(updates)
+    finite = all_finite(updates)
 
-    def apply(operands):
-        grads, state = operands
+    def apply(grads, state, params, inv, dyn_args):
         # Unscaled inside the branch, so XLA fuses it into the inner update.
         unscaled = jax.tree.map(lambda g: g.astype(F32) * inv, grads)
-        new_updates, new_state = inner.update(unscaled, state, params, **extra_args)
+        new_updates, new_state = inner.update(unscaled, state, params, **dyn_args,
+                                              **static_args)
         _check_inner_state(state, new_state)
-        # Back to the gradients' dtypes (dtype preservation); a no-op under master_weights,
-        # whose updates already have the parameters' dtype.
-        new_updates = jax.tree.map(lambda u, g: u.astype(g.dtype), new_updates, grads)
         return new_updates, new_state
 
-    def skip(operands):
-        grads, state = operands
-        return optax.tree.zeros_like(grads), state
+    # The skip branch returns zeros in the dtypes of the inner updates (float32 deltas under
+    # master_weights), found by tracing the inner update abstractly, as optax.MultiSteps does.
+    static_args = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
+    dyn_args = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
+    shapes, _ = jax.eval_shape(apply, updates, inner_state, params, inv, dyn_args)
 
-    new_updates, new_inner = jax.lax.cond(finite, apply, skip, (updates, inner_state))
+    def skip(grads, state, params, inv, dyn_args):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state
+
+    new_updates, new_inner = jax.lax.cond(finite, apply, skip, updates, inner_state, params,
+                                          inv, dyn_args)
     return new_updates, new_inner, finite
+
+
+def _warn_if_in_optax_multisteps(name: str) -> None:
+    """Warns when called (at any depth) from ``optax.MultiSteps.init`` or ``.update``.
+
+    The transformation cannot see its caller through its arguments, so this looks at the
+    Python call stack (init, and update at trace time: no runtime cost). Remove it when
+    ``test_optax_multisteps_overflow_poisons_the_accumulator`` starts failing (optax fixed).
+    """
+    codes = {getattr(getattr(optax.MultiSteps, m, None), "__code__", None)
+             for m in ("init", "update")} - {None}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            warnings.warn(
+                f"{name} is wrapped by optax.MultiSteps, whose accumulator is reset with "
+                "(1 - emit) * acc: after one micro-batch with an inf gradient it holds NaN "
+                "for good, and every later step is skipped while the loss scale backs off "
+                "to zero (optax 0.2.8). Use fmtkit.optim.multi_steps(..., every_k=k) "
+                "instead: same semantics and state, reset by selection.",
+                UserWarning, stacklevel=2)
+            return
+        frame = frame.f_back
 
 
 def _check_inner_state(old: Any, new: Any) -> None:
@@ -152,6 +190,7 @@ def _check_inner_state(old: Any, new: Any) -> None:
 
 def dynamic_loss_scale(
     inner: optax.GradientTransformation,
+    *,
     init_scale: float = 2.0**16,
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
@@ -176,11 +215,13 @@ def dynamic_loss_scale(
     ``master_weights`` (whose inner optimizer runs on the float32 master); an optax optimizer
     whose state was built on bf16/fp16 parameters is rejected at trace time with a
     ``TypeError`` instead of silently changing its state's dtypes. The returned updates are
-    cast to the incoming gradients' dtypes.
+    ``inner``'s, in the dtypes it returns (zeros of those dtypes on a skipped step).
 
-    Gradient accumulation: ``optax.MultiSteps(dynamic_loss_scale(...), k)`` (or
-    ``fmtkit.optim.multi_steps``): the scale stays constant across the micro-steps and the
-    unscale, the finiteness check and the scale update happen once per effective batch.
+    Gradient accumulation: ``fmtkit.optim.multi_steps(dynamic_loss_scale(...), every_k=k)``:
+    the scale stays constant across the micro-steps and the unscale, the finiteness check
+    and the scale update happen once per effective batch. **Not** ``optax.MultiSteps``: one
+    overflowing micro-batch leaves NaN in its accumulator for good (optax 0.2.8), and every
+    later step is skipped; this transformation warns when it finds itself inside one.
 
     Args:
       inner: the optimizer to protect.
@@ -197,6 +238,9 @@ def dynamic_loss_scale(
 
     Raises:
       TypeError, ValueError: on a hyperparameter outside the ranges above.
+
+    Warns:
+      UserWarning: at ``init`` / ``update`` tracing inside ``optax.MultiSteps`` (see above).
 
     Example:
       >>> opt = dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0)
@@ -225,17 +269,20 @@ def dynamic_loss_scale(
         raise ValueError(f"init_scale={init_scale} overflows float32 (max {_F32_MAX:.4g}).")
 
     def init_fn(params):
+        _warn_if_in_optax_multisteps("dynamic_loss_scale")
         # Separate arrays (not one shared zero), so that the state can be donated.
         return DynamicLossScaleState(
             loss_scale=jnp.asarray(init_scale, F32),
             growth_tracker=jnp.zeros([], jnp.int32),
             hysteresis_tracker=jnp.asarray(hysteresis, jnp.int32),
             skipped_steps=jnp.zeros([], jnp.int32),
+            last_step_skipped=jnp.zeros([], jnp.bool_),
             consecutive_overflows=jnp.zeros([], jnp.int32),
             inner_state=inner.init(params),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
+        _warn_if_in_optax_multisteps("dynamic_loss_scale")
         scale = state.loss_scale
         new_updates, new_inner, finite = _guarded_update(
             inner, updates, scale, state.inner_state, params, extra_args)
@@ -264,6 +311,7 @@ def dynamic_loss_scale(
             hysteresis_tracker=jnp.where(finite, hyst_f, hyst_o).astype(jnp.int32),
             skipped_steps=jnp.where(finite, state.skipped_steps,
                                     increment(state.skipped_steps)),
+            last_step_skipped=~finite,
             consecutive_overflows=jnp.where(finite, zero,
                                             increment(state.consecutive_overflows)),
             inner_state=new_inner,
@@ -273,13 +321,14 @@ def dynamic_loss_scale(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def static_loss_scale(inner: optax.GradientTransformation,
+def static_loss_scale(inner: optax.GradientTransformation, *,
                       scale: float) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with a constant loss scale.
 
     Gradients are unscaled in float32 (``g * (1 / scale)``) before ``inner``; a step with any
     non-finite gradient is skipped (zero updates, inner state untouched), as Megatron-LM's
-    ``ConstantGradScaler`` optimizer does. The scale never changes.
+    ``ConstantGradScaler`` optimizer does. The scale never changes. Wrap it in
+    ``fmtkit.optim.multi_steps``, not ``optax.MultiSteps`` (see ``dynamic_loss_scale``).
 
     Args:
       inner: the optimizer to protect (receives float32 gradients, as in
@@ -293,7 +342,7 @@ def static_loss_scale(inner: optax.GradientTransformation,
       TypeError, ValueError: ``scale`` is not a finite positive number.
 
     Example:
-      >>> opt = static_loss_scale(optax.sgd(0.1), 128.0)
+      >>> opt = static_loss_scale(optax.sgd(0.1), scale=128.0)
       >>> float(loss_scale(opt.init(jnp.zeros(2))))
       128.0
     """
@@ -303,23 +352,27 @@ def static_loss_scale(inner: optax.GradientTransformation,
         raise ValueError(f"scale={scale} overflows float32 (max {_F32_MAX:.4g}).")
 
     def init_fn(params):
+        _warn_if_in_optax_multisteps("static_loss_scale")
         return StaticLossScaleState(loss_scale=jnp.asarray(scale, F32),
                                     skipped_steps=jnp.zeros([], jnp.int32),
+                                    last_step_skipped=jnp.zeros([], jnp.bool_),
                                     inner_state=inner.init(params))
 
     def update_fn(updates, state, params=None, **extra_args):
+        _warn_if_in_optax_multisteps("static_loss_scale")
         new_updates, new_inner, finite = _guarded_update(
             inner, updates, state.loss_scale, state.inner_state, params, extra_args)
         return new_updates, StaticLossScaleState(
             loss_scale=state.loss_scale,
             skipped_steps=jnp.where(finite, state.skipped_steps,
                                     increment(state.skipped_steps)),
+            last_step_skipped=~finite,
             inner_state=new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def loss_scale(opt_state: Any, default: float | None = None) -> jax.Array:
+def loss_scale(opt_state: Any, *, default: float | None = None) -> jax.Array:
     """The f32 scale to multiply the loss by this step, found anywhere in ``opt_state``.
 
     Looks for the ``loss_scale`` field (``optax.tree_utils.tree_get``) through chains,
@@ -356,9 +409,9 @@ def loss_scale(opt_state: Any, default: float | None = None) -> jax.Array:
     return jnp.asarray(found[0][1], F32)
 
 
-def scale_loss(loss: jax.typing.ArrayLike, opt_state: Any,
+def scale_loss(loss: jax.typing.ArrayLike, opt_state: Any, *,
                default: float | None = None) -> jax.Array:
-    """``loss * loss_scale(opt_state, default)``, in f32.
+    """``loss * loss_scale(opt_state, default=default)``, in f32.
 
     Differentiate this: the cotangent entering the (possibly float16) loss computation is the
     scale itself, cast to the loss dtype (so a 2**16 scale and a float16 loss overflow on
@@ -366,26 +419,26 @@ def scale_loss(loss: jax.typing.ArrayLike, opt_state: Any,
     train step serve optimizers with and without loss scaling.
 
     Example:
-      >>> state = static_loss_scale(optax.sgd(1.0), 8.0).init(jnp.zeros(2))
+      >>> state = static_loss_scale(optax.sgd(1.0), scale=8.0).init(jnp.zeros(2))
       >>> float(scale_loss(jnp.float16(0.5), state))
       4.0
     """
     loss = jnp.asarray(loss)
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(f"loss must be floating point, got dtype {loss.dtype}.")
-    return loss.astype(F32) * loss_scale(opt_state, default)
+    return loss.astype(F32) * loss_scale(opt_state, default=default)
 
 
-def unscale_grads(grads: Any, opt_state: Any, default: float | None = None) -> Any:
+def unscale_grads(grads: Any, opt_state: Any, *, default: float | None = None) -> Any:
     """Gradients of the scaled loss divided by the scale: an f32 tree (``g * (1 / scale)``).
 
     For logging or clipping outside the optimizer; ``dynamic_loss_scale`` unscales by
     itself, so do not feed it unscaled gradients.
 
     Example:
-      >>> state = static_loss_scale(optax.sgd(1.0), 8.0).init(jnp.zeros(2))
+      >>> state = static_loss_scale(optax.sgd(1.0), scale=8.0).init(jnp.zeros(2))
       >>> unscale_grads({"w": jnp.full(2, 4.0, jnp.float16)}, state)["w"].tolist()
       [0.5, 0.5]
     """
     check_float_leaves(grads, "grads")
-    return _unscale(grads, loss_scale(opt_state, default))
+    return _unscale(grads, loss_scale(opt_state, default=default))

@@ -1,26 +1,64 @@
 """Low-precision parameters: float32 master weights, stochastic rounding, Kahan summation.
 
-Why a dedicated ``apply_updates``: ``optax.apply_updates`` adds an update to each parameter
-in the parameter's dtype. With bf16 parameters ``p`` and a target ``n = round(master)``,
-no bf16 delta ``d`` guarantees ``p + d == n``: ``n - p`` is exact only when
-``n / 2 <= p <= 2 n`` (Sterbenz's lemma), and for ``p = 1``, ``n = 2**-30`` no bf16 ``d``
-works at all. Measured: with bf16 parameters drawn from N(0, 1) and updates of relative size
-0.1, about 3% of elements miss the target through ``optax.apply_updates``.
+``master_weights`` keeps the truth, a float32 master copy, in its state, and returns, for
+every low-precision parameter ``p``, the delta ``f32(round(m)) - f32(p)`` **in float32**.
+``optax.apply_updates(params, updates)`` adds in the wider dtype and casts back
+(``(p + u).astype(p.dtype)``), so it lands exactly on ``round(m)``, and so does every
+``nnx.Optimizer`` (its ``update`` calls ``optax.apply_updates``). A bf16 delta could not: no
+bf16 ``d`` gives ``bf16(p + d) == n`` for ``p = 1``, ``n = 2**-30`` (``-1 + 2**-30`` needs 30
+significand bits); with bf16 parameters drawn from N(0, 1) and updates of relative size 0.1,
+about 3% of the elements missed ``round(m)`` that way.
 
-So ``master_weights`` keeps the truth in its state and ``fmtkit.optim.apply_updates(params,
-updates, opt_state)`` writes ``params = round(master)`` for every parameter that has a master
-(and ``p + u`` for the others). The ``updates`` it returns are still deltas
-(``round(new_master) - params`` in the parameter dtype), so zero updates mean "no change" for
-every optax wrapper (``MultiSteps``, ``apply_if_finite``, loss-scale skips), and a skipped
-step leaves the master and therefore the parameters unchanged. ``param_mismatches(params,
-opt_state)`` counts the parameter elements that differ from ``round(master)``: 0 when every
-step was applied with ``fmtkit.optim.apply_updates`` and the new state. It is a debugging
-check, not part of ``update``: it costs a full extra pass over parameters and masters.
+Why the float32 delta is exact. ``p`` and ``n = round(m)`` are bf16 (8 significand bits),
+so ``n - p`` is exact in float32 (24 bits) whenever the exponents of ``p`` and ``n`` differ
+by at most 16, and then ``f32(p) + d = n`` exactly. When ``|n|`` is much larger than ``|p|``
+the subtraction rounds, but by at most half an f32 ulp of ``n``, far below half a bf16 ulp
+of ``n``, so the final cast still gives ``n``. When ``|n|`` is much smaller than ``|p|``,
+the master moved by an f32 sum that cancelled (Sterbenz: exact), so ``n`` sits on the fine
+f32 grid of ``p``'s binade and ``n - p`` is exact again, with one exception below. Measured
+(tests/optim/test_master_weights.py): random bf16 and fp16 parameters with relative
+updates log-uniform in ``[e**-30, e**3]`` of either sign: every element equal to
+ml_dtypes' rounding of the f32 master.
+
+The edge cases:
+
+* **A parameter shrinking by more than about 2**16 in one step** (``|n| < |p| * 2**-16``;
+  ``2**-13`` for fp16, whose 11-bit significand leaves 13 spare bits in f32), when ``p`` is a
+  power of two whose master lay just below it: ``f32(n) - f32(p)`` then needs 25 bits and
+  rounds, and the parameter lands within ``|p| * 2**-24`` of ``n`` (often on 0 or a
+  neighbour of ``n``) instead of on it. Measured, over a million random masters shrunk by
+  ``2**-k``, ``k`` uniform in [0, 40]: 168 of the 211,975 bf16 elements with
+  ``|n| < |p| * 2**-16`` missed, all at powers of two, none above that ratio; the largest
+  error was exactly ``|p| * 2**-24``; fp16: 22 misses, all with ``|n| < |p| * 2**-13``.
+  Because every delta is taken from the master (``round(m) - p`` with the parameters
+  actually held, whose difference is then small and exact), the next update lands exactly:
+  0 misses after one more step, so the error never accumulates.
+* **A parameter that became ±inf** (its master beyond the format's max, e.g. 65504 for fp16):
+  ``inf + (finite - inf)`` is NaN, so it stays non-finite; NaN in, NaN out.
+
+``param_mismatches(params, opt_state)`` counts the elements that differ from
+``round(master)``; it is a debugging check, not part of ``update`` (a full extra pass over
+parameters and masters). Zero updates still mean "no change" for every optax wrapper
+(``MultiSteps``, ``apply_if_finite``, loss-scale skips): a skipped step leaves the master,
+and therefore the parameters, unchanged.
+
+Dtype promotion: ``optax.apply_updates`` computes ``p + u`` with jnp's implicit promotion,
+which ``jax_numpy_dtype_promotion="strict"`` refuses for bf16 + f32. Under strict promotion
+use ``add_updates(params, updates)``: the same sum with explicit casts, bit-identical to
+``optax.apply_updates`` under standard promotion (for ``nnx.Optimizer.update``, call it
+inside ``with jax.numpy_dtype_promotion("standard")``).
+
+Wrappers with a skip branch of their own must return zeros in the dtypes of the updates
+(float32 here), not of the gradients: ``dynamic_loss_scale``, ``static_loss_scale``,
+``multi_steps`` and ``optax.MultiSteps`` do; ``optax.apply_if_finite`` does not (its
+``lax.cond`` rejects the mismatch at trace time when gradients are bf16/fp16), so put it
+inside: ``master_weights(optax.apply_if_finite(inner, n))``, or use the loss scalers, which
+skip non-finite steps themselves.
 
 Without master weights (pure low-precision training), ``stochastic_round_updates`` rounds
-``p + u`` stochastically and ``kahan_updates`` carries the rounding error in a compensation
-buffer; both return deltas meant for ``optax.apply_updates`` (or ``fmtkit.optim.apply_updates``,
-which is the same there).
+``p + u`` stochastically (float32 deltas, exact as above) and ``kahan_updates`` carries the
+rounding error in a compensation buffer (deltas in the parameter dtype; the compensation
+accounts for what ``optax.apply_updates`` makes of them).
 """
 
 from __future__ import annotations
@@ -49,7 +87,7 @@ __all__ = [
     "KahanUpdatesState",
     "MasterWeightsState",
     "StochasticRoundUpdatesState",
-    "apply_updates",
+    "add_updates",
     "kahan_updates",
     "master_weights",
     "param_mismatches",
@@ -104,12 +142,10 @@ def _require_params(params: Any, name: str) -> None:
                          "opt.update(grads, state, params).")
 
 
-def _round_masters(master: Any, params: Any, seed: jax.Array | None,
+def _round_masters(m_leaves: list[Any], p_leaves: list[Any], seed: jax.Array | None,
                    count: jax.Array) -> list[Any]:
-    """``round(master)`` to each parameter's dtype, as a list in ``params``' leaf order
-    (``MaskedNode`` where a parameter has no master)."""
-    p_leaves, treedef = jax.tree.flatten(params)
-    m_leaves = treedef.flatten_up_to(master)
+    """``round(master)`` to each parameter's dtype, leaf by leaf (``MaskedNode`` where a
+    parameter has no master)."""
     n = sum(not is_masked(m) for m in m_leaves)
     keys = iter(leaf_keys(step_key(seed, count), n) if seed is not None else [None] * n)
     out = []
@@ -121,6 +157,12 @@ def _round_masters(master: Any, params: Any, seed: jax.Array | None,
         else:
             out.append(cast(m, p.dtype, rounding="stochastic", key=next(keys)))
     return out
+
+
+def _delta(n: jax.Array, p: jax.Array, dtype: np.dtype) -> jax.Array:
+    """``n - p`` computed and returned in ``dtype`` (the master dtype, float32 or wider):
+    exact whenever it is representable, see the module docstring."""
+    return n.astype(dtype) - p.astype(dtype)
 
 
 def master_weights(
@@ -137,27 +179,29 @@ def master_weights(
         u, inner_state = inner.update(g.astype(f32), inner_state, params=masters)
         m = m + u                                  (float32)
         n = round(m)                               (to p.dtype: nearest-even, or stochastic)
-        returned update = n - p                    (in p.dtype)
+        returned update = f32(n) - f32(p)          (float32, the master dtype)
+
+    ``optax.apply_updates(params, updates)`` (and so ``nnx.Optimizer.update``) then sets
+    every mastered parameter to exactly ``round(m)``: it adds in float32 and casts back.
+    The one exception, a parameter shrinking by more than about 2**16 in one step, and why
+    the next step corrects it, are in this module's docstring; ``param_mismatches`` counts
+    elements that differ from ``round(m)``. Under ``jax_numpy_dtype_promotion="strict"``
+    apply with ``add_updates`` (``optax.apply_updates`` refuses bf16 + f32 there).
 
     Parameters that are already float32 (or wider) get no master: they pass through ``inner``
-    unchanged. **Apply the updates with** ``fmtkit.optim.apply_updates(params, updates,
-    new_state)``: it sets every mastered parameter to exactly ``round(m)``.
-    ``optax.apply_updates`` computes ``p + (n - p)`` in bf16, which misses ``n`` wherever the
-    subtraction is inexact (an update larger than half the parameter, or a sign change):
-    the next update self-corrects towards the master (the delta is taken from the actual
-    parameters), but in between the parameters were not ``round(m)``;
-    ``param_mismatches(params, state)`` counts such elements.
+    unchanged, their updates in whatever dtype ``inner`` returns.
 
     Place ``master_weights`` outside everything that shapes the update (learning rate,
-    clipping, weight decay go in ``inner``) and inside loss scaling and gradient accumulation:
-    ``dynamic_loss_scale(master_weights(optax.adamw(lr)))``.
+    clipping, weight decay, ``optax.apply_if_finite`` go in ``inner``) and inside loss
+    scaling and gradient accumulation:
+    ``multi_steps(dynamic_loss_scale(master_weights(optax.adamw(lr))), every_k=k)``.
 
     Args:
       inner: the optimizer; it is initialised on, and updates, the float32 masters.
       rounding: ``"nearest"`` (round half to even) or ``"stochastic"`` (unbiased;
         deterministic given ``seed`` and the step count).
       seed: int seed of the stochastic rounding (stored in the state).
-      master_dtype: dtype of the master copy (default float32).
+      master_dtype: dtype of the master copy and of the returned deltas (default float32).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with ``MasterWeightsState``.
@@ -176,7 +220,7 @@ def master_weights(
       >>> state = opt.init(params)
       >>> for _ in range(1000):
       ...     updates, state = opt.update({"w": -jnp.ones(3, jnp.bfloat16)}, state, params)
-      ...     params = apply_updates(params, updates, state)
+      ...     params = add_updates(params, updates)  # = optax.apply_updates, strict-clean
       >>> params["w"].tolist()
       [2.0, 2.0, 2.0]
     """
@@ -220,13 +264,15 @@ def master_weights(
         inner_updates, inner_state = inner.update(
             grads, state.inner_state, view(params, state.master), **extra_args)
         u_leaves = treedef.flatten_up_to(inner_updates)
-        master = treedef.unflatten(
-            [m if is_masked(m) else m + u.astype(m.dtype) for m, u in zip(m_leaves, u_leaves)])
+        m_leaves = [m if is_masked(m) else m + u.astype(m.dtype)
+                    for m, u in zip(m_leaves, u_leaves)]
         count = increment(state.count)
-        rounded = _round_masters(master, params, state.seed, count)
+        rounded = _round_masters(m_leaves, p_leaves, state.seed, count)
         new_updates = treedef.unflatten(
-            [u if is_masked(r) else r - p for p, u, r in zip(p_leaves, u_leaves, rounded)])
-        return new_updates, MasterWeightsState(master, count, state.seed, inner_state)
+            [u if is_masked(n) else _delta(n, p, master_dtype)
+             for p, u, n in zip(p_leaves, u_leaves, rounded)])
+        return new_updates, MasterWeightsState(treedef.unflatten(m_leaves), count, state.seed,
+                                               inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -236,18 +282,19 @@ def _master_states(opt_state: Any) -> list[MasterWeightsState]:
     return [n for n in nodes if isinstance(n, MasterWeightsState)]
 
 
-def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
-    """Applies updates; parameters with a master in ``opt_state`` become exactly round(master).
+def add_updates(params: Any, updates: Any) -> Any:
+    """``optax.apply_updates`` with explicit casts, so it also runs under strict promotion.
 
-    Use this instead of ``optax.apply_updates`` whenever the optimizer contains
-    ``master_weights``; pass the state returned by the same ``update`` call. Parameters
-    without a master (or any tree when ``opt_state`` holds no ``master_weights``) get
-    ``optax.apply_updates``' ``p + u``.
+    Each leaf is ``(p.astype(w) + u.astype(w)).astype(p.dtype)`` with ``w`` the dtype JAX's
+    standard promotion gives ``p + u`` (float32 for a bf16 parameter and a float32 update):
+    bit-identical to ``optax.apply_updates`` under ``jax_numpy_dtype_promotion="standard"``
+    (the default), and usable under ``"strict"``, where ``optax.apply_updates`` refuses to
+    add ``master_weights``' float32 deltas to bf16 parameters. ``None`` parameters stay
+    ``None`` (as in optax).
 
     Args:
-      params: the parameters given to ``update``.
-      updates: the updates it returned.
-      opt_state: the state it returned (the new one).
+      params: a tree of parameters.
+      updates: a tree of updates with the same structure and shapes.
 
     Returns:
       The new parameters, each in its own dtype.
@@ -257,37 +304,72 @@ def apply_updates(params: Any, updates: Any, opt_state: Any) -> Any:
       >>> params = jnp.array([1.0, -1.0], jnp.bfloat16)
       >>> state = opt.init(params)
       >>> updates, state = opt.update(jnp.array([3.0, 1.0], jnp.bfloat16), state, params)
-      >>> apply_updates(params, updates, state).tolist()
-      [-0.5, -1.5]
+      >>> updates.dtype, add_updates(params, updates).tolist()
+      (dtype('float32'), [-0.5, -1.5])
     """
-    new = optax.apply_updates(params, updates)
-    n_leaves, treedef = jax.tree.flatten(new)
-    for st in _master_states(opt_state):
-        rounded = _round_masters(st.master, params, st.seed, st.count)
-        n_leaves = [n if is_masked(r) else r for n, r in zip(n_leaves, rounded)]
-    return treedef.unflatten(n_leaves)
+
+    def add(p, u):
+        if p is None:
+            return None
+        p, u = jnp.asarray(p), jnp.asarray(u)
+        with jax.numpy_dtype_promotion("standard"):  # the dtype optax's p + u would have
+            wide = jnp.promote_types(p.dtype, u.dtype)
+        return (p.astype(wide) + u.astype(wide)).astype(p.dtype)
+
+    return jax.tree.map(add, params, updates, is_leaf=lambda x: x is None)
+
+
+def _array(x: Any) -> Any:
+    """The array inside a state field: itself, or the one leaf of a wrapper such as an NNX
+    ``OptArray`` / ``OptVariable`` (``nnx.Optimizer`` wraps every state array)."""
+    leaves = jax.tree.leaves(x)
+    return leaves[0] if len(leaves) == 1 else x
 
 
 def param_mismatches(params: Any, opt_state: Any) -> jax.Array:
     """Number of parameter elements that differ from ``round(master)`` (int32 scalar).
 
-    0 whenever the parameters were produced by ``apply_updates(params, updates, new_state)``
-    (or are the ones ``init`` saw); a nonzero count shows updates applied another way (e.g.
-    ``optax.apply_updates``) or parameters changed behind the optimizer's back. NaN equals
-    NaN here. 0 when ``opt_state`` holds no ``master_weights``.
+    0 whenever the parameters were produced by applying ``master_weights``' updates with
+    ``optax.apply_updates`` / ``add_updates`` / ``nnx.Optimizer.update`` (or are the ones
+    ``init`` saw), except after the rare one-step miss described in this module's docstring;
+    a count that stays nonzero shows parameters changed behind the optimizer's back. NaN
+    equals NaN here. 0 when ``opt_state`` holds no ``master_weights``.
+
+    Works on any tree whose leaves are in the parameters' order: linen/plain parameter
+    trees, ``nnx.state(model, nnx.Param)`` (Variables or pure arrays), and optimizer states
+    as ``nnx.Optimizer`` keeps them (every array wrapped in an ``OptVariable`` /
+    ``OptArray``): the comparison is leaf by leaf.
+
+    Args:
+      params: the parameters.
+      opt_state: an optimizer state that contains a ``MasterWeightsState``.
+
+    Returns:
+      An int32 scalar.
+
+    Raises:
+      ValueError: the master copy has a different number of leaves than ``params``.
 
     Example:
       >>> opt = master_weights(optax.sgd(1.0))
       >>> params = jnp.array([1.0, 1e-3], jnp.bfloat16)
       >>> state = opt.init(params)
       >>> updates, state = opt.update(jnp.array([1.0, 1e-3], jnp.bfloat16), state, params)
-      >>> int(param_mismatches(apply_updates(params, updates, state), state))
+      >>> int(param_mismatches(optax.apply_updates(params, updates), state))
       0
     """
-    p_leaves = jax.tree.leaves(params)
+    p_leaves = [jnp.asarray(p) for p in jax.tree.leaves(params)]
     total = jnp.zeros([], jnp.int32)
     for st in _master_states(opt_state):
-        for p, r in zip(p_leaves, _round_masters(st.master, params, st.seed, st.count)):
+        m_leaves = [m if is_masked(m) else jnp.asarray(m)
+                    for m in jax.tree.leaves(st.master, is_leaf=is_masked)]
+        if len(m_leaves) != len(p_leaves):
+            raise ValueError(
+                f"params has {len(p_leaves)} leaves but the master copy in opt_state has "
+                f"{len(m_leaves)} (one per parameter, masked or not): pass the parameters "
+                "the optimizer was initialised on.")
+        seed = None if st.seed is None else _array(st.seed)
+        for p, r in zip(p_leaves, _round_masters(m_leaves, p_leaves, seed, _array(st.count))):
             if not is_masked(r):
                 differ = (p != r) & ~(jnp.isnan(p) & jnp.isnan(r))
                 total = total + jnp.sum(differ, dtype=jnp.int32)
@@ -301,13 +383,13 @@ def stochastic_round_updates(inner: optax.GradientTransformation, *,
     For each low-precision parameter ``p`` (bf16/fp16/FP8) with inner update ``u``:
 
         n = stochastic_round(f32(p) + f32(u))      (E[n] = p + u; fmtkit.cast)
-        returned update = n - p                    (in p.dtype)
+        returned update = f32(n) - f32(p)          (float32)
 
     so small updates survive in expectation instead of vanishing under round-to-nearest.
-    ``optax.apply_updates`` then lands exactly on ``n`` whenever ``n - p`` is representable
-    (always when ``|u| < |p| / 2``, Sterbenz); otherwise on ``p + (n - p)`` rounded to
-    nearest, within one ulp. ``inner`` is initialised on, and sees, the parameters and
-    gradients as they are (its moments stay low precision unless it says otherwise).
+    ``optax.apply_updates`` (or ``add_updates``) then lands exactly on ``n``, with the
+    exception described in this module's docstring. ``inner`` is initialised on, and sees,
+    the parameters and gradients as they are (its moments stay low precision unless it says
+    otherwise).
 
     Args:
       inner: the optimizer.
@@ -352,7 +434,7 @@ def stochastic_round_updates(inner: optax.GradientTransformation, *,
                 continue
             n = cast(p.astype(F32) + du.astype(F32), p.dtype, rounding="stochastic",
                      key=next(keys))
-            out.append(n - p)
+            out.append(_delta(n, p, np.dtype(F32)))
         return (jax.tree.unflatten(treedef, out),
                 StochasticRoundUpdatesState(count, state.seed, inner_state))
 

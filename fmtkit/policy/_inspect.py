@@ -41,6 +41,7 @@ class ModuleReport:
       matmuls: ``"forward"``, ``"dgrad"``, ``"wgrad"`` -> the module's matmuls (excluding the
         head) as ``"lhs x rhs -> out"`` dtype strings. FP8 matmuls show FP8 operand dtypes.
       head: the same for the output head's matmul, when it is written in this module.
+      head_policy: the Policy the head ran under (``Rules.head``), when ``head`` is set.
       ops: primitive -> result dtypes of its other forward ops (``exp``, ``rsqrt``,
         ``reduce_sum``, ...); ``grad_ops``: the same for the backward pass.
       output_dtypes: dtypes of floating values leaving the module.
@@ -52,6 +53,7 @@ class ModuleReport:
     policy: Policy | None
     matmuls: Mapping[str, tuple[str, ...]]
     head: Mapping[str, tuple[str, ...]]
+    head_policy: Policy | None
     ops: Mapping[str, tuple[str, ...]]
     grad_ops: Mapping[str, tuple[str, ...]]
     output_dtypes: tuple[str, ...]
@@ -103,10 +105,11 @@ class PolicyReport:
         lines = [f"{'module':<36} {'policy':<28} {'fwd / dgrad / wgrad matmul operands':<40} "
                  "f32 ops"]
         for path, m in self.modules.items():
-            pol = str(m.policy) if m.policy else "-"
-            for label, table in (("", m.matmuls), ("head ", m.head)):
+            for label, table, policy in (("", m.matmuls, m.policy),
+                                         ("head ", m.head, m.head_policy)):
                 if not table and label:
                     continue
+                pol = str(policy) if policy else "-"
                 comp = " / ".join(",".join(sorted({d.split(" -> ")[0] for d in table.get(k, ())}))
                                   or "-" for k in MATMUL_KINDS)
                 sens = ",".join(f"{k}:{'/'.join(v)}" for k, v in m.ops.items()
@@ -147,8 +150,6 @@ def _param_table(params, grads) -> dict[str, tuple[str, str]]:
         parts = [_key_str(k) for k in path]
         while parts and parts[-1] in ("value", "raw_value", "_raw_value"):
             parts.pop()
-        if parts and parts[0] == "model":  # NNX: the PolicyModel's own attribute
-            parts = parts[1:]
         out["/".join(parts)] = (str(p.dtype), str(g.dtype))
     return out
 
@@ -224,18 +225,31 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
 
         if variables is not None:
             raise TypeError("variables is for linen models; an NNX model holds its own.")
-        wrapped = model if isinstance(model, _nnx.PolicyModel) else _nnx.PolicyModel(
-            model, Rules())
-        graphdef, params, rest = nnx.split((wrapped, *inputs), nnx.Param, ...)
-        n_in = len(inputs)
+        wrapped = model if _nnx.is_wrapped(model) else _nnx.wrap(model, Rules(), False)
+        is_node = nnx.graph.is_graph_node
+        nodes = [x for x in inputs if is_node(x)]
+        graphdef, params, rest = nnx.split((wrapped, *nodes), nnx.Param, ...)
+        arrays = tuple(None if is_node(x) else x for x in inputs)
+        node_at = [is_node(x) for x in inputs]
 
         def f(params, rest, ins):
-            del ins
-            merged, *merged_ins = nnx.merge(graphdef, params, rest)
-            out = merged(*merged_ins[:n_in], **kwargs)
-            return loss_fn(out), out
+            merged, *merged_nodes = nnx.merge(graphdef, params, rest)
 
-        inputs = ()
+            def loss(m, *ns):
+                it = iter(ns)
+                out = m(*[next(it) if n else x for x, n in zip(ins, node_at)], **kwargs)
+                return loss_fn(out), out
+
+            # NNX's own transform, with the graph-node inputs as its arguments: it lets the
+            # call update BatchNorm statistics and RNG counts, which jax.value_and_grad
+            # refuses (Variables mutated from another trace level).
+            return nnx.value_and_grad(loss, has_aux=True)(merged, *merged_nodes)
+
+        with _interpret.recording() as rec:
+            closed, shapes = jax.make_jaxpr(f, return_shape=True)(params, rest, arrays)
+        (loss_shape, out_shapes), grad_shapes = shapes
+        table = _param_table(nnx.state(wrapped, nnx.Param), grad_shapes)
+        return _assemble(closed, rec, table, out_shapes, loss_shape)
     else:
         if variables is not None:
             raise TypeError("variables is for linen models.")
@@ -273,7 +287,8 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
     acc: dict[str, dict] = {}
 
     def entry(path):
-        return acc.setdefault(path, dict(matmuls={}, head={}, ops={}, grad_ops={}))
+        return acc.setdefault(path, dict(matmuls={}, head={}, ops={}, grad_ops={},
+                                         head_policy=None))
 
     for path in rec.modules:
         entry(path)
@@ -291,6 +306,8 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
                  f"{_dtype(eqn.outvars[0])}")
             kind = _matmul_kind(eqn, op, backward)
             table = a["head" if op.head else "matmuls"].setdefault(kind, [])
+            if op.head:
+                a["head_policy"] = op.policy
             if d not in table:
                 table.append(d)
         elif not list(jex.jaxprs_in_params(eqn.params)):
@@ -312,6 +329,7 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
             path=path, type_name=type_name, policy=policy,
             matmuls=MappingProxyType({k: tuple(v) for k, v in a["matmuls"].items()}),
             head=MappingProxyType({k: tuple(v) for k, v in a["head"].items()}),
+            head_policy=a["head_policy"],
             ops=frozen(a["ops"]), grad_ops=frozen(a["grad_ops"]),
             output_dtypes=tuple(sorted(rec.exits.get(path, ()))),
             params=MappingProxyType(own))

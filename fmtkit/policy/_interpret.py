@@ -150,6 +150,11 @@ def recording():
         _ACTIVE.recorder = prev
 
 
+def is_tracing() -> bool:
+    """Whether a policied trace is being recorded on this thread."""
+    return _ACTIVE.registry is not None
+
+
 def module_scope(path: str, type_names: Sequence[str]):
     """The named scope of one module call (a no-op outside ``tracing``)."""
     reg = _ACTIVE.registry
@@ -322,10 +327,14 @@ class Analysis:
         if heads:
             heads = frozenset(d for d in heads
                               if all(a.const or a.param or d in a.dep for a in args))
-        param = name in _ops.VIEW_OPS and bool(args) and args[0].param
-        upcast = (name == "convert_element_type" and eqn.params["new_dtype"] == _F32
-                  and _floating(eqn.invars[0].aval.dtype)
-                  and np.dtype(eqn.invars[0].aval.dtype).itemsize < 4)
+        view = name in _ops.VIEW_OPS and bool(args)
+        param = view and args[0].param
+        # The author's upcast of an activation (``y.astype(jnp.float32)``), seen through views;
+        # a parameter upcast by promotion (bf16 weights meeting f32 inputs) is not one.
+        upcast = not param and ((view and args[0].upcast) or (
+            name == "convert_element_type" and eqn.params["new_dtype"] == _F32
+            and _floating(eqn.invars[0].aval.dtype)
+            and np.dtype(eqn.invars[0].aval.dtype).itemsize < 4))
         outs = []
         for v in eqn.outvars:
             floating = _floating(v.aval.dtype)
@@ -363,10 +372,10 @@ def _is_float_value(x) -> bool:
 
 
 def _cast(x, dtype):
+    if not _is_float_value(x) or not _floating(dtype):
+        return x
     dtype = np.dtype(dtype)
-    if _is_float_value(x) and x.dtype != dtype:
-        return lax.convert_element_type(x, dtype)
-    return x
+    return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
 
 
 def _wider(a, b) -> np.dtype:
@@ -483,7 +492,8 @@ class Interpreter:
         for m in reversed(modules):
             policy, explicit = self.resolve(m)
             path = self.registry.modules[m].path
-            if policy is not None and (path != "" or explicit):  # else: Rules.output_dtype
+            root_by_rule = path == "" and not explicit and self.rules.output_dtype is not None
+            if policy is not None and not root_by_rule:  # else: Rules.output_dtype decides
                 odt = np.dtype(policy.output_dtype)
                 if not (head_value and odt.itemsize < x.dtype.itemsize):
                     x = _cast(x, odt)
@@ -747,7 +757,14 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
             return fn(*a, **k)
 
     dyn = [leaves[i] for i in dyn_idx]
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+    # The model is traced in the caller's promotion mode, except when it holds parameters or
+    # inputs below f32 (pure-bf16 storage): Flax's own layers raise under "strict" once given
+    # bf16 (LayerNorm's promote_types(dtype, float32), attention's f32 scale), so that trace
+    # runs under "standard", as the model would without a policy.
+    narrow = any(_floating(x.dtype) and np.dtype(x.dtype).itemsize < 4 for x in dyn)
+    mode = "standard" if narrow else jax.config.jax_numpy_dtype_promotion
+    with jax.numpy_dtype_promotion(mode):
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
     avals, out_tree = jax.tree.flatten(out_shape)
     params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
     return Traced(closed, registry, dyn, params, out_tree, avals)

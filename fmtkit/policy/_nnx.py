@@ -1,7 +1,9 @@
-"""Flax NNX adapter: ``PolicyModel``, an NNX module that runs another under ``Rules``.
+"""Flax NNX adapter: a policied copy of an ``nnx.Module`` graph that shares its Variables.
 
-``PolicyModel(model, rules)`` holds the user's model itself (``.model``, the same object and
-the same Variables: training either trains both). Its ``__call__``:
+``wrap(model, rules)`` returns ``nnx.clone(model, variables=False)`` (new Module objects, the
+same Variables: training the copy trains the original; the state layout is unchanged) whose
+root class is swapped for a subclass (``isinstance`` holds) carrying the rules. Each public
+method of the root (``__call__``, ``attend``, ...):
 
 1. splits the model and any graph nodes among the arguments (an ``nnx.Rngs``) into
    parameters and other state;
@@ -15,8 +17,9 @@ unchanged. Module paths are the model's own (``blocks/0/mlp/linear1``); layers s
 ``nnx.vmap`` and run with ``nnx.scan`` are one module (``layers``) whose per-layer state gets a
 leading layer axis.
 
-Delayed FP8 state: an ``Fp8State`` Variable ``fp8_state`` on the ``PolicyModel`` holding one
-amax history per FP8 matmul (created zero at the first call).
+Delayed FP8 state: an ``Fp8State`` Variable ``fp8_state`` on the policied root holding one
+amax history per FP8 matmul (created zero at the first call). Limitation: ``pickle`` of a
+graphdef holding the swapped root class fails (it is created at run time).
 """
 
 from __future__ import annotations
@@ -125,74 +128,108 @@ def _is_param(path, leaf) -> bool:
     return len(path) > 1 and getattr(path[1], "idx", None) == 0
 
 
-class PolicyModel(nnx.Module):
-    """An NNX model under a precision policy; made by ``with_policy``. Call it like the model.
+def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
+    """``fn(model, *args, **kwargs)`` traced and re-interpreted under the model's rules."""
+    rules: Rules = type(model)._fmtkit_rules
+    nodes_in = [x for x in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+                if nnx.graph.is_graph_node(x)]
+    graphdef, params, rest = nnx.split((model, *nodes_in), nnx.Param, ...)
+    a_tree, k_tree = jax.tree.map(lambda x: _Slot() if nnx.graph.is_graph_node(x) else x,
+                                  (args, kwargs), is_leaf=nnx.graph.is_graph_node)
 
-    Attributes:
-      model: the user's model (shared, not copied).
-      fp8_state: ``Fp8State`` of the delayed FP8 matmuls (only with a delayed recipe).
-    """
+    def pure(p, r, a, k):
+        merged, *nodes = nnx.merge(graphdef, p, r)
+        it = iter(nodes)
+        a, k = jax.tree.map(lambda x: next(it) if isinstance(x, _Slot) else x, (a, k),
+                            is_leaf=lambda x: isinstance(x, _Slot))
+        with _scoped_modules(merged):
+            out = fn(merged, *a, **k)
+        _, new_state = nnx.split((merged, *nodes))
+        return out, new_state
 
-    def __init__(self, model: nnx.Module, rules: Rules):
-        self.model = model
-        self.rules = rules
+    traced = _interpret.trace(pure, (params, rest, a_tree, k_tree), {}, is_param=_is_param)
+    shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
+    n_main = len(jax.tree.leaves(shapes[0]))
+    main = [i < n_main for i in range(len(traced.out_avals))]
+    (out, new_state), _ = _interpret.run(traced, rules, main=main,
+                                         fp8_state=_fp8_state(model, traced, rules))
+    before = {path: var.get_value() for state in (params, rest)
+              for path, var in nnx.to_flat_state(state)}
+    _write_back((model, *nodes_in), before, new_state)
+    return out
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        nodes_in = [x for x in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)
-                    if nnx.graph.is_graph_node(x)]
-        graphdef, params, rest = nnx.split((self.model, *nodes_in), nnx.Param, ...)
-        n_nodes = len(nodes_in)
 
-        def placeholder(x):
-            return _Slot() if nnx.graph.is_graph_node(x) else x
+def _fp8_state(model: nnx.Module, traced, rules: Rules) -> dict | None:
+    """The delayed-FP8 histories of the model (created zero at the first call)."""
+    state = vars(model).get("fp8_state")
+    if isinstance(state, Fp8State):
+        return dict(state.get_value())
+    if not has_delayed_fp8(rules):
+        return None
+    interp = _interpret.Interpreter(rules, traced.registry)
+    analysis = interp.analyze(traced.closed, traced.params, [True] * len(traced.out_avals))
+    if not analysis.site_shapes:
+        return None
+    fresh = {k: jnp.zeros(s, jnp.float32) for k, s in analysis.site_shapes.items()}
+    model.fp8_state = Fp8State(fresh)
+    return fresh
 
-        a_tree, k_tree = jax.tree.map(placeholder, (args, kwargs),
-                                      is_leaf=nnx.graph.is_graph_node)
 
-        def pure(p, r, a, k):
-            model, *nodes = nnx.merge(graphdef, p, r)
-            it = iter(nodes)
-            a, k = jax.tree.map(lambda x: next(it) if isinstance(x, _Slot) else x, (a, k),
-                                is_leaf=lambda x: isinstance(x, _Slot))
-            with _scoped_modules(model):
-                out = model(*a, **k)
-            _, new_state = nnx.split((model, *nodes))
-            return out, new_state
-
-        traced = _interpret.trace(pure, (params, rest, a_tree, k_tree), {}, is_param=_is_param)
-        shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
-        n_main = len(jax.tree.leaves(shapes[0]))
-        main = [i < n_main for i in range(len(traced.out_avals))]
-        (out, new_state), _ = _interpret.run(traced, self.rules, main=main,
-                                             fp8_state=self._fp8_state(traced))
-        nnx.update((self.model, *nodes_in), new_state)
-        del n_nodes
-        return out
-
-    def _fp8_state(self, traced) -> dict | None:
-        state = vars(self).get("fp8_state")
-        if isinstance(state, Fp8State):
-            return dict(state.get_value())
-        if not has_delayed_fp8(self.rules):
-            return None
-        interp = _interpret.Interpreter(self.rules, traced.registry)
-        analysis = interp.analyze(traced.closed, traced.params, [True] * len(traced.out_avals))
-        if not analysis.site_shapes:
-            return None
-        fresh = {k: jnp.zeros(s, jnp.float32) for k, s in analysis.site_shapes.items()}
-        self.fp8_state = Fp8State(fresh)
-        return fresh
+def _write_back(nodes: tuple, before: dict, new_state) -> None:
+    """Sets the Variables whose value the call changed (BatchNorm statistics, RNG counts) and
+    creates those it made (``sow``); unchanged ones are not touched, so a model closed over by
+    a JAX transform is never written from inside it."""
+    graph = dict(nnx.iter_graph(nodes))
+    for path, var in nnx.to_flat_state(new_state):
+        value = var.get_value()
+        if path in before and before[path] is value:
+            continue
+        target = graph.get(path)
+        if isinstance(target, nnx.Variable):
+            target.set_value(value)
+        else:
+            setattr(graph[path[:-1]], path[-1], type(var)(value))
 
 
 class _Slot:
     """Where a graph node stood among the call arguments (filled back inside the trace)."""
 
 
-def wrap(model: nnx.Module, rules: Rules, strict: bool) -> PolicyModel:
-    """``PolicyModel(model, rules)`` with parameters stored per rule."""
-    if isinstance(model, PolicyModel):
+def _policied_method(fn):
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        if _interpret.is_tracing():  # inside our own trace: the model's own code
+            return fn(self, *args, **kwargs)
+        return _policied_call(self, fn, args, kwargs)
+
+    return method
+
+
+_ROOT_CLASSES: dict[tuple[type, Rules], type] = {}
+
+
+def _policied_class(cls: type, rules: Rules) -> type:
+    key = (cls, rules)
+    if key not in _ROOT_CLASSES:
+        namespace = {n: _policied_method(getattr(cls, n)) for n in _method_names(cls)}
+        namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
+                         __doc__=cls.__doc__, _fmtkit_base=cls, _fmtkit_rules=rules)
+        _ROOT_CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    return _ROOT_CLASSES[key]
+
+
+def is_wrapped(obj: Any) -> bool:
+    return isinstance(obj, nnx.Module) and "_fmtkit_rules" in vars(type(obj))
+
+
+def wrap(model: nnx.Module, rules: Rules, strict: bool) -> nnx.Module:
+    """A copy of ``model``'s module graph sharing its Variables, whose root runs under
+    ``rules``; parameters stored per rule, in place (the original sees them too)."""
+    if is_wrapped(model):
         raise ValueError("This NNX model already has a policy (with_policy was applied to it); "
                          "apply with_policy once, to the unwrapped model, with all rules.")
     report_unmatched(rules, collect_paths(model), strict)
     store_params(model, rules)
-    return PolicyModel(model, rules)
+    copy = nnx.clone(model, variables=False)
+    copy.__class__ = _policied_class(type(model), rules)
+    return copy

@@ -59,7 +59,7 @@ def _step(params, state, x, y, grads_fn):
     scale = optim.loss_scale(state)
     grads = grads_fn(lambda p: _loss(p, x, y) * scale.astype(jnp.float32), params)
     updates, state = OPT.update(grads, state, params)
-    return optim.apply_updates(params, updates, state), state
+    return optim.add_updates(params, updates), state
 
 
 def _masters(state):

@@ -61,12 +61,14 @@ def _train(dtype_name, opt_name):
 
     def train_step(carry, _):  # the README's train step
         p, s = carry
-        loss, grads = jax.value_and_grad(
-            lambda q: optim.scale_loss(loss_fn(q), s, default=1.0))(p)
+        (_, loss), grads = jax.value_and_grad(
+            lambda q: (optim.scale_loss(loss_fn(q), s, default=1.0), loss_fn(q)),
+            has_aux=True)(p)
         updates, s = opt.update(grads, s, p)
-        return (optim.apply_updates(p, updates, s), s), loss / optim.loss_scale(s, 1.0)
+        return (optax.apply_updates(p, updates), s), loss
 
-    with jax.numpy_dtype_promotion("standard"):  # optax.adamw is not strict-clean
+    # optax.adamw is not strict-clean, nor optax.apply_updates of f32 deltas to f16 params.
+    with jax.numpy_dtype_promotion("standard"):
         (p, s), _ = jax.jit(lambda c: jax.lax.scan(train_step, c, None, length=STEPS))(
             (params, opt.init(params)))
         return float(loss_fn(p)), s

@@ -2,6 +2,7 @@
 state round trips, composition, bad input."""
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ def _step_fn(opt):
     @jax.jit
     def step(params, state, grads):
         updates, state = opt.update(grads, state, params)
-        return optim.apply_updates(params, updates, state), state, updates
+        return optim.add_updates(params, updates), state, updates
     return step
 
 
@@ -142,7 +143,9 @@ def test_skipped_step_is_bit_identical():
     assert _bits(new_params) == _bits(params)
     assert _bits(new_state.inner_state) == _bits(state.inner_state)
     assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+    assert [u.dtype for u in jax.tree.leaves(updates)] == [jnp.float32] * 2  # inner's dtypes
     assert float(new_state.loss_scale) == 2.0 and int(new_state.skipped_steps) == 1
+    assert bool(new_state.last_step_skipped) and not bool(state.last_step_skipped)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
@@ -227,27 +230,30 @@ def test_checkpoint_restore_is_exact(tmp_path):
 
 
 def test_static_loss_scale():
-    opt = optim.static_loss_scale(optax.sgd(1.0), 128.0)
+    opt = optim.static_loss_scale(optax.sgd(1.0), scale=128.0)
     state = opt.init(jnp.zeros(2, jnp.float32))
     updates, state = opt.update(jnp.array([128.0, -256.0], jnp.float32), state)
     np.testing.assert_array_equal(np.asarray(updates), [-1.0, 2.0])
+    assert not bool(state.last_step_skipped)
     updates, state = opt.update(jnp.array([jnp.nan, 1.0], jnp.float32), state)
     np.testing.assert_array_equal(np.asarray(updates), [0.0, 0.0])
     assert float(optim.loss_scale(state)) == 128.0 and int(state.skipped_steps) == 1
+    assert bool(state.last_step_skipped)
 
 
 def test_loss_scale_found_through_wrappers():
     inner = optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=32.0)
     p = jnp.zeros(2)
-    with jax.numpy_dtype_promotion("standard"):  # optax.MultiSteps is not strict-clean
-        ms = optax.MultiSteps(inner, 2).init(p)
+    with jax.numpy_dtype_promotion("standard"), pytest.warns(UserWarning, match="MultiSteps"):
+        ms = optax.MultiSteps(inner, 2).init(p)  # not strict-clean; warned about, see below
     for state in [inner.init(p), optax.chain(optax.identity(), inner).init(p), ms,
-                  optax.apply_if_finite(inner, 3).init(p), optim.multi_steps(inner, 4).init(p)]:
+                  optax.apply_if_finite(inner, 3).init(p),
+                  optim.multi_steps(inner, every_k=4).init(p)]:
         assert float(optim.loss_scale(state)) == 32.0
     with pytest.raises(ValueError, match="no loss scale"):
         optim.loss_scale(optax.sgd(1.0).init(p))
     assert float(optim.loss_scale(optax.sgd(1.0).init(p), default=1.0)) == 1.0
-    two = optax.chain(inner, optim.static_loss_scale(optax.sgd(1.0), 2.0)).init(p)
+    two = optax.chain(inner, optim.static_loss_scale(optax.sgd(1.0), scale=2.0)).init(p)
     with pytest.raises(ValueError, match="2 loss scales"):
         optim.loss_scale(two)
     tree_get = optax.tree_utils.tree_get(inner.init(p), "loss_scale")
@@ -255,7 +261,7 @@ def test_loss_scale_found_through_wrappers():
 
 
 def test_scale_and_unscale_helpers():
-    state = optim.static_loss_scale(optax.sgd(1.0), 8.0).init(jnp.zeros(1))
+    state = optim.static_loss_scale(optax.sgd(1.0), scale=8.0).init(jnp.zeros(1))
     assert float(optim.scale_loss(jnp.float16(0.5), state)) == 4.0
     grads = {"a": jnp.array([8.0, 16.0], jnp.float16)}
     un = optim.unscale_grads(grads, state)
@@ -289,7 +295,9 @@ def _accumulation_run(make, script, k, standard):
                                         init_scale=2.0**8, growth_interval=2), k)
     params = jnp.ones(4, jnp.float16)
     ctx = jax.numpy_dtype_promotion("standard" if standard else "strict")
-    with ctx:
+    with ctx, warnings.catch_warnings():
+        # optax.MultiSteps around a loss scaler warns (see test_optax_multisteps_is_detected)
+        warnings.filterwarnings("ignore", "dynamic_loss_scale is wrapped by optax.MultiSteps")
         state = opt.init(params)
         step = _step_fn(opt)
         rows = []
@@ -303,8 +311,12 @@ def _accumulation_run(make, script, k, standard):
     return rows
 
 
+def _fmtkit_multi_steps(opt, k):
+    return optim.multi_steps(opt, every_k=k)
+
+
 @pytest.mark.parametrize("make,standard", [(optax.MultiSteps, True),
-                                           (optim.multi_steps, False)],
+                                           (_fmtkit_multi_steps, False)],
                          ids=["optax.MultiSteps", "fmtkit.multi_steps"])
 def test_accumulation_scale_constant_over_micro_steps(make, standard):
     """PyTorch's AMP accumulation: the scale changes only at effective-batch boundaries, and
@@ -331,7 +343,7 @@ def test_optax_multisteps_overflow_poisons_the_accumulator():
 
 def test_fmtkit_multi_steps_recovers_after_an_overflow():
     script = [1.0, 2.0**20, 1.0] + [2.0**-10] * 9
-    rows = _accumulation_run(optim.multi_steps, script, 3, False)
+    rows = _accumulation_run(_fmtkit_multi_steps, script, 3, False)
     after = [r[1] for r in rows]
     # GradScaler once per effective batch: overflow, then finite batches.
     ref = grad_scaler_trace([True, False, False, False], init_scale=2.0**8, growth_interval=2)
@@ -386,13 +398,72 @@ def test_bad_hyperparameters(kwargs, err, match):
 @pytest.mark.parametrize("scale", [0.0, -2.0, math.inf, math.nan])
 def test_bad_static_scale(scale):
     with pytest.raises(ValueError, match="scale"):
-        optim.static_loss_scale(optax.sgd(1.0), scale)
+        optim.static_loss_scale(optax.sgd(1.0), scale=scale)
 
 
-def test_documented_sum_overflow_of_huge_finite_f32_gradients_counts_as_overflow():
-    """The check is one f32 sum per leaf (see the module docstring): two finite 3e38 entries
-    overflow it. Only possible for bf16/f32 gradients near f32's max."""
-    g = jnp.array([3e38, 3e38, 1.0], jnp.float32)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_huge_finite_gradients_whose_sum_overflows_are_not_an_overflow(dtype):
+    """The fast f32 sum of two finite 3e38 entries overflows; the elementwise fallback of
+    all_finite then decides, as PyTorch's elementwise test does: finite, not skipped."""
+    g = jnp.array([3e38, 3e38, 1.0], dtype)
     opt = optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0)
-    _, state = opt.update(g, opt.init(g))
-    assert int(state.skipped_steps) == 1
+    _, state = jax.jit(opt.update)(g, opt.init(g))
+    assert int(state.skipped_steps) == 0 and not bool(state.last_step_skipped)
+    assert bool(optim.all_finite(g)) and not bool(optim.all_finite(g.at[2].set(jnp.nan)))
+
+
+@pytest.mark.parametrize("make", [
+    lambda inner: optim.dynamic_loss_scale(inner, init_scale=2.0**8, growth_interval=3),
+    lambda inner: optim.static_loss_scale(inner, scale=2.0**8)], ids=["dynamic", "static"])
+def test_last_step_skipped_follows_every_step(make):
+    """The state says whether the step that produced it was skipped; through jit and scan."""
+    rng = np.random.default_rng(0)
+    bad = rng.random(64) < 0.3
+    grads = np.where(bad[:, None], np.inf, 1.0) * np.ones((64, 4), np.float32)
+    grads[bad & (rng.random(64) < 0.5), 1] = np.nan
+    opt = make(optim.master_weights(optax.sgd(1e-3)))
+    params = jnp.ones(4, jnp.bfloat16)
+
+    def body(state, g):
+        _, state = opt.update(g.astype(jnp.bfloat16), state, params)
+        return state, (state.last_step_skipped, state.skipped_steps)
+
+    _, (skipped, count) = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(
+        opt.init(params), jnp.asarray(grads))
+    assert skipped.dtype == jnp.bool_
+    np.testing.assert_array_equal(np.asarray(skipped), bad)
+    np.testing.assert_array_equal(np.asarray(count), np.cumsum(bad))
+
+
+def test_optax_multisteps_is_detected():
+    """optax.MultiSteps around a loss scaler (directly or deeper in a chain) warns at init and
+    when update is traced; fmtkit's multi_steps does not."""
+    p = jnp.ones(4, jnp.float32)
+    for inner in [optim.dynamic_loss_scale(optax.sgd(1.0)),
+                  optax.chain(optax.clip(1.0), optim.static_loss_scale(optax.sgd(1.0),
+                                                                       scale=4.0))]:
+        opt = optax.MultiSteps(inner, 2)
+        with jax.numpy_dtype_promotion("standard"):
+            with pytest.warns(UserWarning, match="fmtkit.optim.multi_steps"):
+                state = opt.init(p)
+            with pytest.warns(UserWarning, match="optax.MultiSteps"):
+                jax.jit(opt.update)(p, state, p)
+    ours = optim.multi_steps(optim.dynamic_loss_scale(optax.sgd(1.0)), every_k=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(ours.update)(p, ours.init(p), p)
+
+
+def test_hyperparameters_are_keyword_only():
+    with pytest.raises(TypeError):
+        optim.dynamic_loss_scale(optax.sgd(1.0), 2.0**10)
+    with pytest.raises(TypeError):
+        optim.static_loss_scale(optax.sgd(1.0), 8.0)
+    with pytest.raises(TypeError):
+        optim.multi_steps(optax.sgd(1.0), 2)
+    with pytest.raises(TypeError):
+        optim.scale_by_adam(0.9)
+    with pytest.raises(TypeError):
+        optim.adamw(1e-3, 0.9)
+    with pytest.raises(TypeError):
+        optim.loss_scale(optax.sgd(1.0).init(jnp.zeros(1)), 1.0)

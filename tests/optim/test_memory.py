@@ -32,7 +32,8 @@ def test_loss_scale_adds_only_scalars():
     opt = optim.dynamic_loss_scale(optim.master_weights(optax.adamw(1e-3)))
     led = ledger(_params(jnp.float16), opt)
     assert led.bytes_per_param == 16.0
-    assert led.scalar_bytes == 8 + 4 * 5  # + f32 scale and four int32 counters
+    # + f32 scale, four int32 counters and the bool last_step_skipped
+    assert led.scalar_bytes == 8 + 4 * 5 + 1
 
 
 def test_f32_adamw_is_16_bytes_without_master():

@@ -80,18 +80,25 @@ def _dequantized_b(wq, ws):
     return np.asarray(wq, np.float64) * np.repeat(s, 128, 1)
 
 
-# Shapes up to 512x512x1024 (kept small: in GPU-interpret mode each call costs seconds on
-# CPU). Each names its config; K = 128, M not a multiple of the tile, N not a multiple of
-# 128 (a partial B-scale block) and per-row B scales are all covered.
+# Shapes up to 512x512x1280 (kept small: in GPU-interpret mode each call costs seconds on
+# CPU; interpret mode launches 2 programs, so 3+ tiles put several tiles on a program).
+# Each names its config; the comments say which pipeline path it takes
+# (``pipeline_stages``: persistent across tiles when the stages divide the K blocks).
 CASES = [
     # m, n, k, config name, out dtype, B tiles
-    (128, 128, 128, "128x128", jnp.float32, "128x128"),  # K = 128: one K block
+    (128, 128, 128, "128x128", jnp.float32, "128x128"),  # K = 128: one K block, one tile
     (128, 128, 128, "128x128", jnp.bfloat16, "128x128"),
-    (256, 256, 512, "128x128", jnp.float32, "128x128"),  # 4 tiles on 2 programs
-    (192, 384, 640, "128x128", jnp.bfloat16, "128x128"),  # M = 1.5 tiles; ring wraps (5 > 4)
+    (256, 256, 512, "128x128", jnp.float32, "128x128"),  # 2 tiles a program: START, STOP
+    # 3 tiles a program (START, STEADY, STOP); 10 K blocks through 5 stages: ring wraps
+    (384, 256, 1280, "128x128", jnp.bfloat16, "128x128"),
+    (256, 256, 896, "128x128", jnp.float32, "128x128"),  # 7 K blocks: drains per tile
+    (192, 384, 640, "128x128", jnp.bfloat16, "128x128"),  # M = 1.5 tiles
     (64, 320, 256, "64x128", jnp.bfloat16, "128x128"),  # N = 2.5 blocks of 128
     (320, 256, 512, "64x256", jnp.float32, "128x128"),  # warpgroups split N; M = 5 tiles
+    (512, 384, 512, "256x128", jnp.bfloat16, "128x128"),  # two 64-row passes a warpgroup
+    (256, 512, 768, "128x256", jnp.float32, "128x128"),  # two 128-column passes
     (128, 256, 512, "64x256", jnp.float32, "1x128"),  # per-row B scales (wgrad's form)
+    (256, 256, 256, "128x256", jnp.bfloat16, "1x128"),  # per-row B scales, two passes
     (128, 192, 256, "128x128", jnp.bfloat16, "1x128"),  # per-row B scales, N padded
 ]
 
@@ -100,9 +107,12 @@ CASES = [
                          ids=[f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{np.dtype(c[4]).name}-b{c[5]}"
                               for c in CASES])
 def test_kernel_matches_reference(mode, m, n, k, cfg_name, out_dtype, b_tiles):
-    config = SHIPPED_CONFIGS[(cfg_name, np.dtype(out_dtype).name)]
+    _check_kernel(mode, m, n, k, SHIPPED_CONFIGS[cfg_name], out_dtype, b_tiles == "1x128")
+
+
+def _check_kernel(mode, m, n, k, config, out_dtype, b_rows):
     x, w = _data(m, n, k, seed=m + n + k)
-    xq, xs, wq, ws = _quantized(x, w, b_rows=b_tiles == "1x128")
+    xq, xs, wq, ws = _quantized(x, w, b_rows=b_rows)
     out = blockwise_fp8_matmul(xq, xs, wq, ws, out_dtype=out_dtype, impl=mode, config=config)
     assert out.shape == (m, n) and out.dtype == out_dtype
     ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
@@ -113,6 +123,23 @@ def test_kernel_matches_reference(mode, m, n, k, cfg_name, out_dtype, b_tiles):
     # Against the f32 product of the unquantized inputs (float64 on the host).
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     assert _deepgemm_diff(out, exact) < DEEPGEMM_DIFF
+
+
+# Compiled only: on a GPU with 132 SMs, several tiles per CTA needs more than 132 tiles.
+# 4096x2048 is 512 tiles of 128x128 (~4 a CTA) and 256 of 256x128 or 128x256 (~2 a CTA).
+# K = 1024 is 8 K blocks: every ring wraps, one pipeline across the tiles. K = 896 (7
+# blocks) takes the drain-per-tile path where the stages do not divide 7 (all but 64x128,
+# which runs 7 stages across tiles), here with f32 output and per-row B scales.
+COMPILED_CASES = [(1024, jnp.bfloat16, False), (896, jnp.float32, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not is_hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("k,out_dtype,b_rows", COMPILED_CASES,
+                         ids=["k1024-bfloat16-b-blocks", "k896-float32-b-rows"])
+@pytest.mark.parametrize("cfg_name", list(SHIPPED_CONFIGS))
+def test_compiled_several_tiles_per_cta_and_ring_wraps(cfg_name, k, out_dtype, b_rows):
+    _check_kernel("kernel", 4096, 2048, k, SHIPPED_CONFIGS[cfg_name], out_dtype, b_rows)
 
 
 @pytest.mark.parametrize("b_rows", [False, True], ids=["b-blocks", "b-rows"])
@@ -172,17 +199,26 @@ def test_wgrad_pads_tokens():
     np.testing.assert_array_equal(np.asarray(cut), np.asarray(full))
 
 
-def test_no_races_in_interpret_mode():
-    """One run under the race detector: 4 tiles on 2 programs (pipeline reused across
-    tiles) and 6 K blocks through a 4-stage ring (slots reused)."""
-    x, w = _data(256, 256, 768, seed=7)
+@pytest.mark.parametrize("m,n,k,cfg_name", [
+    # persistent pipeline: 3 tiles a program (START, STEADY, STOP), 10 K blocks through 5
+    # stages (the ring wraps inside a tile and across tiles)
+    (384, 256, 1280, "128x128"),
+    # drain per tile (7 K blocks, 4 stages: the ring wraps), two 64-row passes, one tile a
+    # program plus a program with two
+    (768, 128, 896, "256x128"),
+], ids=["persistent-128x128", "drain-256x128"])
+def test_no_races_in_interpret_mode(m, n, k, cfg_name):
+    """The kernel under the race detector: the manual slot release (before the promotion
+    FMAs), the scale loads from global memory with no fence, the pipeline handed from tile
+    to tile and the single-slot output staging."""
+    x, w = _data(m, n, k, seed=7)
     xq, xs, wq, ws = _quantized(x, w)
     out_buf = io.StringIO()
     with contextlib.redirect_stdout(out_buf):
         out = blockwise_fp8_matmul(
             xq, xs, wq, ws, out_dtype=jnp.float32,
             impl=plgpu.InterpretGPUParams(detect_races=True),
-            config=SHIPPED_CONFIGS[("128x128", "float32")])
+            config=SHIPPED_CONFIGS[cfg_name])
         out.block_until_ready()
     assert "RACE DETECTED" not in out_buf.getvalue()
     ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
@@ -289,8 +325,9 @@ def test_bad_options(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(block_m=128, block_n=256, wg_split="m"), r"64 or 128 columns"),
-    (dict(block_m=256, block_n=128, wg_split="m"), r"must own 64 rows"),
+    (dict(block_m=128, block_n=512, wg_split="m"), r"64, 128 or 256 columns"),
+    (dict(block_m=512, block_n=128, wg_split="m"), r"must own 64 or 128 rows"),
+    (dict(block_m=256, block_n=256, wg_split="m"), r"more than two 64x128 passes"),
     (dict(block_m=128, block_n=128, wg_split="x"), r"wg_split must be"),
     (dict(block_m=128, block_n=128, wg_split="m", grid_minor_dim="k"), r"grid_minor_dim"),
 ])
@@ -316,20 +353,31 @@ def test_public_surface():
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_choose_config(out_dtype):
-    from pallas_kernels.config import choose_config, fit_to_smem
+    from pallas_kernels.config import choose_config
 
-    name = np.dtype(out_dtype).name
-    shipped = set(SHIPPED_CONFIGS.values())
-    # Square-ish production GEMMs take the 128x128 tile (shared B tile, fewest bytes/FLOP).
-    assert choose_config(4096, 7168, 7168, out_dtype) == SHIPPED_CONFIGS[("128x128", name)]
+    # Worked by hand with the cost model (waves x tile area x relative cost, 132 SMs):
+    # 4096x7168: 128x128 -> 1792 tiles, 14 waves x 16384 = 229376; 256x128 -> 896 tiles,
+    # 7 waves x 32768 x 0.95 = 217907 (the first of the two 0.95 tiles wins the tie).
+    assert choose_config(4096, 7168, 7168, out_dtype) == SHIPPED_CONFIGS["256x128"]
+    # N = 2112: 128x128 -> 32 x 17 = 544 tiles, 5 waves x 16384 = 81920; 256x128 ->
+    # 272 tiles, 3 waves x 32768 x 0.95 = 93389.
+    assert choose_config(4096, 2112, 7168, out_dtype) == SHIPPED_CONFIGS["128x128"]
     # A 64-token GEMM would waste half of every 128-row tile: a 64-row config is chosen.
-    small = choose_config(64, 7168, 7168, out_dtype)
-    assert small in shipped and small.block_m == 64
-    # Per-row B scales take more shared memory per stage: stages trimmed to fit.
-    for key, cfg in SHIPPED_CONFIGS.items():
-        if key[1] == name:
-            fitted = fit_to_smem(cfg, out_dtype, b_rows=True)
-            assert fitted.block_m == cfg.block_m and fitted.block_n == cfg.block_n
-            assert 1 <= fitted.max_concurrent_steps <= cfg.max_concurrent_steps
+    assert choose_config(64, 7168, 7168, out_dtype).block_m == 64
     with pytest.raises(ValueError, match="out_dtype must be bfloat16 or float32"):
         choose_config(128, 128, 128, jnp.float16)
+
+
+@pytest.mark.parametrize("stages,k_blocks,want", [
+    (6, 56, (4, True)),  # DeepSeek-V3's K = 7168: 4 divides 56, 5 and 6 do not
+    (6, 12, (6, True)),  # K = 1536
+    (4, 128, (4, True)),  # K = 16384
+    (6, 7, (6, False)),  # 7 K blocks: only 1 divides below 6 -> drain per tile with 6
+    (8, 7, (7, True)),  # all 7 fit: one tile's worth of stages, persistent
+    (6, 3, (3, True)),  # fewer K blocks than stages
+    (6, 10, (5, True)),  # 5 >= 4 stages is enough to persist
+])
+def test_pipeline_stages(stages, k_blocks, want):
+    from pallas_kernels.config import pipeline_stages
+
+    assert pipeline_stages(TuningConfig(128, 128, "m", stages), k_blocks) == want

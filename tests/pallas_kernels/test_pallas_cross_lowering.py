@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels import blockwise_fp8_matmul, quantize_1x128, quantize_128x128
+from pallas_kernels._bench import DEFAULT_SHAPES
 from pallas_kernels.config import (
+    BLOCK_K,
     SHIPPED_CONFIGS,
     SMEM_BYTES_H200,
     TuningConfig,
-    fit_to_smem,
+    max_stages,
+    pipeline_stages,
     smem_bytes,
 )
 
@@ -38,29 +41,45 @@ def _matmul_args(m, n, k, b_rows=False):
             jax.ShapeDtypeStruct((n if b_rows else -(-n // 128), k // 128), jnp.float32))
 
 
-# The issue's production shapes: square and DeepSeek-V3's (M = 4096 tokens).
-SHAPES = [(4096, 7168, 7168), (4096, 2112, 7168)]
+def _report(name, dtype, shape, config, b_rows=False):
+    """The shared memory a lowering uses (shown with ``pytest -s``; the table is in the
+    README)."""
+    stages, persistent = pipeline_stages(config, shape[2] // BLOCK_K)
+    print(f"{name} {np.dtype(dtype).name} {'x'.join(map(str, shape))}"
+          f"{' b-rows' if b_rows else ''}: {stages} stages "
+          f"({'persistent' if persistent else 'drain per tile'}), smem "
+          f"{smem_bytes(config, dtype, stages)} of {SMEM_BYTES_H200} bytes")
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("key", list(SHIPPED_CONFIGS), ids=lambda k: f"{k[0]}-{k[1]}")
-def test_shipped_config_lowers_for_h200(key, shape):
-    config = SHIPPED_CONFIGS[key]
-    assert fit_to_smem(config, key[1]) == config  # shipped stage counts fit as they are
+# Every shipped config at every production shape (the benchmark's: 4096^3, 8192^3 and
+# DeepSeek-V3's four projections at M = 4096) in bf16, the training path's output; f32 at
+# the two shapes whose K gives the most and fewest stages. About 3-5 s a case.
+CASES = ([(name, jnp.bfloat16, shape) for name in SHIPPED_CONFIGS for shape in DEFAULT_SHAPES]
+         + [(name, jnp.float32, shape) for name in SHIPPED_CONFIGS
+            for shape in ((4096, 7168, 2048), (4096, 24576, 1536))])
+
+
+@pytest.mark.parametrize("name,dtype,shape", CASES, ids=[
+    f"{c[0]}-{np.dtype(c[1]).name}-{'x'.join(map(str, c[2]))}" for c in CASES])
+def test_shipped_config_lowers_for_h200(name, dtype, shape):
+    config = SHIPPED_CONFIGS[name]
+    assert config.max_concurrent_steps == max_stages(config, dtype)  # the most that fit
+    _report(name, dtype, shape, config)
     text = _lower_for_h200(
-        functools.partial(blockwise_fp8_matmul, out_dtype=jnp.dtype(key[1]), impl="kernel",
+        functools.partial(blockwise_fp8_matmul, out_dtype=dtype, impl="kernel",
                           config=config), *_matmul_args(*shape))
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("key", list(SHIPPED_CONFIGS), ids=lambda k: f"{k[0]}-{k[1]}")
-def test_shipped_config_with_row_scaled_b_lowers_for_h200(key):
-    """The weight-gradient form (B scaled per 1x128 tile, [N, K/128]) with the stages that
-    ``choose_config`` keeps for it; at the wgrad shape of DeepSeek-V3's (7168, 2048)
-    projection: N=7168 outputs, K=2048 inputs, 4096 tokens."""
-    config = fit_to_smem(SHIPPED_CONFIGS[key], key[1], b_rows=True)
+@pytest.mark.parametrize("name", list(SHIPPED_CONFIGS))
+def test_shipped_config_with_row_scaled_b_lowers_for_h200(name):
+    """The weight-gradient form (B scaled per 1x128 tile, [N, K/128], f32 output) at the
+    wgrad shape of DeepSeek-V3's (7168, 2048) projection: N=7168 outputs, K=2048 inputs,
+    4096 tokens."""
+    config = SHIPPED_CONFIGS[name]
+    _report(name, jnp.float32, (7168, 2048, 4096), config, b_rows=True)
     text = _lower_for_h200(
-        functools.partial(blockwise_fp8_matmul, out_dtype=jnp.dtype(key[1]), impl="kernel",
+        functools.partial(blockwise_fp8_matmul, out_dtype=jnp.float32, impl="kernel",
                           config=config), *_matmul_args(7168, 2048, 4096, b_rows=True))
     assert "mosaic_gpu" in text
 
@@ -70,21 +89,23 @@ def test_auto_picks_the_kernel_on_an_h200():
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("b_rows", [False, True], ids=["b-blocks", "b-rows"])
-@pytest.mark.parametrize("key", list(SHIPPED_CONFIGS), ids=lambda k: f"{k[0]}-{k[1]}")
-def test_one_more_stage_overflows_as_modelled(key, b_rows):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name", list(SHIPPED_CONFIGS))
+def test_one_more_stage_overflows_as_modelled(name, dtype):
     """Controls for the checks above: one stage more than fits is rejected by Mosaic GPU,
     which reports exactly the bytes ``smem_bytes`` predicts (so the stage counts are the
-    most that fit, and the model behind ``fit_to_smem`` is Mosaic's)."""
-    config = fit_to_smem(SHIPPED_CONFIGS[key], key[1], b_rows=b_rows)
+    most that fit, and the model is Mosaic's)."""
+    config = SHIPPED_CONFIGS[name]
     bigger = TuningConfig(config.block_m, config.block_n, config.wg_split,
                           config.max_concurrent_steps + 1)
-    want = smem_bytes(bigger, key[1], b_rows)
+    want = smem_bytes(bigger, dtype)
     assert want > SMEM_BYTES_H200
+    k = bigger.max_concurrent_steps * BLOCK_K  # as many K blocks as stages: all are used
+    assert pipeline_stages(bigger, k // BLOCK_K)[0] == bigger.max_concurrent_steps
     with pytest.raises(ValueError, match=f"smem_bytes={want} > max_smem_bytes"):
-        _lower_for_h200(functools.partial(blockwise_fp8_matmul, out_dtype=jnp.dtype(key[1]),
+        _lower_for_h200(functools.partial(blockwise_fp8_matmul, out_dtype=dtype,
                                           impl="kernel", config=bigger),
-                        *_matmul_args(4096, 2048, 4096, b_rows=b_rows))  # K blocks > stages
+                        *_matmul_args(4096, 2048, k))
 
 
 @pytest.mark.parametrize("power_of_two", [False, True])

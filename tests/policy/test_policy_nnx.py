@@ -24,7 +24,8 @@ def test_original_model_is_left_alone_and_state_layout_is_unchanged():
     assert jax.tree.structure(ref) == jax.tree.structure(got)
     assert wrapped.blocks[0].moe.router.kernel is case.model.blocks[0].moe.router.kernel
     plain = inspect_policy(case.model, *case.inputs, loss_fn=case.loss_fn)
-    assert {d for _, d in plain.dots()} == {f"{F32} x {F32} -> {F32}"}
+    assert {d for kind in ("forward", "dgrad", "wgrad") for head in (False, True)
+            for _, d in plain.matmuls(kind, head=head)} == {f"{F32} x {F32} -> {F32}"}
 
 
 def test_split_merge_keeps_the_policy():
@@ -33,7 +34,8 @@ def test_split_merge_keeps_the_policy():
     graphdef, state = nnx.split(wrapped)
     merged = nnx.merge(graphdef, state)
     report = inspect_policy(merged, *case.inputs)
-    assert {d for _, d in report.dots()} == {f"{BF16} x {BF16} -> {BF16}"}
+    assert {d for _, d in report.matmuls("forward")} == {f"{BF16} x {BF16} -> {BF16}"}
+    assert {d for _, d in report.matmuls("forward", head=True)} == {f"{BF16} x {BF16} -> {F32}"}
     assert report.output_dtypes == (F32,)
 
     @jax.jit
@@ -41,7 +43,7 @@ def test_split_merge_keeps_the_policy():
         return nnx.merge(graphdef, state)(x)
 
     dots = dot_dtypes(jax.make_jaxpr(apply)(state, *case.inputs))
-    assert dots == {f"{BF16} x {BF16} -> {BF16}"}
+    assert dots == {f"{BF16} x {BF16} -> {BF16}", f"{BF16} x {BF16} -> {F32}"}
 
 
 def test_closures_under_jax_transforms_do_not_mutate_variables():

@@ -192,20 +192,32 @@ def test_mixed_presets_keep_norms_router_head_and_root_where_the_seeds_say(half)
     for path in ROUTERS:
         p = rules.resolve(path, ("Dense",))
         assert (p.compute_dtype, p.output_dtype) == ("float32", "float32"), path
-    for path in HEADS:
-        p = rules.resolve(path, ("Dense",))
-        assert (p.compute_dtype, p.output_dtype) == (hdt, "float32"), path
-    for path in OTHERS:
+    # The head is found by its role (the matmul producing the outputs), not by a name: a
+    # module called "head" is an ordinary module to the path rules.
+    for path in HEADS + OTHERS:
         p = rules.resolve(path, ("Dense", "MultiHeadDotProductAttention"))
         assert (p.param_dtype, p.compute_dtype, p.output_dtype) == ("float32", hdt, hdt), path
-    root = rules.resolve("", ("TransformerLM",))
-    assert (root.compute_dtype, root.output_dtype) == (hdt, "float32")
+    assert (rules.head.compute_dtype, rules.head.output_dtype, rules.head.fp8) == (
+        hdt, "float32", None)
+    assert rules.output_dtype == "float32"
 
 
 def test_fp32_and_pure_bf16_presets():
     assert get_preset("fp32").resolve("anything", ("LayerNorm",)) == Policy()
     p = get_preset("pure-bf16").resolve("Block_0/ln_1", ("LayerNorm",))
     assert p == Policy.parse("bf16")
+
+
+@pytest.mark.parametrize("name", ["bf16", "bfloat16", "float16", "fp16", "f32", "half", "full"])
+def test_bare_dtype_names_are_not_policies(name):
+    with pytest.raises(ValueError, match=r"bf16-mixed.*Policy\.parse\('p=" ):
+        as_rules(name)
+    assert Policy.parse(name).compute_dtype == Policy.parse(name).param_dtype  # still parses
+
+
+def test_head_rule_refuses_fp8():
+    with pytest.raises(ValueError, match="head"):
+        Rules((), head="p=f32,c=bf16,fp8=current")
 
 
 def test_as_rules_normalizes_inputs():

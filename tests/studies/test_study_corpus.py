@@ -121,3 +121,103 @@ def test_load_text(tmp_path):
     bad.write_bytes(b"abc\xffdef")
     with pytest.raises(ValueError, match="not UTF-8 text: invalid byte 0xff at offset 3"):
         corpus.load_text(bad)
+
+
+# ------------------------------------------------------------------------ real text: stdlib
+
+
+def _walk_stdlib_independently():
+    """The documented file rule, re-derived here with pathlib.rglob instead of os.walk."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
+            "pydoc_data"}
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                   if not skip & set(p.relative_to(root).parts[:-1]))
+    return root, files
+
+
+def test_stdlib_corpus_files_and_split_follow_the_documented_rule():
+    import hashlib
+
+    root, files = _walk_stdlib_independently()
+    c = corpus.stdlib_corpus()
+    assert c.root == str(root.resolve())
+    assert corpus.stdlib_files() == tuple(files)
+    # Disjoint, and together every file (all of them are UTF-8 on CPython).
+    assert set(c.train_files).isdisjoint(c.heldout_files)
+    assert sorted(c.train_files + c.heldout_files) == files
+    for rel in files:
+        h = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big")
+        assert (rel in c.heldout_files) == (h < 0.1 * 2.0**64)
+    # Each part is its files' bytes, concatenated in sorted order.
+    assert c.train_files == tuple(sorted(c.train_files))
+    assert c.heldout == b"".join((root / f).read_bytes() for f in c.heldout_files)
+    assert c.train == b"".join((root / f).read_bytes() for f in c.train_files)
+    # A binomial(684, 0.1) count: mean 68, sd 7.8; 6 sd either side.
+    assert 0.1 * len(files) - 6 * 7.9 < len(c.heldout_files) < 0.1 * len(files) + 6 * 7.9
+
+
+def test_stdlib_corpus_is_real_nontrivial_text():
+    c = corpus.stdlib_corpus()
+    assert len(c.train) > 2_000_000 and len(c.heldout) > 200_000
+    for part in (c.train, c.heldout):
+        part.decode("utf-8")  # raises if not UTF-8
+        b = np.frombuffer(part, np.uint8)
+        assert (b < 128).mean() > 0.99  # source code: almost all ASCII
+        assert b"def " in part and b"import " in part
+    # Held-out files are not also in training (by content, too).
+    d = c.describe()
+    assert d["train_bytes"] == len(c.train) and d["heldout_files"] == len(c.heldout_files)
+    assert d["train_sha256"] != d["heldout_sha256"]
+
+
+def test_stdlib_corpus_is_deterministic():
+    a = corpus.stdlib_corpus()
+    corpus._stdlib_split.cache_clear()
+    b = corpus.stdlib_corpus()
+    assert a is not b
+    assert a.train == b.train and a.heldout == b.heldout
+    assert a.describe() == b.describe()
+    other = corpus.stdlib_corpus(0.3)
+    assert set(a.heldout_files) < set(other.heldout_files)  # a threshold rule nests
+
+
+def test_stdlib_corpus_on_a_given_folder(tmp_path):
+    for i in range(40):
+        (tmp_path / f"m{i:02d}.py").write_text(f"x = {i}\n")
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "t.py").write_text("skipped\n")
+    (tmp_path / "latin.py").write_bytes(b"s = '\xe9'\n")  # not UTF-8: skipped
+    c = corpus.stdlib_corpus(0.5, root=tmp_path)
+    assert len(c.train_files) + len(c.heldout_files) == 40
+    assert b"skipped" not in c.train + c.heldout and b"\xe9" not in c.train + c.heldout
+    with pytest.raises(ValueError, match="heldout_fraction must be"):
+        corpus.stdlib_corpus(1.0)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        corpus.stdlib_corpus(root=tmp_path / "nope")
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "a.py").write_text("a = 1\n")
+    with pytest.raises(ValueError, match="leaves an empty part"):
+        corpus.stdlib_corpus(root=tmp_path / "only")
+
+
+def test_bits_per_byte():
+    assert corpus.bits_per_byte(math.log(256)) == pytest.approx(8.0, rel=1e-15)
+    assert corpus.bits_per_byte(1.0) == pytest.approx(1.4426950408889634, rel=1e-15)
+
+
+def test_heldout_windows():
+    data = bytes(range(100))
+    w = corpus.heldout_windows(data, 10, 4)
+    # starts round(i * 90 / 3) = 0, 30, 60, 90
+    np.testing.assert_array_equal(w[:, 0], [0, 30, 60, 90])
+    np.testing.assert_array_equal(w[3], np.arange(90, 100))
+    assert w.dtype == np.int32 and w.shape == (4, 10)
+    np.testing.assert_array_equal(corpus.heldout_windows(data, 5, 1), [np.arange(5)])
+    with pytest.raises(ValueError, match="at least seq_len"):
+        corpus.heldout_windows(b"abc", 5, 2)
+    with pytest.raises(ValueError, match="count must be"):
+        corpus.heldout_windows(data, 5, 0)
