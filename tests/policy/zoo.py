@@ -89,12 +89,13 @@ def causal_mask(length: int) -> jax.Array:
 
 class MlpBlock(nn.Module):
     mlp_dim: int
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x):
-        y = nn.Dense(self.mlp_dim)(x)
+        y = nn.Dense(self.mlp_dim, dtype=self.dtype)(x)
         y = nn.relu(y)
-        return nn.Dense(x.shape[-1])(y)
+        return nn.Dense(x.shape[-1], dtype=self.dtype)(y)
 
 
 class Lm1bBlock(nn.Module):
@@ -145,13 +146,14 @@ class HandAttention(nn.Module):
     """Multi-head attention written out: DenseGeneral q/k/v/out, max-subtract/exp/sum."""
 
     num_heads: int
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, inputs_q, inputs_kv, mask):
         features = inputs_q.shape[-1]
         head_dim = features // self.num_heads
         dense = functools.partial(nn.DenseGeneral, features=(self.num_heads, head_dim),
-                                  axis=-1, use_bias=False)
+                                  axis=-1, use_bias=False, dtype=self.dtype)
         q = dense(name="query")(inputs_q)
         k = dense(name="key")(inputs_kv)
         v = dense(name="value")(inputs_kv)
@@ -162,51 +164,61 @@ class HandAttention(nn.Module):
         weights = jnp.exp(scores)
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         out = jnp.einsum("...hqk,...khd->...qhd", weights, v)
-        return nn.DenseGeneral(features, axis=(-2, -1), name="out")(out)
+        return nn.DenseGeneral(features, axis=(-2, -1), dtype=self.dtype, name="out")(out)
 
 
 class EncoderBlock(nn.Module):
     num_heads: int
     mlp_dim: int
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, mask):
-        y = nn.LayerNorm()(x)
-        x = x + HandAttention(self.num_heads, name="self_attention")(y, y, mask)
-        y = nn.LayerNorm()(x)
-        return x + MlpBlock(self.mlp_dim)(y)
+        y = nn.LayerNorm(dtype=self.dtype)(x)
+        x = x + HandAttention(self.num_heads, self.dtype, name="self_attention")(y, y, mask)
+        y = nn.LayerNorm(dtype=self.dtype)(x)
+        return x + MlpBlock(self.mlp_dim, self.dtype)(y)
 
 
 class DecoderBlock(nn.Module):
     num_heads: int
     mlp_dim: int
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, y, encoded, self_mask, cross_mask):
-        z = nn.LayerNorm()(y)
-        y = y + HandAttention(self.num_heads, name="self_attention")(z, z, self_mask)
-        z = nn.LayerNorm()(y)
-        y = y + HandAttention(self.num_heads, name="encdec_attention")(z, encoded, cross_mask)
-        z = nn.LayerNorm()(y)
-        return y + MlpBlock(self.mlp_dim)(z)
+        attention = functools.partial(HandAttention, self.num_heads, self.dtype)
+        z = nn.LayerNorm(dtype=self.dtype)(y)
+        y = y + attention(name="self_attention")(z, z, self_mask)
+        z = nn.LayerNorm(dtype=self.dtype)(y)
+        y = y + attention(name="encdec_attention")(z, encoded, cross_mask)
+        z = nn.LayerNorm(dtype=self.dtype)(y)
+        return y + MlpBlock(self.mlp_dim, self.dtype)(z)
 
 
 class WmtTransformer(nn.Module):
-    """wmt: shared embedding, encoder, decoder, tied head on an explicit f32 upcast."""
+    """wmt: shared embedding, encoder, decoder, tied head on an explicit f32 upcast.
+
+    ``dtype`` is wmt's ``config.dtype`` (bf16 with ``use_bfloat16``), given to every layer but
+    the embedding; with it, the author's ``y.astype(jnp.float32)`` before the head is a real
+    upcast (with f32 layers it is a no-op, absent from the trace). Flax's LayerNorm with a
+    bf16 dtype needs "standard" dtype promotion, as the example runs.
+    """
 
     vocab_size: int = 53
     emb_dim: int = 40
     num_heads: int = 4
     mlp_dim: int = 72
     max_len: int = 16
+    dtype: Any = None
 
     def setup(self):
         self.shared_embedding = nn.Embed(self.vocab_size, self.emb_dim,
                                          embedding_init=nn.initializers.normal(1.0))
-        self.encoder = EncoderBlock(self.num_heads, self.mlp_dim)
-        self.encoder_norm = nn.LayerNorm()
-        self.decoder = DecoderBlock(self.num_heads, self.mlp_dim)
-        self.decoder_norm = nn.LayerNorm()
+        self.encoder = EncoderBlock(self.num_heads, self.mlp_dim, self.dtype)
+        self.encoder_norm = nn.LayerNorm(dtype=self.dtype)
+        self.decoder = DecoderBlock(self.num_heads, self.mlp_dim, self.dtype)
+        self.decoder_norm = nn.LayerNorm(dtype=self.dtype)
         self.pos = jnp.asarray(sinusoidal_positions(self.max_len, self.emb_dim))
 
     def encode(self, inputs):
@@ -800,7 +812,14 @@ def batch(case: Case, key: int = 0) -> dict:
     return {"inputs": case.inputs, "labels": case.labels, "key": jax.random.key(key)}
 
 
-def functional(case: Case, model: Any, *, key: int = 0):
+def _warm_up(case: Case, model: nnx.Module) -> None:
+    """One call outside any transform: creates an NNX policy's delayed-FP8 state (lazily
+    created at the first call, as fmtkit documents)."""
+    kw = {"rngs": nnx.Rngs(dropout=123)} if case.call_rngs else {}
+    model(*case.inputs, **kw)
+
+
+def functional(case: Case, model: Any, *, key: int = 0, warmup: bool = False):
     """``(forward, diff, aux)``: the training-mode forward pass as a pure function of pytrees.
 
     ``forward(diff, aux, batch) -> (logits, new_aux)``. ``diff`` is ``{"params": ...,
@@ -808,7 +827,7 @@ def functional(case: Case, model: Any, *, key: int = 0):
     delayed FP8 recipe, the amax histories, whose "gradient" is the observed amaxes);
     ``aux`` is the rest of the state (linen ``batch_stats``; NNX batch statistics and rng
     counters), updated by training-mode calls. ``model`` is the unwrapped or wrapped model
-    (for "jax": the apply function).
+    (for "jax": the apply function). ``warmup``: NNX: call the model once first (delayed FP8).
     """
     if case.api == "linen":
         kw = dict(case.train_kwargs)
@@ -834,6 +853,8 @@ def functional(case: Case, model: Any, *, key: int = 0):
     if case.api == "nnx":
         fp8_type = fp8_state_type()
         fp8_filter = fp8_type if fp8_type is not None else nnx.Not(...)
+        if warmup:
+            _warm_up(case, model)
         graphdef, params, fp8, aux = nnx.split(model, nnx.Param, fp8_filter, ...)
 
         def forward(diff, aux, batch):
@@ -874,7 +895,7 @@ class Traced:
         return matmuls(self.records, self.grad_labels, head_size)
 
 
-def trace(case: Case, model: Any) -> Traced:
+def trace(case: Case, model: Any, *, warmup: bool = False) -> Traced:
     """Traces ``value_and_grad`` of the case's training loss, labelled for the checks.
 
     The step is ``jax.vjp`` with the cotangent seed as an explicit input (what
@@ -884,7 +905,7 @@ def trace(case: Case, model: Any) -> Traced:
     """
     from jaxpr_utils import COTANGENT, DATA, PARAM, label_eqns
 
-    forward, diff, aux = functional(case, model)
+    forward, diff, aux = functional(case, model, warmup=warmup)
     loss_fn = training_loss(forward)
     data = batch(case)
 
@@ -913,7 +934,7 @@ def sgd_train(case: Case, model: Any, *, steps: int = 5, lr: float | None = None
     ``update_fp8(state, observed)`` records the amaxes (``fmtkit.fp8.update_state``).
     Returns ``(losses, diff)``.
     """
-    forward, diff, aux = functional(case, model)
+    forward, diff, aux = functional(case, model, warmup=update_fp8 is not None)
     loss_fn = training_loss(forward)
     lr = case.lr if lr is None else lr
 
@@ -937,6 +958,8 @@ def nnx_optimizer_train(case: Case, model: nnx.Module, *, steps: int = 5, lr: fl
                         update_fp8: Callable | None = None) -> list[float]:
     """NNX the way users train: ``nnx.Optimizer`` + ``nnx.value_and_grad`` under ``nnx.jit``."""
     fp8_type = fp8_state_type()
+    if update_fp8 is not None:
+        _warm_up(case, model)
     opt = nnx.Optimizer(model, optax.sgd(case.lr if lr is None else lr), wrt=nnx.Param)
     wrt = nnx.DiffState(0, (nnx.Param, fp8_type) if fp8_type is not None else nnx.Param)
 
