@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -51,18 +52,24 @@ from fmtkit.scaling import (
     MXScaling,
     ScaledArray,
     TensorScaling,
+    delayed_amax,
     quantize,
+    record_amax,
 )
 
 __all__ = [
+    "PARTIALS_BUDGET_BYTES",
     "RECIPES",
     "FP8Recipe",
     "Fp8DotState",
+    "GemmBackend",
     "combine_observations",
     "dot_general",
+    "gemm_backends",
     "get_recipe",
     "init_state",
     "limited_precision_matmul",
+    "register_gemm_backend",
     "scaled_matmul",
     "update_state",
 ]
@@ -105,11 +112,14 @@ class FP8Recipe:
       accum_mantissa_bits: if set, emulate an accumulator with this many mantissa bits
         (Hopper FP8 tensor cores keep about 14 bits, DeepSeek-V3 section 3.3.2), promoting
         into f32 every ``promote_every`` elements of the contraction (N_C = 128).
-      use_kernel: "auto" calls the Pallas blockwise kernel (``pallas_kernels``) for every
-        GEMM whose operands fit it (E4M3, 1x128 x 128x128 or 1x128 x 1x128: all three GEMMs
-        of "blockwise") on a Hopper GPU, and the jitted pure-JAX path (same semantics)
-        elsewhere; "never" always the pure-JAX path; "interpret" the kernel in GPU-interpret
-        mode (CPU tests).
+      use_kernel: "auto" runs a registered GEMM backend (``register_gemm_backend``) where
+        one applies and its hardware is present: the Pallas blockwise kernel
+        (``pallas_kernels``; E4M3, 1x128 x 128x128 or 1x128 x 1x128: all three GEMMs of
+        "blockwise") on a Hopper GPU, JAX's native block-scaled dot (``jax.nn.scaled_matmul``,
+        MXFP8: all three GEMMs of "mxfp8") on a Blackwell GPU; elsewhere the jitted pure-JAX
+        path (``scaled_matmul``, same semantics). "never" always the pure-JAX path;
+        "interpret" the backends that apply, off their hardware (the Pallas kernel in
+        GPU-interpret mode, the block-scaled dot in JAX's decomposition), for CPU tests.
       amax_reduce_axes: mesh axis names to take per-tensor amaxes over (``lax.pmax``) when
         the dot runs inside ``shard_map`` on a shard of the tensor, so every device uses the
         global scale. Under ``jax.jit`` with shardings leave it empty: reductions there are
@@ -163,7 +173,12 @@ class FP8Recipe:
                             f"{self.amax_reduce_axes!r}.")
 
     def __str__(self) -> str:
-        return self.name
+        """The name, plus every field that differs from the named recipe (or, for a custom
+        recipe, from ``FP8Recipe()``): ``blockwise(margin=1)``."""
+        base = RECIPES.get(self.name) or FP8Recipe()
+        diff = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                if f.name != "name" and getattr(self, f.name) != getattr(base, f.name)]
+        return f"{self.name}({', '.join(diff)})" if diff else self.name
 
 
 RECIPES: dict[str, FP8Recipe] = {
@@ -190,27 +205,24 @@ def get_recipe(recipe: str | FP8Recipe) -> FP8Recipe:
 # ---------------------------------------------------------------------------------------------
 # Delayed-scaling state: one amax history per operand role (x, w, grad) of one dot.
 
+Fp8DotState = DelayedScalingState
+"""Delayed-scaling state of one scaled dot: ``fmtkit.DelayedScalingState`` (the one state
+type of every delayed recipe) with ``amax_history`` f32[3, history] and ``count`` None.
 
-class Fp8DotState(NamedTuple):
-    """Delayed-scaling state of one scaled dot: histories of x, w and gradient amaxes.
+Rows are x, w, grad; column 0 is the newest entry. While a row is all zeros (before the first
+step) the current amax is used instead (``fmtkit.scaling.delayed_amax``, the bootstrap that
+Flax's recipe lacks). ``count`` stays None so that ``jax.grad`` can take the whole state.
 
-    Attributes:
-      amax_history: f32[3, history]; rows are x, w, grad; column 0 is the newest entry.
-        While a row is all zeros (before the first step) the current amax is used instead:
-        the bootstrap that Flax's recipe lacks. (No integer counter, so ``jax.grad`` can
-        take the whole state.)
-
-    The gradient amax is only known in the backward pass, so the dot reports all three
-    observed amaxes as the *cotangent* of ``amax_history`` (column 0; zeros elsewhere):
-    differentiate the loss with respect to the state too and pass that "gradient" to
-    ``update_state``. Never hand it to an optimizer.
-    """
-
-    amax_history: jax.Array
+The gradient amax is only known in the backward pass, so the dot reports all three observed
+amaxes as the *cotangent* of ``amax_history`` (column 0; zeros elsewhere): differentiate the
+loss with respect to the state too and pass that "gradient" to ``update_state``. Never hand
+it to an optimizer. A stack of L scanned layers keeps ``[L, 3, history]`` (one history per
+layer); each layer's dot sees its own ``[3, history]`` slice.
+"""
 
 
 def init_state(recipe: str | FP8Recipe = "delayed") -> Fp8DotState:
-    """A fresh (empty-history) state for one dot."""
+    """A fresh (empty-history) state for one dot: ``amax_history`` f32[3, recipe.history]."""
     recipe = get_recipe(recipe)
     return Fp8DotState(jnp.zeros((3, recipe.history), jnp.float32))
 
@@ -225,68 +237,166 @@ def update_state(state: Any, observed: Any) -> Any:
 
     Args:
       state: a pytree of amax histories: ``Fp8DotState`` nodes, or a Flax ``"fp8_state"``
-        collection (every leaf an f32[3, history] array).
+        collection; every leaf f32[..., 3, history] (``[3, H]`` for one dot, ``[L, 3, H]``
+        for a scanned stack of L layers).
       observed: the gradient of the loss with respect to ``state`` (same structure): each
         dot's observed x / w / grad amaxes sit in column 0 of its history. Combine
         micro-batches with ``combine_observations`` (max) before calling this once per step.
 
     Returns:
-      The state with each history rolled by one and the observations recorded; a dot whose
-      observations are not all finite keeps its history unchanged.
+      The state with each history rolled by one along its last axis and the observations
+      recorded (``fmtkit.scaling.record_amax``, the rule ``DelayedScaling.update`` uses); a
+      dot (per layer, for a stack) whose three observations are not all finite keeps its
+      history unchanged.
+
+    Raises:
+      ValueError: a leaf that is not [..., 3, history], or shapes of state and observed differ.
     """
     def upd(hist, obs):
-        amax = obs[:, 0].astype(hist.dtype)
-        rolled = jnp.roll(hist, 1, axis=1).at[:, 0].set(amax)
-        # A step with a non-finite amax (an overflow that loss scaling will skip) is not
-        # recorded: an inf in the history would poison the scale for `history` steps.
-        return jnp.where(jnp.all(jnp.isfinite(amax)), rolled, hist)
+        if hist is None:
+            return None
+        if hist.ndim < 2 or hist.shape[-2] != 3 or obs.shape != hist.shape:
+            raise ValueError(
+                f"update_state: every leaf must be an amax history f32[..., 3, history] with "
+                f"its observation of the same shape; got {hist.shape} and {obs.shape}.")
+        return record_amax(hist, obs[..., 0], group_ndim=1)
 
-    return jax.tree.map(upd, state, observed)
+    return jax.tree.map(upd, state, observed, is_leaf=lambda t: t is None)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM backends: kernels that register themselves (``pallas_kernels`` does on import).
+
+
+class GemmBackend(NamedTuple):
+    """A GEMM kernel for quantized operands (see ``register_gemm_backend``)."""
+
+    name: str
+    fn: Callable[..., jax.Array]
+    applies: Callable[[ScaledArray, ScaledArray], bool]
+    available: Callable[[], bool]
+
+
+_GEMM_BACKENDS: dict[str, GemmBackend] = {}
+_ENTRY_POINT_GROUP = "fmtkit.gemm_backends"
+_entry_points_loaded = False
+
+
+def register_gemm_backend(name: str, fn: Callable[..., jax.Array], *,
+                          applies: Callable[[ScaledArray, ScaledArray], bool],
+                          available: Callable[[], bool]) -> None:
+    """Registers a GEMM kernel for ``FP8Recipe.use_kernel`` "auto" / "interpret".
+
+    Args:
+      name: the backend's name (registering a name again replaces it).
+      fn: ``fn(a_values, a_scale, b_values, b_scale, *, impl) -> f32 [F1, F2]``, the
+        product ``a [F1, C] · b [F2, C]ᵀ`` with the scales applied per block of C, exactly
+        ``scaled_matmul``'s semantics; ``impl`` is "kernel" or "interpret".
+      applies: whether the kernel takes these two (padded) ``ScaledArray`` operands.
+      available: whether the compiled kernel runs here (e.g. on a Hopper GPU); evaluated at
+        trace time, so an abstract mesh's device counts.
+
+    ``fmtkit`` never imports a kernel package by name: ``pallas_kernels`` calls this when it
+    is imported, and "auto" also loads the packages that declare the entry-point group
+    ``fmtkit.gemm_backends`` (this repository's ``pyproject.toml`` declares
+    ``pallas_kernels``), so on a Hopper GPU "auto" finds the kernel without an import.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}.")
+    for arg, f in (("fn", fn), ("applies", applies), ("available", available)):
+        if not callable(f):
+            raise TypeError(f"{arg} must be callable, got {f!r}.")
+    _GEMM_BACKENDS[name] = GemmBackend(name, fn, applies, available)
+
+
+def gemm_backends() -> dict[str, GemmBackend]:
+    """The registered GEMM backends, after loading the ``fmtkit.gemm_backends`` entry points."""
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        import importlib.metadata
+
+        for ep in importlib.metadata.entry_points(group=_ENTRY_POINT_GROUP):
+            try:
+                ep.load()
+            except ImportError:  # an optional kernel package whose dependencies are missing
+                continue
+    return dict(_GEMM_BACKENDS)
 
 
 # ---------------------------------------------------------------------------------------------
 # Quantizing a [free, contraction] operand and the blockwise-promoted GEMM.
 
 
-def _tile_recipe(spec: str, recipe: FP8Recipe, shape: tuple[int, int], role: str):
-    kind, arg = _parse_tile(spec, role)
-    f, c = shape
-    if kind == "tensor":
-        return TensorScaling(recipe.power_of_two, recipe.margin)
-    if kind == "row":
-        return AxisScaling(-1, recipe.power_of_two, recipe.margin)
-    if kind == "none":
-        return None
+class _Tile(NamedTuple):
+    kind: str  # "tensor", "row", "none", "mx", "block"
+    f: int  # block along the free dim (1 for per-row tiles and MX; 0: whole dim)
+    c: int  # block along the contraction (0: the whole dim)
+    arg: Any
+
+    @property
+    def transposable(self) -> bool:
+        """Quantizing t.T gives the transpose of quantizing t (same blocks, same scales)."""
+        return self.kind in ("tensor", "none") or (self.kind == "block" and self.f == self.c)
+
+
+@functools.cache
+def _tile(spec: str) -> _Tile:
+    kind, arg = _parse_tile(spec, "tile")
     if kind == "mx":
-        if c % arg:
-            raise ValueError(f"contraction size {c} of {role} is not divisible by the MX block "
-                             f"{arg} (recipe {recipe.name!r}).")
-        return MXScaling(arg, recipe.mx_scale_rounding, axis=-1)
-    bf, bc = arg
-    if c % bc:
-        raise ValueError(f"contraction size {c} of {role} is not divisible by the recipe's "
-                         f"block {bc} (recipe {recipe.name!r}, tile {spec}).")
-    if f % bf:
-        raise ValueError(f"size {f} of {role}'s non-contracted dims is not divisible by the "
-                         f"recipe's block {bf} (recipe {recipe.name!r}, tile {spec}).")
-    return BlockScaling((bf, bc), recipe.power_of_two, recipe.margin)
+        return _Tile(kind, 1, arg, arg)
+    if kind == "block":
+        return _Tile(kind, arg[0], arg[1], arg)
+    if kind == "row":
+        return _Tile(kind, 1, 0, None)
+    return _Tile(kind, 0, 0, None)
 
 
-def _quantize_operand(t: jax.Array, fmt: str, spec: str, recipe: FP8Recipe, role: str,
-                      delayed_amax: jax.Array | None) -> ScaledArray:
-    """Quantizes a 2-D [free, contraction] operand per the tiling."""
-    if delayed_amax is not None:
-        # Per-tensor with a given amax (history or current): DelayedScaling semantics, which
-        # equal TensorScaling's for the same amax.
-        d = DelayedScaling(1, "max", recipe.margin, recipe.power_of_two)
-        state = DelayedScalingState(delayed_amax.reshape(1), jnp.ones((), jnp.int32))
-        return quantize(t, fmt, d, state=state)
-    scaling = _tile_recipe(spec, recipe, t.shape, role)
-    if scaling is None:
-        f = get_format(fmt)
-        values = jnp.clip(t.astype(jnp.float32), -f.max, f.max).astype(f.dtype)
-        return ScaledArray(values, jnp.ones((1, 1), jnp.float32), f, TensorScaling())
-    return quantize(t, fmt, scaling)
+def _round_up(n: int, m: int) -> int:
+    return n if m <= 1 else -(-n // m) * m
+
+
+def _pad2(t: jax.Array, f: int, c: int) -> jax.Array:
+    pf, pc = f - t.shape[0], c - t.shape[1]
+    return jnp.pad(t, ((0, pf), (0, pc))) if pf or pc else t
+
+
+def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: FP8Recipe,
+              amax: jax.Array | None) -> ScaledArray:
+    """Quantizes a 2-D [free, contraction] operand (already padded to its blocks)."""
+    if tile.kind == "tensor":
+        return quantize(t, fmt, TensorScaling(recipe.power_of_two, recipe.margin), amax=amax)
+    if tile.kind == "row":
+        return quantize(t, fmt, AxisScaling(-1, recipe.power_of_two, recipe.margin))
+    if tile.kind == "mx":
+        return quantize(t, fmt, MXScaling(tile.arg, recipe.mx_scale_rounding, axis=-1))
+    if tile.kind == "block":
+        return quantize(t, fmt, BlockScaling(tile.arg, recipe.power_of_two, recipe.margin))
+    f = get_format(fmt)
+    values = jnp.clip(t.astype(jnp.float32), -f.max, f.max).astype(f.dtype)
+    return ScaledArray(values, jnp.ones((1, 1), jnp.float32), f, TensorScaling())
+
+
+def _operand(t: jax.Array, fmt: str, tile: _Tile, recipe: FP8Recipe, amax: jax.Array | None,
+             c_to: int) -> ScaledArray:
+    """Zero-pads ``t`` [F, C] to its free block and to ``c_to`` columns, then quantizes.
+
+    Padding is exact: zeros never raise a block's amax, an all-zero block gets scale 1 and
+    zero values, and padded rows / columns contribute zero products (sliced off after).
+    """
+    return _quantize(_pad2(t, _round_up(t.shape[0], tile.f), c_to), fmt, tile, recipe, amax)
+
+
+def _transpose(sa: ScaledArray, f_to: int, c_to: int) -> ScaledArray:
+    """The transpose of a quantized operand with a transposable tile, padded to [f_to, c_to]
+    (per-tensor: zero values, same scale; square blocks: zero blocks of scale 1)."""
+    v, s = sa.values.T, sa.scale.T
+    f_to = max(f_to, v.shape[0])  # extra zero rows are sliced off with the output
+    if s.shape != (1, 1):
+        bf, bc = sa.block[1], sa.block[0]
+        s = jnp.pad(s, ((0, f_to // bf - s.shape[0]), (0, c_to // bc - s.shape[1])),
+                    constant_values=1)
+    return ScaledArray(_pad2(v, f_to, c_to), s, sa.fmt, sa.recipe)
 
 
 def _expand_scale(sa: ScaledArray, g: int) -> jax.Array:
@@ -340,9 +450,20 @@ def limited_precision_matmul(a: jax.Array, b: jax.Array, *, mantissa_bits: int,
     return out
 
 
+_NT = (((1,), (1,)), ((), ()))  # a [F1, C] · b [F2, C]ᵀ
+
+
 def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = None
                   ) -> jax.Array:
     """f32 ``a [F1, C] · b [F2, C]ᵀ`` of two quantized operands, scales applied per C-block.
+
+    With ``g`` the smaller contraction block of the two, each of the ``C / g`` partial
+    products is an FP8 dot with f32 output, scaled by its blocks' scales and added into one
+    f32 accumulator. Only when all ``[C/g, F1, F2]`` partials fit in
+    ``PARTIALS_BUDGET_BYTES`` are they one batched dot; a larger GEMM accumulates one block
+    per ``lax.scan`` step, so its temporaries are the accumulator and one partial product.
+    When both scales are constant along C (per tensor, per row) it is one FP8 dot and an
+    outer product of scales.
 
     Raises:
       ValueError: mismatched contraction sizes.
@@ -354,8 +475,8 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = Non
     g = min(a.block[1], b.block[1])
     nb = c // g
     acc_bits = recipe.accum_mantissa_bits if recipe is not None else None
-    sa, sb = _expand_scale(a, g), _expand_scale(b, g)
     if acc_bits is not None:
+        sa, sb = _expand_scale(a, g), _expand_scale(b, g)
         if recipe.promote_every is not None and recipe.promote_every % g and g % (
                 recipe.promote_every):
             raise ValueError(f"promote_every={recipe.promote_every} must divide or be a "
@@ -367,71 +488,169 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = Non
         return limited_precision_matmul(av, bv, mantissa_bits=acc_bits,
                                         promote_every=recipe.promote_every)
     if nb == 1:
-        out = lax.dot_general(a.values, b.values, (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-        return out * sa[:, 0][:, None] * sb[:, 0][None, :]
-    av = a.values.reshape(fa, nb, g)
-    bv = b.values.reshape(fb, nb, g)
-    parts = lax.dot_general(av, bv, (((2,), (2,)), ((1,), (1,))),
-                            preferred_element_type=jnp.float32)  # [nb, F1, F2]
-    # Promotion: scale each f32 partial product by its blocks' scales, then sum over blocks
-    # (elementwise, not an f32 dot, so every GEMM in the jaxpr stays FP8).
-    return jnp.sum(parts * sa.T[:, :, None] * sb.T[:, None, :], axis=0)
+        out = lax.dot_general(a.values, b.values, _NT, preferred_element_type=jnp.float32)
+        # (out * sa) * sb, in that order: bit-identical to the earlier releases.
+        sa = a.scale.astype(jnp.float32)
+        sb = b.scale.astype(jnp.float32)
+        if a.block[0] > 1 and sa.shape[0] > 1:
+            sa = jnp.repeat(sa, a.block[0], axis=0)
+        if b.block[0] > 1 and sb.shape[0] > 1:
+            sb = jnp.repeat(sb, b.block[0], axis=0)
+        return out * sa * sb.T
+    # Per-block partial products (DeepSeek-V3's promotion into f32), scaled per block and
+    # summed in f32. When all of them fit in PARTIALS_BUDGET_BYTES: one batched FP8 dot
+    # [nb, F1, F2] and a sum (the fastest form on CPU); otherwise one block per step of a
+    # lax.scan into one f32 accumulator (temporaries: the accumulator and one partial).
+    group = nb if 4 * nb * fa * fb <= PARTIALS_BUDGET_BYTES else 1
+    sa = _rows(_block_scale(a, g), fa)  # [F1, nb]
+    sb = _rows(_block_scale(b, g), fb)  # [F2, nb]
+    av = a.values.reshape(fa, nb // group, group, g)
+    bv = b.values.reshape(fb, nb // group, group, g)
+
+    def chunk(i):
+        pa = lax.dynamic_index_in_dim(av, i, axis=1, keepdims=False)  # [F1, group, g]
+        pb = lax.dynamic_index_in_dim(bv, i, axis=1, keepdims=False)
+        parts = lax.dot_general(pa, pb, (((2,), (2,)), ((1,), (1,))),
+                                preferred_element_type=jnp.float32)  # [group, F1, F2]
+        ca = lax.dynamic_slice_in_dim(sa, i * group, group, axis=1).T  # [group, F1]
+        cb_ = lax.dynamic_slice_in_dim(sb, i * group, group, axis=1).T
+        return jnp.sum(parts * ca[:, :, None] * cb_[:, None, :], axis=0)
+
+    if group == nb:
+        return chunk(0)
+    acc, _ = lax.scan(lambda acc, i: (acc + chunk(i), None), jnp.zeros((fa, fb), jnp.float32),
+                      jnp.arange(nb // group))
+    return acc
 
 
-def _kernel_impl(recipe: FP8Recipe, a: ScaledArray, b: ScaledArray) -> str | None:
-    """The Pallas kernel's ``impl`` for this GEMM, or None for the pure-JAX path.
+PARTIALS_BUDGET_BYTES = 32 * 2**20
+"""Most bytes of f32 per-block partial products ``scaled_matmul`` materializes at once: below
+it, all partials come from one batched dot (a 512 x 512 output with 16 MX blocks is 16 MiB;
+the loop form is several times slower on CPU at such sizes); above it (a 4096 x 7168 output
+is 112 MiB per partial), blocks are accumulated one at a time."""
 
-    The kernel takes E4M3 ``a`` in 1x128 tiles and ``b`` in 128x128 blocks or 1x128 tiles:
-    the three GEMMs of the "blockwise" recipe. Whether the GPU is a Hopper is decided in one
-    place, ``pallas_kernels`` (imported only when the operands fit).
-    """
+
+def _block_scale(sa: ScaledArray, g: int) -> jax.Array:
+    """f32 scale [F / bf, C / g] (repeated along C when the operand's blocks exceed g)."""
+    s = sa.scale.astype(jnp.float32)
+    c = sa.values.shape[1]
+    if s.shape[1] != c // g:
+        s = jnp.repeat(s, (c // g) // s.shape[1], axis=1)
+    return s
+
+
+def _rows(s: jax.Array, f: int) -> jax.Array:
+    """Per-block-of-rows scales [F / bf, n] broadcast to [F, n]."""
+    if s.shape[0] == f:
+        return s
+    n = s.shape[1]
+    return jnp.broadcast_to(s[:, None, :], (s.shape[0], f // s.shape[0], n)).reshape(f, n)
+
+
+def _kernel_backend(recipe: FP8Recipe, a: ScaledArray, b: ScaledArray
+                    ) -> tuple[GemmBackend, str] | None:
+    """The registered kernel and its ``impl`` for this GEMM, or None for ``scaled_matmul``."""
     if recipe.use_kernel == "never" or recipe.accum_mantissa_bits is not None:
         return None
-    if a.block != (1, 128) or b.block not in ((128, 128), (1, 128)):
-        return None
-    if a.fmt.name != "float8_e4m3fn" or b.fmt.name != "float8_e4m3fn":
-        return None
-    if recipe.use_kernel == "interpret":
-        return "interpret"
-    from pallas_kernels import _backend
+    if recipe.use_kernel == "auto" and not _on_gpu():
+        return None  # no kernel package is loaded where none could run compiled
+    for backend in gemm_backends().values():
+        if not backend.applies(a, b):
+            continue
+        if recipe.use_kernel == "interpret":
+            return backend, "interpret"
+        if backend.available():
+            return backend, "kernel"
+    return None
 
-    return "kernel" if _backend.is_hopper() else None
+
+# Blackwell parts (compute capability 10.x), whose tensor cores take MX block scales.
+_BLACKWELL_KINDS = ("B100", "B200", "B300", "GB200", "GB300")
+_MX_ELEMENTS = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _is_blackwell() -> bool:
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is None:
+        if jax.default_backend() != "gpu":
+            return False
+        device = jax.devices()[0]
+        cc = getattr(device, "compute_capability", None)
+        if cc is not None:
+            return str(cc).split(".")[0] == "10"
+    return device.platform == "gpu" and any(
+        k in getattr(device, "device_kind", "") for k in _BLACKWELL_KINDS)
+
+
+def _fits_block_scaled_dot(a: ScaledArray, b: ScaledArray) -> bool:
+    """MXFP8 operands: E4M3/E5M2 elements in 1x32 blocks along C with E8M0 scales."""
+    return all(t.block == (1, 32) and t.fmt.name in _MX_ELEMENTS
+               and t.scale.dtype == jnp.float8_e8m0fnu for t in (a, b))
+
+
+def _block_scaled_dot(a_values, a_scale, b_values, b_scale, *, impl):
+    """JAX's native block-scaled dot (``jax.nn.scaled_matmul``): XLA's ``block_scaled_dot``,
+    run by cuDNN on Blackwell; elsewhere (``impl="interpret"``) JAX's own decomposition."""
+    del impl
+    return jax.nn.scaled_matmul(a_values[None], b_values[None], a_scale[None], b_scale[None],
+                                preferred_element_type=jnp.float32)[0]
+
+
+register_gemm_backend("jax_block_scaled_dot", _block_scaled_dot,
+                      applies=_fits_block_scaled_dot, available=_is_blackwell)
+
+
+def _on_gpu() -> bool:
+    """Whether this trace targets a GPU (an abstract mesh's device, else the default one)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None:
+        return device.platform == "gpu"
+    return jax.default_backend() == "gpu"
 
 
 def _gemm(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe) -> jax.Array:
-    impl = _kernel_impl(recipe, a, b)
-    if impl is not None:
-        import pallas_kernels
-
-        return pallas_kernels.blockwise_fp8_matmul(a.values, a.scale, b.values, b.scale,
-                                                   out_dtype=jnp.float32, impl=impl)
+    found = _kernel_backend(recipe, a, b)
+    if found is not None:
+        backend, impl = found
+        return backend.fn(a.values, a.scale, b.values, b.scale, impl=impl)
     return scaled_matmul(a, b, recipe)
 
 
 # ---------------------------------------------------------------------------------------------
 # The custom-VJP core on 2-D operands: x [M, K], w [N, K] (K-major), y [M, N].
-
-
-def _history_amax(recipe: FP8Recipe, hist: jax.Array, current: jax.Array) -> jax.Array:
-    past = jnp.max(hist) if recipe.amax_algo == "max" else hist[0]
-    return jnp.where(jnp.all(hist == 0), current, past)
+#
+# Each dimension that a tiling blocks is zero-padded inside the GEMM that needs it (a GEMM
+# of a [F1, C] and b [F2, C] pads C to both operands' contraction blocks and each F to its
+# operand's free block) and the result is sliced back, so any shape trains.
+# Quantized operands whose tiling is the same along both axes (per tensor, unscaled, square
+# blocks) are kept from the forward pass and transposed for the backward GEMMs: quantizing
+# the transpose would give the same values and scales, so only the tilings that change with
+# the contraction axis (rows, 1x128 tiles, MX blocks) are quantized again from x / w / dy.
 
 
 def _amax(t: jax.Array, recipe: FP8Recipe) -> jax.Array:
+    # In f32: XLA:CPU's whole-array max of a bf16 array runs several times slower.
     amax = jnp.max(jnp.abs(t.astype(jnp.float32)))
     for axis in recipe.amax_reduce_axes:
         amax = lax.pmax(amax, axis)
     return amax
 
 
-def _tensor_amax(recipe: FP8Recipe, spec: str, hist_row: jax.Array, current: jax.Array
+def _tensor_amax(recipe: FP8Recipe, tile: _Tile, hist_row: jax.Array, current: jax.Array
                  ) -> jax.Array | None:
     """The amax a per-tensor operand is quantized with (history for delayed recipes, else the
     current, possibly mesh-reduced, amax); None for other tilings (they use their blocks)."""
     if recipe.delayed:
-        return _history_amax(recipe, hist_row, current)
-    return current if _parse_tile(spec, "tile")[0] == "tensor" else None
+        return delayed_amax(hist_row, current, recipe.amax_algo)
+    return current if tile.kind == "tensor" else None
+
+
+def _c_to(c: int, *tiles: _Tile) -> int:
+    return _round_up(c, math.lcm(*(max(t.c, 1) for t in tiles)))
+
+
+def _tiles(recipe: FP8Recipe) -> tuple[_Tile, _Tile, _Tile]:
+    return _tile(recipe.x_tile), _tile(recipe.w_tile), _tile(recipe.grad_tile)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -440,29 +659,50 @@ def _core(recipe: FP8Recipe, x: jax.Array, w: jax.Array, hist: jax.Array) -> jax
 
 
 def _core_fwd(recipe, x, w, hist):
+    tx, tw, _ = _tiles(recipe)
+    m, k = x.shape
+    n = w.shape[0]
     amax_x, amax_w = _amax(x, recipe), _amax(w, recipe)
-    dx = _tensor_amax(recipe, recipe.x_tile, hist[0], amax_x)
-    dw = _tensor_amax(recipe, recipe.w_tile, hist[1], amax_w)
-    xq = _quantize_operand(x, recipe.x_format, recipe.x_tile, recipe, "x", dx)
-    wq = _quantize_operand(w, recipe.w_format, recipe.w_tile, recipe, "w", dw)
-    y = _gemm(xq, wq, recipe)
-    return y, (x, w, hist, amax_x, amax_w)
+    kp = _c_to(k, tx, tw)
+    xq = _operand(x, recipe.x_format, tx, recipe, _tensor_amax(recipe, tx, hist[0], amax_x), kp)
+    wq = _operand(w, recipe.w_format, tw, recipe, _tensor_amax(recipe, tw, hist[1], amax_w), kp)
+    y = _gemm(xq, wq, recipe)[:m, :n]
+    # Residuals: the quantized operand where the backward GEMMs can reuse it, else the input.
+    # (Empty arrays carry K and the input dtypes: residuals must be arrays.)
+    return y, (xq if tx.transposable else x, wq if tw.transposable else w, hist,
+               amax_x, amax_w, jnp.zeros((0, k), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _core_bwd(recipe, res, g):
-    x, w, hist, amax_x, amax_w = res
+    x_res, w_res, hist, amax_x, amax_w, x_meta, w_meta = res
+    m, n = g.shape
+    k, x_dtype, w_dtype = x_meta.shape[1], x_meta.dtype, w_meta.dtype
+    tx, tw, tg = _tiles(recipe)
     amax_g = _amax(g, recipe)
-    d_g = _tensor_amax(recipe, recipe.grad_tile, hist[2], amax_g)
-    d_x = _tensor_amax(recipe, recipe.x_tile, hist[0], amax_x)
-    d_w = _tensor_amax(recipe, recipe.w_tile, hist[1], amax_w)
+    d_g = _tensor_amax(recipe, tg, hist[2], amax_g)
     # dgrad: dx [M, K] = g [M, N] · w [N, K], contracting N.
-    gq_n = _quantize_operand(g, recipe.grad_format, recipe.grad_tile, recipe, "grad", d_g)
-    wq_n = _quantize_operand(w.T, recipe.w_format, recipe.w_tile, recipe, "w", d_w)
-    dx = _gemm(gq_n, wq_n, recipe).astype(x.dtype)
+    np_ = _c_to(n, tg, tw)
+    gq_n = _operand(g, recipe.grad_format, tg, recipe, d_g, np_)
+    if tw.transposable:
+        wq_n = _transpose(w_res, _round_up(k, tw.f), np_)
+    else:
+        wq_n = _operand(w_res.T, recipe.w_format, tw, recipe,
+                        _tensor_amax(recipe, tw, hist[1], amax_w), np_)
+    dx = _gemm(gq_n, wq_n, recipe)[:m, :k].astype(x_dtype)
     # wgrad: dw [N, K] = gᵀ [N, M] · x [M, K], contracting the tokens M.
-    gq_m = _quantize_operand(g.T, recipe.grad_format, recipe.grad_tile, recipe, "grad", d_g)
-    xq_m = _quantize_operand(x.T, recipe.x_format, recipe.x_tile, recipe, "x", d_x)
-    dw = _gemm(gq_m, xq_m, recipe).astype(w.dtype)
+    mp = _c_to(m, tg, tx)
+    if tg.transposable and tg.kind != "block":
+        # per tensor / unscaled: the dgrad operand, transposed (square blocks would need the
+        # same padding along M and N; re-quantizing g is as cheap as padding it again)
+        gq_m = _transpose(gq_n, _round_up(n, tg.f), mp)
+    else:
+        gq_m = _operand(g.T, recipe.grad_format, tg, recipe, d_g, mp)
+    if tx.transposable:
+        xq_m = _transpose(x_res, _round_up(k, tx.f), mp)
+    else:
+        xq_m = _operand(x_res.T, recipe.x_format, tx, recipe,
+                        _tensor_amax(recipe, tx, hist[0], amax_x), mp)
+    dw = _gemm(gq_m, xq_m, recipe)[:n, :k].astype(w_dtype)
     observed = jnp.zeros_like(hist).at[:, 0].set(jnp.stack([amax_x, amax_w, amax_g]))
     return dx, dw, observed
 
@@ -476,6 +716,13 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 def _canonicalize(lhs, rhs, dimension_numbers):
     (lc, rc), (lb, rb) = dimension_numbers
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError("lhs and rhs need as many contracting (and batch) dims")
+    for dl, dr in ((lc, rc), (lb, rb)):
+        for a, b in zip(dl, dr):
+            if lhs.shape[a] != rhs.shape[b]:
+                raise ValueError(f"lhs dim {a} (size {lhs.shape[a]}) and rhs dim {b} "
+                                 f"(size {rhs.shape[b]}) differ")
     lc, rc, lb, rb = (tuple(int(d) % a.ndim for d in ds)
                       for ds, a in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs)))
     lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
@@ -490,42 +737,70 @@ def _canonicalize(lhs, rhs, dimension_numbers):
     return x, w, len(batch), out_shape
 
 
-def dot_general(recipe: str | FP8Recipe = "blockwise"):
+def dot_general(recipe: str | FP8Recipe = "blockwise", *, name: str | None = None):
     """Returns a function with ``lax.dot_general``'s signature that computes in FP8.
 
     Plugs into ``nn.Dense(dot_general=...)``, ``nn.DenseGeneral``, ``nn.Einsum`` and
     ``nnx.Linear(dot_general=...)``. Any contracting and batch dims are accepted (they are
-    flattened to a 2-D GEMM per batch element). Delayed recipes take their state as the
-    keyword ``fp8_state`` (an ``Fp8DotState``); the linen / NNX module wrappers in
-    ``fmtkit.policy`` thread it for you.
+    flattened to a 2-D GEMM per batch element), of any size: a dimension that a recipe's
+    blocks do not divide is zero-padded inside each GEMM (exact). Delayed recipes take their
+    state as the keyword ``fp8_state`` (an ``Fp8DotState``); the linen / NNX module wrappers
+    in ``fmtkit.policy`` thread it for you.
+
+    Args:
+      recipe: a name from ``RECIPES`` or an ``FP8Recipe``.
+      name: what the errors of the returned function call this dot (the policy layer passes
+        the module path, e.g. "Block_0/MlpBlock_0/Dense_0").
+
+    Returns:
+      ``fp8_dot_general(lhs, rhs, dimension_numbers, precision=None,
+      preferred_element_type=None, *, fp8_state=None)``.
 
     Example:
       >>> dg = dot_general("blockwise")
-      >>> x, w = jnp.ones((128, 256)), jnp.ones((256, 128))
+      >>> x, w = jnp.ones((128, 200)), jnp.ones((200, 100))
       >>> dg(x, w, (((1,), (0,)), ((), ()))).shape
-      (128, 128)
+      (128, 100)
     """
     recipe = get_recipe(recipe)
+    where = f"fmtkit.fp8.dot_general({recipe}) at {name!r}" if name else \
+        f"fmtkit.fp8.dot_general({recipe})"
 
     def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None,
                         preferred_element_type=None, *, fp8_state: Fp8DotState | None = None,
                         **unused):
         del precision, unused  # FP8 GEMMs accumulate in f32 by construction
-        lhs = check_floating(lhs, "lhs")
-        rhs = check_floating(rhs, "rhs")
+        try:
+            lhs = check_floating(lhs, "lhs")
+            rhs = check_floating(rhs, "rhs")
+        except TypeError as e:
+            raise TypeError(f"{where}: {e}") from None
         out_dtype = preferred_element_type or (
             lhs.dtype if lhs.dtype == rhs.dtype else jnp.float32)
         if recipe.delayed:
             if fp8_state is None:
-                raise ValueError(f"recipe {recipe.name!r} is delayed: pass fp8_state= (see "
-                                 "fmtkit.fp8.init_state) or use the Flax module wrappers.")
-            hist = fp8_state.amax_history
+                raise ValueError(f"{where}: recipe {recipe.name!r} is delayed: pass fp8_state= "
+                                 "(see fmtkit.fp8.init_state) or use the Flax module wrappers.")
+            hist = jnp.asarray(fp8_state.amax_history)
+            if hist.shape != (3, recipe.history):
+                extra = (" A stack of layers (nn.scan / nnx.scan) keeps one history per "
+                         "layer, [L, 3, history]: scan over the fp8_state collection too "
+                         "(linen: variable_axes={'params': 0, 'fp8_state': 0}) so each "
+                         "layer's dot sees its own slice." if hist.ndim == 3 else "")
+                raise ValueError(f"{where}: fp8_state.amax_history has shape {hist.shape}; "
+                                 f"this dot needs (3, {recipe.history}) (rows x, w, grad)."
+                                 + extra)
         else:
             hist = jnp.zeros((3, 1), jnp.float32)
-        x, w, nbatch, out_shape = _canonicalize(lhs, rhs, dimension_numbers)
+        try:
+            x, w, nbatch, out_shape = _canonicalize(lhs, rhs, dimension_numbers)
+        except (ValueError, TypeError, IndexError) as e:
+            raise ValueError(f"{where}: bad dimension_numbers {dimension_numbers!r} for "
+                             f"lhs {lhs.shape} and rhs {rhs.shape}: {e}") from None
         if nbatch and recipe.delayed:
-            raise ValueError("delayed scaling supports dots without batch dims (Dense, "
-                             "DenseGeneral); use a current-scaling recipe for batched einsums.")
+            raise ValueError(f"{where}: delayed scaling supports dots without batch dims "
+                             "(Dense, DenseGeneral); use a current-scaling recipe for batched "
+                             "einsums.")
         core = functools.partial(_core, recipe)
         for _ in range(nbatch):
             core = jax.vmap(core, in_axes=(0, 0, None))
@@ -533,4 +808,5 @@ def dot_general(recipe: str | FP8Recipe = "blockwise"):
         return y.reshape(out_shape).astype(out_dtype)
 
     fp8_dot_general.recipe = recipe  # type: ignore[attr-defined]
+    fp8_dot_general.name = name  # type: ignore[attr-defined]
     return fp8_dot_general

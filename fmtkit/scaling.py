@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fmtkit.casting import _FP6, check_decodable, check_floating, round_to_grid
+from fmtkit.casting import check_decodable, check_floating, round_to_grid
 from fmtkit.formats import Format, get_format
 
 __all__ = [
@@ -51,9 +51,11 @@ __all__ = [
     "ScaledArray",
     "TensorScaling",
     "compute_scale",
+    "delayed_amax",
     "dequantize",
     "qdq",
     "quantize",
+    "record_amax",
 ]
 
 _F32_TINY = np.float32(2.0**-126)  # smallest normal f32: floor for scales (see module doc)
@@ -163,15 +165,68 @@ class MXScaling:
 
 
 class DelayedScalingState(NamedTuple):
-    """Amax history of one tensor for delayed scaling (a pytree the caller threads).
+    """Amax histories for delayed scaling (a pytree the caller threads): the one state type
+    of every delayed recipe in fmtkit (``DelayedScaling`` and ``fmtkit.fp8``'s dots).
 
     Attributes:
-      amax_history: f32[history]; entry 0 is the most recent amax.
-      count: int32 number of recorded steps (0 means: bootstrap from the current amax).
+      amax_history: f32[..., history]; index 0 of the last axis is the most recent amax.
+        Leading axes are independent tensors: ``DelayedScaling`` keeps one tensor
+        (``[history]``), an FP8 dot three (``[3, history]``: x, w, grad), a scanned stack of
+        L dots ``[L, 3, history]``. A tensor whose history is all zeros has recorded nothing
+        yet and bootstraps from its current amax (see ``delayed_amax``).
+      count: int32 number of recorded steps, or None. Informational only (the bootstrap
+        rule reads the history, not the count); FP8 dot states leave it None so that
+        ``jax.grad`` can take the whole state (an integer leaf has no float cotangent).
     """
 
     amax_history: jax.Array
-    count: jax.Array
+    count: jax.Array | None = None
+
+
+def delayed_amax(amax_history: jax.Array, current: jax.typing.ArrayLike,
+                 algo: Literal["max", "most_recent"] = "max") -> jax.Array:
+    """The amax a delayed recipe quantizes with: the history's, or ``current`` before the
+    first recorded step (the bootstrap Flax's recipe lacks: its scale starts at 1).
+
+    ``amax_history`` is f32[..., history]; the result has its leading shape. The rule is the
+    same for every delayed recipe in fmtkit::
+
+        past   = max(history) if algo == "max" else history[0]
+        amax   = current  where every entry of the history is 0 (nothing recorded yet)
+                 past     otherwise
+    """
+    hist = jnp.asarray(amax_history)
+    past = jnp.max(hist, axis=-1) if algo == "max" else hist[..., 0]
+    return jnp.where(jnp.all(hist == 0, axis=-1), jnp.asarray(current, jnp.float32), past)
+
+
+def record_amax(amax_history: jax.Array, amax: jax.typing.ArrayLike, *,
+                group_ndim: int = 0) -> jax.Array:
+    """The one history update of every delayed recipe: roll by one, record ``amax`` newest.
+
+    Args:
+      amax_history: f32[..., history] (index 0 of the last axis newest).
+      amax: the observed amaxes, shape ``amax_history.shape[:-1]``.
+      group_ndim: the trailing axes of ``amax`` that form one unit for the finiteness check
+        (0: each tensor on its own; 1 for FP8 dots, whose x / w / grad rows are recorded or
+        skipped together, per dot and per layer of a stack).
+
+    Returns:
+      The new history. A unit with a non-finite observation (an overflowing step that loss
+      scaling will skip) keeps its history unchanged: an inf in the history would poison the
+      scale for ``history`` steps.
+    """
+    hist = jnp.asarray(amax_history)
+    amax = jnp.asarray(amax, hist.dtype)
+    if amax.shape != hist.shape[:-1]:
+        raise ValueError(f"amax has shape {amax.shape}; the history {hist.shape} needs "
+                         f"{hist.shape[:-1]}.")
+    rolled = jnp.concatenate([amax[..., None], hist[..., :-1]], axis=-1)
+    ok = jnp.isfinite(amax)
+    if group_ndim:
+        ok = jnp.all(ok, axis=tuple(range(-group_ndim, 0)), keepdims=True)
+        ok = jnp.broadcast_to(ok, amax.shape)
+    return jnp.where(ok[..., None], rolled, hist)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +235,8 @@ class DelayedScaling:
 
     Defaults are Transformer Engine's ``DelayedScaling`` (history 1024, "max", margin 0).
     The first step (empty history) bootstraps from the current amax instead of casting
-    unscaled, the failure of Flax's recipe (its scale starts at 1).
+    unscaled, the failure of Flax's recipe (its scale starts at 1). History rules
+    (``delayed_amax``, ``record_amax``) are shared with ``fmtkit.fp8``'s delayed recipe.
 
     Example:
       >>> recipe = DelayedScaling(history=16)
@@ -197,7 +253,8 @@ class DelayedScaling:
 
     def __post_init__(self):
         _check_margin(self.margin)
-        if not isinstance(self.history, int) or self.history <= 0:
+        if not isinstance(self.history, int) or isinstance(self.history, bool) or (
+                self.history <= 0):
             raise ValueError(f"history must be a positive int, got {self.history!r}.")
         if self.algo not in ("max", "most_recent"):
             raise ValueError(f"algo must be 'max' or 'most_recent', got {self.algo!r}.")
@@ -212,26 +269,30 @@ class DelayedScaling:
     def history_amax(self, state: DelayedScalingState) -> jax.Array:
         """The amax the next quantization uses (before bootstrapping)."""
         if self.algo == "max":
-            return jnp.max(state.amax_history)
-        return state.amax_history[0]
+            return jnp.max(state.amax_history, axis=-1)
+        return state.amax_history[..., 0]
 
     def update(self, state: DelayedScalingState, x_or_amax: jax.typing.ArrayLike
                ) -> DelayedScalingState:
         """Rolls the history and records ``amax(x)`` (pass an array, or its scalar amax).
 
+        A non-finite amax is not recorded (``record_amax``; the count does not advance).
         Under gradient accumulation, combine the micro-batches' amaxes with ``max`` before
         recording (or call ``record_max``) so the history holds the max over the batch.
         """
         x = jnp.asarray(x_or_amax)
         amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if x.ndim else x.astype(jnp.float32)
-        hist = jnp.roll(state.amax_history, 1).at[0].set(amax)
-        return DelayedScalingState(hist, state.count + 1)
+        hist = record_amax(state.amax_history, amax)
+        count = state.count
+        if count is not None:
+            count = count + jnp.isfinite(amax).astype(count.dtype)
+        return DelayedScalingState(hist, count)
 
     def record_max(self, state: DelayedScalingState, amax: jax.typing.ArrayLike
                    ) -> DelayedScalingState:
         """Combines ``amax`` into the newest history entry with max (accumulation steps)."""
         amax = jnp.asarray(amax, jnp.float32)
-        return state._replace(amax_history=state.amax_history.at[0].max(amax))
+        return state._replace(amax_history=state.amax_history.at[..., 0].max(amax))
 
 
 Recipe = TensorScaling | AxisScaling | BlockScaling | MXScaling | DelayedScaling
@@ -364,11 +425,15 @@ def _mx_exponent(amax: jax.Array, fmt: Format, rule: str) -> jax.Array:
 
 
 def _split_scale(xs: jax.Array, axes: tuple[int, ...], fmt: Format, recipe: Recipe,
-                 state: DelayedScalingState | None) -> tuple[jax.Array, jax.Array]:
+                 state: DelayedScalingState | None, amax: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
     """(stored scale, f32 reciprocal) per block of ``xs`` (x in its split layout), keepdims
     over ``axes``. MX scales are E8M0, built from their exponent bits: 2^-127 is an f32
     subnormal, which XLA CPU arithmetic would flush to 0 (then 1/0), so the reciprocal
     2^-e is formed directly as well."""
+    if amax is not None:
+        amax = jnp.asarray(amax, jnp.float32).reshape((1,) * xs.ndim)
+        return _scale_and_inverse(amax, fmt, recipe, state)
     a = jnp.abs(xs.astype(jnp.float32))
     if not fmt.has_nan:
         # FP6/FP4 cannot store a NaN element, and XLA's CPU max reduction drops NaN: map NaN
@@ -383,11 +448,19 @@ def _split_scale(xs: jax.Array, axes: tuple[int, ...], fmt: Format, recipe: Reci
         scale = jax.lax.bitcast_convert_type(code, jnp.float8_e8m0fnu)
         inv = jnp.where(nan, jnp.float32(jnp.nan), jnp.ldexp(jnp.float32(1.0), -e))
         return scale, inv
+    return _scale_and_inverse(amax, fmt, recipe, state)
+
+
+def _scale_and_inverse(amax, fmt, recipe, state):
     if isinstance(recipe, DelayedScaling):
         if state is None:
             raise ValueError("DelayedScaling needs its state: quantize(x, fmt, recipe, "
                              "state=recipe.init()); thread recipe.update(state, x) per step.")
-        amax = jnp.where(state.count > 0, recipe.history_amax(state), amax)
+        if state.amax_history.shape != (recipe.history,):
+            raise ValueError(f"state.amax_history has shape {state.amax_history.shape}; "
+                             f"DelayedScaling(history={recipe.history}) needs "
+                             f"({recipe.history},).")
+        amax = delayed_amax(state.amax_history, amax, recipe.algo)
     scale = _amax_to_scale(amax, fmt, recipe.margin, recipe.power_of_two)
     return scale, jnp.float32(1.0) / scale
 
@@ -412,7 +485,8 @@ def compute_scale(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe, *,
 
 
 def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = TensorScaling(), *,
-             state: DelayedScalingState | None = None) -> ScaledArray:
+             state: DelayedScalingState | None = None,
+             amax: jax.typing.ArrayLike | None = None) -> ScaledArray:
     """Quantizes ``x`` to ``fmt`` with one scale per block of ``recipe``.
 
     Args:
@@ -421,6 +495,9 @@ def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = Tensor
       recipe: a scaling recipe (default: per-tensor current scaling).
       state: the ``DelayedScalingState`` (only for ``DelayedScaling``); its history is not
         updated here: call ``recipe.update(state, x)`` after the step.
+      amax: per-tensor recipes only (``TensorScaling``, ``DelayedScaling``): the current
+        amax to use instead of ``max |x|`` (a mesh-reduced amax, or one already computed);
+        a delayed recipe still prefers its recorded history.
 
     Returns:
       A ``ScaledArray`` with ``values`` in ``fmt.dtype`` and ``scale`` (f32; E8M0 for MX).
@@ -435,12 +512,15 @@ def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = Tensor
       (2, 2)
     """
     x, fmt, xs, axes, scale_shape = _prepare(x, fmt, recipe)
-    scale, inv = _split_scale(xs, axes, fmt, recipe, state)
+    if amax is not None and not isinstance(recipe, TensorScaling | DelayedScaling):
+        raise ValueError(f"amax= is for per-tensor recipes (TensorScaling, DelayedScaling), "
+                         f"got {type(recipe).__name__}.")
+    scale, inv = _split_scale(xs, axes, fmt, recipe, state, amax)
     # Multiply by the per-block reciprocal (what XLA CPU turns a division into anyway, and
     # what the Pallas quantizers do), then clip: formats without inf turn |v| > max into NaN
     # (f32 -> e4m3fn beyond 464).
     v = jnp.clip(xs.astype(jnp.float32) * inv, -fmt.max, fmt.max)
-    if fmt.name in _FP6:
+    if fmt.bits == 6:
         # XLA's CPU backend cannot decode FP6; every FP6 value is exact in E4M3, so the
         # values are rounded onto the FP6 grid and kept in an E4M3 container.
         values = round_to_grid(v, fmt).astype(jnp.float8_e4m3fn)

@@ -10,11 +10,19 @@ Blockwise FP8 training GEMMs (DeepSeek-V3's recipe) for Hopper, written for Mosa
   bit-identical to ``fmtkit.quantize`` with ``BlockScaling((1, 128))`` / ``((128, 128))``.
 
 Every function takes ``impl``: "auto" (kernel on a Hopper GPU, reference elsewhere),
-"kernel", "interpret" (GPU-interpret mode on CPU) or "reference". Tile configs live in
-``pallas_kernels.config``.
+"kernel", "interpret" (GPU-interpret mode on CPU) or "reference"; ``is_hopper()`` says
+whether "auto" picks the kernel here. Tile configs live in ``pallas_kernels.config``.
+
+Importing the package registers the blockwise kernel as a GEMM backend of ``fmtkit.fp8``
+(``fmtkit.fp8.register_gemm_backend``), so FP8 recipes with ``use_kernel="auto"`` run it on a
+Hopper GPU and ``use_kernel="interpret"`` in interpret mode. ``fmtkit`` never imports this
+package by name; it also loads it through the ``fmtkit.gemm_backends`` entry point.
 """
 
+import jax.numpy as jnp
+
 from pallas_kernels import config
+from pallas_kernels._backend import is_hopper
 from pallas_kernels.blockwise_fp8_matmul import (
     blockwise_fp8_dgrad,
     blockwise_fp8_matmul,
@@ -29,6 +37,29 @@ from pallas_kernels.quantize import (
     quantize_128x128_reference,
 )
 
+
+def _fits_kernel(a, b) -> bool:
+    """The kernel's operands: E4M3 ``a`` in 1x128 tiles, ``b`` in 128x128 blocks or 1x128
+    tiles (all three GEMMs of fmtkit's "blockwise" recipe)."""
+    return (a.block == (1, 128) and b.block in ((128, 128), (1, 128))
+            and a.fmt.name == "float8_e4m3fn" and b.fmt.name == "float8_e4m3fn")
+
+
+def _gemm(a_values, a_scale, b_values, b_scale, *, impl):
+    return blockwise_fp8_matmul(a_values, a_scale, b_values, b_scale, out_dtype=jnp.float32,
+                                impl=impl)
+
+
+def _register() -> None:
+    from fmtkit import fp8
+    from pallas_kernels import _backend
+
+    fp8.register_gemm_backend("pallas_blockwise_fp8", _gemm, applies=_fits_kernel,
+                              available=_backend.is_hopper)
+
+
+_register()
+
 __all__ = [
     "TuningConfig",
     "blockwise_fp8_dgrad",
@@ -36,6 +67,7 @@ __all__ = [
     "blockwise_fp8_matmul_reference",
     "blockwise_fp8_wgrad",
     "config",
+    "is_hopper",
     "quantize_1x128",
     "quantize_1x128_reference",
     "quantize_128x128",

@@ -2,8 +2,8 @@
 
 Every kernel here is written for Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``) and
 launched with ``plgpu.kernel``: it has FP8 ``wgmma`` and the warp-specialized pipeline; the
-Pallas Triton backend is deprecated since jax 0.11 and rejects mixed FP8 dots (see
-``notes/pallas-fp8.md``). Kernel modules import ``plgpu`` from here and ask this module
+Pallas Triton backend is deprecated since jax 0.11 and rejects mixed FP8 dots. Kernel
+modules import ``plgpu`` from here and ask this module
 which implementation to run:
 
 * ``"kernel"``: the compiled Mosaic GPU kernel (needs a Hopper GPU at run time; lowering

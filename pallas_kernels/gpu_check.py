@@ -17,7 +17,7 @@ Phases, in order of importance; each runs in its own subprocess, watched by this
    product), the gradient GEMMs at DeepSeek-V3's (7168, 2048) projection, and the
    quantizers bit for bit at 4096x7168.
 3. ``bench``: per production shape the kernel (bf16 out) and XLA's bf16 ``jnp.dot`` timed on
-   the device (CUPTI kernel timestamps, ``pallas_kernels._bench.device_times``), with the
+   the device (CUPTI kernel timestamps, ``pallas_kernels.bench.device_times``), with the
    chosen config; TFLOP/s and the ratio.
 4. ``tune``: every shipped config (bf16 out) at 8192^3 and 4096x7168x2048 (data for
    ``choose_config``).
@@ -159,7 +159,7 @@ def check_matmul(m: int, n: int, k: int, *, impl: str = "kernel", config=None,
     import jax.numpy as jnp
 
     from pallas_kernels import blockwise_fp8_matmul, blockwise_fp8_matmul_reference
-    from pallas_kernels._bench import make_operands
+    from pallas_kernels.bench import make_operands
     from pallas_kernels.quantize import quantize_1x128_reference
 
     ops = make_operands(m, n, k, seed=1)
@@ -195,7 +195,7 @@ def check_gradients(m: int, n: int, k: int, *, impl: str = "kernel") -> dict:
     import jax.numpy as jnp
 
     from pallas_kernels import blockwise_fp8_dgrad, blockwise_fp8_wgrad
-    from pallas_kernels._bench import make_operands
+    from pallas_kernels.bench import make_operands
 
     ops = make_operands(m, n, k, seed=2)
     dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32)
@@ -242,7 +242,7 @@ def _items(phase: str, *, rehearsal: bool, repeats: int, excluded: set[str]
     import jax.numpy as jnp
 
     from pallas_kernels import _backend
-    from pallas_kernels._bench import DEFAULT_SHAPES, bench_shape
+    from pallas_kernels.bench import DEFAULT_SHAPES, bench_shape
     from pallas_kernels.config import (
         BLOCK_K,
         SHIPPED_CONFIGS,

@@ -21,6 +21,8 @@ stopping the study; any other non-finite loss stops it with an error (exit 1).
     fmtkit ablate [--steps N] [--policies fp32,bf16-mixed,...] [--model-size tiny|small|base]
                   [--data FILE] [--checkpoint-every K] [--resume RUN_OR_CHECKPOINT_DIR]
 
+(the training options are those of ``studies.train.TrainConfig``, nested as ``Config.train``).
+
 Checkpoints (``--checkpoint-every K``): the full train state of each setup goes to
 ``CHECKPOINT_DIR/<timestamp>/<setup>/checkpoints/<step>/`` (orbax); ``--resume`` with that
 folder, or with the earlier run's results folder (its results.json names the checkpoint
@@ -35,13 +37,13 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from studies import corpus
 from studies._common import figure, format_table, no_progress, plot_style, save
-from studies.train import DEFAULT_SETUPS, SETUPS, TrainConfig, load_data, train
+from studies.train import DEFAULT_SETUPS, SETUPS, TrainConfig, init_params, load_data, train
 
 __all__ = ["Config", "main", "plot", "run", "summarize"]
 
@@ -51,44 +53,29 @@ class Config:
     """Configuration of the ``ablate`` study.
 
     Attributes:
-      steps: optimizer steps per setup.
-      policies: the setups to train (comma-separated), in table order; see
+      policies: the setups to train (comma- or space-separated), in table order; see
         studies.train.SETUPS. Default: all of them.
-      model_size: model preset: tiny (d_model 128, 1 layer, d_ff 256; about 0.2M
-        parameters), small (4 layers of 256), base (6 layers of 512).
-      data: a UTF-8 text file to train on instead of the embedded corpus (whose entropy rate
-        is known, so the table shows the gap to it).
-      seed: seed of the initial parameters, the batch order and stochastic rounding.
-      batch: sequences per step (batch * seq_len must be a multiple of 128 for fp8-blockwise).
-      seq_len: bytes per sequence.
-      lr: peak AdamW learning rate (linear warmup, cosine decay to lr / 10).
-      warmup: warmup steps (capped at steps // 2).
-      checkpoint_every: save each setup's full train state every K steps and at the end
-        (0: no checkpoints).
       checkpoint_dir: checkpoints go to CHECKPOINT_DIR/<timestamp>/<setup>/.
       resume: continue an earlier run: its checkpoint folder, or its results folder.
-      data_parallel: shard each batch over this many local devices (1: one device).
+      train: the training settings of every setup (model size, steps, batch, lr, data,
+        checkpoints, data parallelism).
     """
 
-    steps: int = 150
     policies: tuple[str, ...] = DEFAULT_SETUPS
-    model_size: Literal["tiny", "small", "base"] = "tiny"
-    data: str | None = None
-    seed: int = 0
-    batch: int = 8
-    seq_len: int = 64
-    lr: float = 3e-3
-    warmup: int = 20
-    checkpoint_every: int = 0
     checkpoint_dir: str = "runs/ablate-checkpoints"
     resume: str | None = None
-    data_parallel: int = 1
+    train: TrainConfig = TrainConfig(steps=150)
 
     def __post_init__(self):
         if isinstance(self.policies, str):
-            object.__setattr__(self, "policies", tuple(
-                p.strip() for p in self.policies.split(",") if p.strip()))
-        if not isinstance(self.policies, tuple) or not self.policies:
+            object.__setattr__(self, "policies", (self.policies,))
+        if not isinstance(self.policies, tuple):
+            raise TypeError(f"policies must be a tuple of setup names, got "
+                            f"{type(self.policies).__name__}.")
+        # "fp32,bf16-mixed" and "fp32 bf16-mixed" (one name per argument) both work.
+        object.__setattr__(self, "policies", tuple(
+            p.strip() for item in self.policies for p in item.split(",") if p.strip()))
+        if not self.policies:
             raise ValueError(f"policies must name at least one setup; valid: "
                              f"{', '.join(SETUPS)}.")
         unknown = [p for p in self.policies if p not in SETUPS]
@@ -97,28 +84,22 @@ class Config:
                              f"{', '.join(SETUPS)}.")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"policies lists a setup twice: {', '.join(self.policies)}.")
-        if self.data is not None:
-            p = Path(self.data)
+        if not isinstance(self.train, TrainConfig):
+            raise TypeError(f"train must be a studies.train.TrainConfig, got "
+                            f"{type(self.train).__name__}.")
+        if self.train.data is not None:
+            p = Path(self.train.data)
             if not p.exists():
-                raise ValueError(f"--data {self.data!r}: no such file.")
+                raise ValueError(f"--data {self.train.data!r}: no such file.")
             if not p.is_file():
-                raise ValueError(f"--data {self.data!r} is not a file; give a UTF-8 text "
-                                 "file.")
-            if p.stat().st_size == 0:
-                raise ValueError(f"--data {self.data!r} is empty; give a non-empty UTF-8 "
+                raise ValueError(f"--data {self.train.data!r} is not a file; give a UTF-8 "
                                  "text file.")
+            if p.stat().st_size == 0:
+                raise ValueError(f"--data {self.train.data!r} is empty; give a non-empty "
+                                 "UTF-8 text file.")
         if self.resume is not None and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume!r}: no such folder (give the checkpoint "
                              "folder or the results folder of an earlier ablate run).")
-        self.train_config()  # validates steps, batch, seq_len, lr, ... (ValueError/TypeError)
-
-    def train_config(self) -> TrainConfig:
-        """The ``studies.train.TrainConfig`` of every setup."""
-        return TrainConfig(model_size=self.model_size, steps=self.steps, batch=self.batch,
-                           seq_len=self.seq_len, lr=self.lr, warmup=self.warmup,
-                           seed=self.seed, data=self.data,
-                           checkpoint_every=self.checkpoint_every,
-                           data_parallel=self.data_parallel)
 
 
 def _checkpoint_root(config: Config) -> Path | None:
@@ -136,7 +117,7 @@ def _checkpoint_root(config: Config) -> Path | None:
                 raise ValueError(f"--resume {config.resume!r}: its checkpoint folder {ckpt!r} "
                                  "no longer exists.")
         return root
-    if config.checkpoint_every > 0:
+    if config.train.checkpoint_every > 0:
         return Path(config.checkpoint_dir) / time.strftime("%Y%m%d-%H%M%S")
     return None
 
@@ -155,15 +136,16 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     ``gap_to_floor_nats``), ``entropy_floor_nats`` (None with ``--data``), ``train_config``,
     ``checkpoint_dir`` and ``descriptions``.
     """
-    cfg = config.train_config()
+    cfg = config.train
     data = load_data(cfg)  # once for all setups
+    params = init_params(cfg)  # every setup starts from these f32 parameters
     root = _checkpoint_root(config)
-    floor = corpus.entropy_rate_nats() if config.data is None else None
+    floor = corpus.entropy_rate_nats() if cfg.data is None else None
     rows = []
     for name in config.policies:
         result = train(name, cfg, progress,
                        run_dir=None if root is None else root / name,
-                       resume=config.resume is not None, data=data)
+                       resume=config.resume is not None, data=data, params=params)
         rows.append(result.summary())
     ref = next((r["final_loss"] for r in rows if r["setup"] == "fp32"), None)
     for r in rows:

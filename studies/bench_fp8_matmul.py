@@ -24,7 +24,7 @@ import argparse
 
 import jax
 
-from pallas_kernels._bench import DEFAULT_SHAPES, bench_shape, make_operands, parse_shapes
+from pallas_kernels.bench import DEFAULT_SHAPES, bench_shape, make_operands, parse_shapes
 from studies._bench import write_results
 
 __all__ = ["DEFAULT_SHAPES", "bench_shape", "main", "make_operands", "parse_shapes"]
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8-matmul: no GPU present (backend: {jax.default_backend()}); this "
               "benchmark times a Hopper GPU kernel, nothing to do.")
         return 0
-    from pallas_kernels._backend import is_hopper
+    from pallas_kernels import is_hopper
 
     with_kernel = is_hopper()
     if not with_kernel:

@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     key_p, key_g = jax.random.split(jax.random.key(0))
     p32 = make_params(args.params, args.width, jnp.float32, key_p)
     g32 = jax.tree.map(lambda x, k: 1e-3 * jax.random.normal(k, x.shape), p32,
-                       optax.tree_utils.tree_split_key_like(key_g, p32))
-    n = sum(x.size for x in jax.tree.leaves(p32))
+                       optax.tree.split_key_like(key_g, p32))
+    n = optax.tree.size(p32)
     scaled_bf16 = jax.tree.map(lambda g: (g * _SCALE).astype(jnp.bfloat16), g32)
 
     adamw = optax.adamw(_LR)

@@ -26,15 +26,15 @@ gradients differ.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from fmtkit.fp8 import RECIPES, FP8Recipe
 from fmtkit.policy import Policy, Rules, get_preset
 from studies._common import figure, format_table, no_progress, plot_style, save
+from studies.training.config import TrainConfig
 
 __all__ = ["EXTRA_RECIPES", "Config", "plot", "recipe_of", "run", "setup_of", "summarize"]
 
@@ -82,51 +82,22 @@ class Config:
     Attributes:
       recipes: FP8 recipes to train (current, delayed, rowwise, blockwise, mxfp8,
         blockwise-g128); each is compared with bf16-mixed.
-      steps: training steps per setup.
-      model_size: studies.train size preset (studies.train.MODEL_SIZES; tiny: d_model 128,
-        d_ff 256).
-      num_layers: override the preset's number of layers (0: keep it).
-      batch: sequences per step (batch * seq_len must divide by 128 for blockwise).
-      seq_len: bytes per sequence.
-      lr: peak AdamW learning rate.
-      seed: seeds the initialization and the batches (the same for every setup).
+      train: the training settings shared by every setup (model size, steps, batch, lr,
+        seed: the same initialization and batches for every setup).
     """
 
     recipes: tuple[str, ...] = ("current", "delayed", "rowwise", "blockwise", "mxfp8",
                                 "blockwise-g128")
-    steps: int = 100
-    model_size: Literal["tiny", "small", "base"] = "tiny"
-    num_layers: int = 0
-    batch: int = 8
-    seq_len: int = 64
-    lr: float = 3e-3
-    seed: int = 0
+    train: TrainConfig = TrainConfig(steps=100, warmup=20)
 
     def __post_init__(self):
         if not self.recipes:
             raise ValueError("recipes must name at least one recipe.")
         for r in self.recipes:
             recipe_of(r)
-        for name in ("steps", "batch", "seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}.")
-        if not isinstance(self.num_layers, int) or self.num_layers < 0:
-            raise ValueError(f"num_layers must be an int >= 0, got {self.num_layers!r}.")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}.")
-
-    def train_config(self):
-        """The ``studies.train.TrainConfig`` shared by every setup."""
-        from studies import train
-
-        tcfg = train.TrainConfig(model_size=self.model_size, steps=self.steps,
-                                 batch=self.batch, seq_len=self.seq_len, lr=self.lr,
-                                 warmup=min(20, self.steps // 5), seed=self.seed)
-        if self.num_layers:
-            model = dataclasses.replace(tcfg.model_config(), num_layers=self.num_layers)
-            tcfg = dataclasses.replace(tcfg, model=model)
-        return tcfg
+        if not isinstance(self.train, TrainConfig):
+            raise TypeError(f"train must be a studies.train.TrainConfig, got "
+                            f"{type(self.train).__name__}.")
 
 
 def run(config: Config, progress=no_progress) -> dict[str, Any]:
@@ -141,12 +112,14 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     """
     from studies import train
 
-    tcfg = config.train_config()
+    tcfg = config.train
     data = train.load_data(tcfg)
+    params = train.init_params(tcfg)
     names = [BASELINE, *dict.fromkeys(config.recipes)]
     runs: dict[str, dict[str, Any]] = {}
     for name in progress(names, total=len(names), desc="setups"):
-        runs[name] = train.train(setup_of(name), tcfg, progress=progress, data=data).summary()
+        runs[name] = train.train(setup_of(name), tcfg, progress=progress, data=data,
+                                 params=params).summary()
     base = runs[BASELINE]["final_loss"]
     recipes = {}
     for name in names[1:]:
@@ -170,9 +143,9 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         }
     mcfg = tcfg.model_config()
     return {
-        "steps": config.steps,
+        "steps": tcfg.steps,
         "model": {"d_model": mcfg.d_model, "num_layers": mcfg.num_layers, "d_ff": mcfg.d_ff},
-        "tokens_per_step": config.batch * config.seq_len,
+        "tokens_per_step": tcfg.batch * tcfg.seq_len,
         "baseline": {"name": BASELINE, "final_loss": base,
                      "loss": runs[BASELINE]["history"]["loss"],
                      "step_ms": runs[BASELINE]["step_ms"]},

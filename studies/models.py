@@ -193,8 +193,8 @@ class MlpBlock(nn.Module):
 class MoeBlock(nn.Module):
     """Top-1 mixture of experts with a ``router`` Dense and expert weights ``w_in``/``w_out``.
 
-    Sows ``router_logits``, ``expert_index`` and the Switch ``aux_loss`` into
-    ``"intermediates"`` (a no-op unless that collection is mutable).
+    Sows ``router_input``, ``router_logits``, ``expert_index`` and the Switch ``aux_loss``
+    into ``"intermediates"`` (a no-op unless that collection is mutable).
     """
 
     num_experts: int
@@ -206,6 +206,7 @@ class MoeBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         d, e = x.shape[-1], self.num_experts
+        x_router = x
         logits = nn.Dense(e, use_bias=False, dtype=self.router_dtype,
                           param_dtype=self.param_dtype, name="router")(x)
         probs, index, combine = _top1_combine(logits, e)
@@ -216,6 +217,7 @@ class MoeBlock(nn.Module):
         h = nn.gelu(jnp.einsum("...d,edf->...ef", x, w_in))
         y = jnp.einsum("...ef,efd->...ed", h, w_out)
         out = jnp.einsum("...e,...ed->...d", combine.astype(y.dtype), y)
+        self.sow("intermediates", "router_input", x_router)
         self.sow("intermediates", "router_logits", logits)
         self.sow("intermediates", "expert_index", index)
         self.sow("intermediates", "aux_loss", _switch_aux_loss(probs, index, e))

@@ -44,6 +44,7 @@ import numpy as np
 from fmtkit.policy import Rules, get_preset
 from studies._common import figure, format_table, no_progress, plot_style, save
 from studies.models import TransformerConfig
+from studies.training.config import TrainConfig
 
 __all__ = [
     "ROUTERS",
@@ -70,58 +71,60 @@ def router_rules(router_policy: str) -> Rules:
                  check_unmatched=False)
 
 
-def route_with_shadow(model: nn.Module, variables: Any, *args: Any,
+def route_with_shadow(model: Any, variables: Any, *args: Any,
                       router_pattern: str = ROUTER_PATTERN) -> tuple[Any, list[dict]]:
     """Applies a linen MoE model and recomputes every router's top-1 assignment in f32.
 
-    For each module whose path matches ``router_pattern``, the input it received (after any
-    policy casts) and its stored kernel are recorded; the shadow assignment is
-    ``argmax(softmax(f32(x) @ f32(kernel)))``. The model's actual assignment is the
-    ``expert_index`` its parent MoE layer sows into ``"intermediates"``
-    (``studies.models.MoeBlock``), likewise its ``aux_loss``.
+    Each MoE layer (``studies.models.MoeBlock``) sows into ``"intermediates"`` the input its
+    router received (as the policy computed it), the router's logits, the ``expert_index``
+    it chose and its ``aux_loss``. The shadow assignment is
+    ``argmax(softmax(f32(router_input) @ f32(kernel)))`` with the stored kernel: the same
+    input, routed in f32.
 
     Args:
       model: a linen module (e.g. ``fmtkit.with_policy(TransformerLM(cfg), rules)``).
       variables: its variables (``{"params": ...}``).
       *args: the model's inputs.
-      router_pattern: regex searched in module paths.
+      router_pattern: regex searched in the routers' module paths.
 
     Returns:
-      ``(output, routers)``, ``routers`` a list (in call order) of dicts with ``path``,
+      ``(output, routers)``, ``routers`` a list (in path order) of dicts with ``path``,
       ``index`` (actual, int32), ``shadow`` (int32), ``aux_loss`` (f32 scalar or None) and
       ``logits_dtype``.
 
     Raises:
-      ValueError: no module matches ``router_pattern``.
+      ValueError: no router path matches ``router_pattern``.
     """
     rx = re.compile(router_pattern)
-    recorded: list[tuple[str, jax.Array, jax.Array, Any]] = []
+    out, state = model.apply(variables, *args, mutable=["intermediates"])
+    found: list[tuple[tuple[str, ...], Any]] = []
 
-    def interceptor(next_fun, a, kw, context):
-        out = next_fun(*a, **kw)
-        if context.method_name == "__call__":
-            path = "/".join(str(p) for p in context.module.path)
-            if rx.search(path):
-                kernel = context.module.variables["params"]["kernel"]
-                recorded.append((path, a[0], kernel, out.dtype))
-        return out
+    def visit(prefix, node):
+        if "expert_index" in node:
+            found.append((prefix, node))
+        for key, child in node.items():
+            if isinstance(child, dict) or hasattr(child, "items"):
+                visit((*prefix, key), child)
 
-    with nn.intercept_methods(interceptor):
-        out, state = model.apply(variables, *args, mutable=["intermediates"])
-    if not recorded:
-        raise ValueError(f"no module path matches router_pattern={router_pattern!r}.")
-    inter = state["intermediates"]
+    visit((), state["intermediates"])
     routers = []
-    for path, x, kernel, logits_dtype in recorded:
-        node = inter
-        for part in path.split("/")[:-1]:
-            node = node[part]
+    for prefix, node in found:
+        path = "/".join((*prefix, "router"))
+        if not rx.search(path):
+            continue
+        kernel = variables["params"]
+        for part in (*prefix, "router", "kernel"):
+            kernel = kernel[part]
+        x = node["router_input"][0]
         logits = jax.lax.dot_general(x.astype(jnp.float32), kernel.astype(jnp.float32),
                                      (((x.ndim - 1,), (0,)), ((), ())))
         shadow = jnp.argmax(jax.nn.softmax(logits, axis=-1), axis=-1).astype(jnp.int32)
         aux = node["aux_loss"][0] if "aux_loss" in node else None
         routers.append({"path": path, "index": node["expert_index"][0].astype(jnp.int32),
-                        "shadow": shadow, "aux_loss": aux, "logits_dtype": str(logits_dtype)})
+                        "shadow": shadow, "aux_loss": aux,
+                        "logits_dtype": str(node["router_logits"][0].dtype)})
+    if not routers:
+        raise ValueError(f"no router path matches router_pattern={router_pattern!r}.")
     return out, routers
 
 
@@ -132,35 +135,25 @@ class Config:
     Attributes:
       routers: router variants to train (f32: p=f32,c=f32; bf16: p=f32,c=bf16).
       num_experts: experts per MoE block (top-1 routing).
-      steps: training steps per variant.
-      batch: sequences per step.
-      seq_len: bytes per sequence.
       d_model: model width.
-      num_layers: transformer blocks (each with an MoE).
       d_ff: expert MLP width.
-      lr: peak AdamW learning rate.
-      aux_loss_weight: weight of the Switch load-balancing loss (Switch: 0.01).
-      seed: seeds the initialization and the batches (the same for every variant).
+      train: the training settings shared by every variant (num_layers: transformer
+        blocks, each with an MoE; steps, batch, seq_len, lr,
+        aux_loss_weight: the Switch load-balancing loss weight, Switch uses 0.01; seed: the
+        same initialization and batches for every variant).
     """
 
     routers: tuple[str, ...] = ("f32", "bf16")
     num_experts: int = 4
-    steps: int = 150
-    batch: int = 8
-    seq_len: int = 64
     d_model: int = 64
-    num_layers: int = 2
     d_ff: int = 128
-    lr: float = 3e-3
-    aux_loss_weight: float = 0.01
-    seed: int = 0
+    train: TrainConfig = TrainConfig(steps=150, warmup=20, num_layers=2)
 
     def __post_init__(self):
         if not self.routers or any(r not in ROUTERS for r in self.routers):
             raise ValueError(f"routers must be a non-empty subset of {tuple(ROUTERS)}, got "
                              f"{self.routers!r}.")
-        for name in ("num_experts", "steps", "batch", "seq_len", "d_model", "num_layers",
-                     "d_ff"):
+        for name in ("num_experts", "d_model", "d_ff"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}.")
@@ -169,23 +162,19 @@ class Config:
                              f"{self.d_model}.")
         if self.num_experts < 2:
             raise ValueError(f"num_experts must be >= 2, got {self.num_experts}.")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}.")
-        if not (math.isfinite(self.aux_loss_weight) and self.aux_loss_weight >= 0):
-            raise ValueError(f"aux_loss_weight must be a finite number >= 0, got "
-                             f"{self.aux_loss_weight!r}.")
+        if not isinstance(self.train, TrainConfig):
+            raise TypeError(f"train must be a studies.train.TrainConfig, got "
+                            f"{type(self.train).__name__}.")
+        if self.train.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.train.num_layers}.")
 
-    def train_config(self):
-        """The ``studies.train.TrainConfig`` of every variant."""
-        from studies import train
-
-        model = TransformerConfig(d_model=self.d_model, num_heads=4, num_layers=self.num_layers,
-                                  d_ff=self.d_ff, max_len=self.seq_len,
+    def train_config(self) -> TrainConfig:
+        """``train`` with the MoE model of this study."""
+        model = TransformerConfig(d_model=self.d_model, num_heads=4,
+                                  num_layers=self.train.num_layers,
+                                  d_ff=self.d_ff, max_len=self.train.seq_len,
                                   num_experts=self.num_experts)
-        return train.TrainConfig(model=model, steps=self.steps, batch=self.batch,
-                                 seq_len=self.seq_len, lr=self.lr,
-                                 warmup=min(20, self.steps // 5),
-                                 aux_loss_weight=self.aux_loss_weight, seed=self.seed)
+        return dataclasses.replace(self.train, model=model)
 
 
 def _make_measure(model: nn.Module, num_experts: int):
@@ -216,8 +205,8 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     tcfg = config.train_config()
     data = train.load_data(tcfg)
     e = config.num_experts
-    out: dict[str, Any] = {"steps": config.steps, "num_experts": e,
-                           "num_layers": config.num_layers, "variants": {}}
+    out: dict[str, Any] = {"steps": tcfg.steps, "num_experts": e,
+                           "num_layers": tcfg.num_layers, "variants": {}}
     for name in config.routers:
         setup = train.Setup(f"router-{name}", router_rules(ROUTERS[name]),
                             grad_format="bfloat16",
@@ -228,7 +217,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         hist: dict[str, list] = {"loss": [], "flip_frac": [], "flip_frac_per_layer": [],
                                  "aux_loss": [], "max_load": []}
         fractions = None
-        for i in progress(range(config.steps), total=config.steps, desc=f"router {name}"):
+        for i in progress(range(tcfg.steps), total=tcfg.steps, desc=f"router {name}"):
             tokens = jnp.asarray(train.batch_at(data, tcfg, i))
             m = jax.device_get(measure(state.params, tokens))
             state, metrics = step_fn(state, tokens)

@@ -2,7 +2,8 @@
 
 Each study is a module ``studies/<name with - replaced by _>.py`` (see ``studies._common``
 for the protocol: ``Config``, a pure ``run``, optional ``summarize`` and ``plot``). The runner
-derives the command-line options from the fields of the study's ``Config``, runs it, writes
+derives the command-line options from the fields of the study's ``Config`` (with tyro,
+nested dataclasses included), runs it, writes
 ``runs/NAME/<timestamp>/results.json`` (config, versions, device, wall times, the numbers) and
 the PNG plots, and prints the study's summary table.
 
@@ -11,18 +12,17 @@ Adding a study: write its module and add one line to ``STUDIES`` below.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import inspect
-import re
 import sys
 import time
 import types
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any
+
+import tyro
 
 from studies._common import (
     Progress,
@@ -33,8 +33,8 @@ from studies._common import (
     write_results,
 )
 
-__all__ = ["RESERVED_OPTIONS", "STUDIES", "build_parser", "load", "main", "module_name",
-           "run_study"]
+__all__ = ["RESERVED_OPTIONS", "STUDIES", "Invocation", "load", "main", "module_name",
+           "parse_args", "run_study"]
 
 STUDIES: dict[str, str] = {
     # CLI name: one-line summary.  Module: studies/<name with "-" replaced by "_">.py
@@ -54,7 +54,7 @@ STUDIES: dict[str, str] = {
 }
 """The registered studies, in ``--list`` order."""
 
-RESERVED_OPTIONS = ("out", "no_plot")
+RESERVED_OPTIONS = ("out", "plot")
 """Options the runner adds to every study; a ``Config`` must not use these field names."""
 
 
@@ -91,137 +91,64 @@ def load(name: str) -> types.ModuleType:
 
 
 # ---------------------------------------------------------------------------------------------
-# Options from the Config dataclass
+# Options from the Config dataclass (tyro)
 
 
-def _field_help(cls: type) -> dict[str, str]:
-    """Per-field help from the ``Attributes:`` section of a Google-style docstring."""
-    doc = inspect.getdoc(cls) or ""
-    out: dict[str, str] = {}
-    in_attrs, current = False, None
-    for line in doc.splitlines():
-        if line.strip() == "Attributes:":
-            in_attrs = True
-            continue
-        if not in_attrs:
-            continue
-        if line and not line.startswith(" "):  # next section
-            break
-        m = re.match(r"^ {2,4}(\w+)(?: \([^)]*\))?:\s*(.*)$", line)
-        if m:
-            current = m.group(1)
-            out[current] = m.group(2).strip()
-        elif current and line.strip():
-            out[current] += " " + line.strip()
-    return out
+@dataclasses.dataclass(frozen=True)
+class Invocation:
+    """A parsed ``fmtkit study NAME ...`` command line.
+
+    Attributes:
+      config: the study's ``Config``.
+      out: results go to ``out/NAME/<timestamp>/``.
+      plot: write the study's PNG plots.
+    """
+
+    config: Any
+    out: Path = Path("runs")
+    plot: bool = True
 
 
-def _scalar_parser(tp: type, option: str) -> Callable[[str], Any]:
-    if tp is str:
-        return str
-    if tp is bool:
-        def parse_bool(s: str) -> bool:
-            low = s.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
-        return parse_bool
-    if tp in (int, float):
-        def parse_num(s: str) -> Any:
-            try:
-                return tp(s)
-            except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"invalid {tp.__name__} value: {s!r}") from None
-        parse_num.__name__ = tp.__name__
-        return parse_num
-    raise TypeError(f"{option}: unsupported Config field type {tp!r} (use int, float, str, "
-                    "bool, Literal[...], X | None or tuple[X, ...]).")
+def parse_args(name: str, argv: list[str], module: types.ModuleType | None = None
+               ) -> Invocation:
+    """Parses the options of ``fmtkit study NAME`` with tyro: one option per ``Config`` field.
 
+    Nested dataclasses (a study's ``train: TrainConfig``) contribute their fields without a
+    prefix (``--steps``, not ``--train.steps``). Field ``n_steps: int = 100`` becomes
+    ``--n-steps INT``; ``bool`` fields ``--flag / --no-flag``; ``tuple[float, ...]`` fields
+    take one value per argument; ``Literal[...]`` fields list their choices; ``X | None``
+    fields take an X or ``None``. The help of each option is the field's entry in the
+    ``Attributes:`` section of the Config's docstring.
 
-def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field, tp: Any,
-               help_text: str) -> None:
-    option = "--" + field.name.replace("_", "-")
-    default = field.default
-    if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
-        default = field.default_factory()
-    if default is dataclasses.MISSING:
-        raise TypeError(f"Config field {field.name!r} needs a default (studies run with "
-                        "defaults).")
-    kw: dict[str, Any] = {"dest": field.name, "default": default, "help": help_text}
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
-            raise TypeError(f"{option}: unsupported union type {tp!r}.")
-        tp, origin, args = rest[0], typing.get_origin(rest[0]), typing.get_args(rest[0])
-    if tp is bool:
-        kw["action"] = argparse.BooleanOptionalAction
-    elif origin is Literal:
-        kw["choices"] = list(args)
-        kw["type"] = _scalar_parser(type(args[0]), option)
-        kw["metavar"] = "{" + ",".join(map(str, args)) + "}"
-    elif origin is tuple:
-        elems = [a for a in args if a is not Ellipsis]
-        if len(set(elems)) != 1:
-            raise TypeError(f"{option}: tuple fields must be homogeneous, got {tp!r}.")
-        parse_elem = _scalar_parser(elems[0], option)
-
-        def parse_items(s: str) -> tuple[Any, ...]:  # "1e2,1e3" or one item per argument
-            return tuple(parse_elem(p) for p in s.split(",") if p.strip())
-
-        parse_items.__name__ = f"{elems[0].__name__} list"
-        kw["type"] = parse_items
-        kw["nargs"] = "+" if Ellipsis in args else len(args)
-        kw["metavar"] = elems[0].__name__.upper()
-    else:
-        kw["type"] = _scalar_parser(tp, option)
-        kw["metavar"] = tp.__name__.upper()
-    parser.add_argument(option, **kw)
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
-                     argparse.ArgumentDefaultsHelpFormatter):
-    pass
-
-
-def build_parser(name: str, module: types.ModuleType | None = None) -> argparse.ArgumentParser:
-    """The argument parser of ``fmtkit study NAME``: one option per ``Config`` field.
-
-    Field ``n_steps: int = 100`` becomes ``--n-steps INT``; ``bool`` fields become
-    ``--flag / --no-flag``; ``tuple[float, ...]`` fields take one or more values (spaces or
-    commas); ``Literal[...]`` fields list their choices; ``X | None`` fields take an X.
+    Raises:
+      SystemExit: ``--help`` (code 0) or a bad option or value (code 2, message printed).
+      TypeError: a ``Config`` field named like a runner option (``RESERVED_OPTIONS``), or a
+        value ``Config.__post_init__`` rejects with ``TypeError``.
     """
     name = _check_name(name)
     module = module or load(name)
     cfg = module.Config
-    hints = typing.get_type_hints(cfg)
-    helps = _field_help(cfg)
-    parser = argparse.ArgumentParser(
-        prog=f"fmtkit study {name}", description=module.__doc__,
-        formatter_class=_HelpFormatter)
-    for field in dataclasses.fields(cfg):
-        if field.name in RESERVED_OPTIONS:
-            raise TypeError(f"{module.__name__}.Config field {field.name!r} clashes with a "
-                            f"runner option; reserved: {', '.join(RESERVED_OPTIONS)}.")
-        _add_field(parser, field, hints[field.name], helps.get(field.name, ""))
-    runner = parser.add_argument_group("runner options")
-    runner.add_argument("--out", default="runs", type=Path,
-                        help="results go to OUT/NAME/<timestamp>/")
-    runner.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
-    return parser
+    clash = {f.name for f in dataclasses.fields(cfg)} & set(RESERVED_OPTIONS)
+    if clash:
+        raise TypeError(f"{module.__name__}.Config field {sorted(clash)[0]!r} clashes with a "
+                        f"runner option; reserved: {', '.join(RESERVED_OPTIONS)}.")
 
+    def invocation(config, out=Path("runs"), plot=True):
+        return Invocation(config, out, plot)
 
-def _config_from_args(cfg: type, ns: argparse.Namespace) -> Any:
-    values = {}
-    for field in dataclasses.fields(cfg):
-        v = getattr(ns, field.name)
-        if isinstance(v, list):  # nargs: a list of per-argument tuples -> one flat tuple
-            v = tuple(x for part in v for x in (part if isinstance(part, tuple) else (part,)))
-        values[field.name] = v
-    return cfg(**values)
+    # Annotations set here, not written in the signature: the Config class is a local
+    # (``from __future__ import annotations`` would turn the hint into an unresolvable string).
+    invocation.__annotations__ = {"config": Annotated[cfg, tyro.conf.OmitArgPrefixes],
+                                  "out": Path, "plot": bool, "return": Invocation}
+    invocation.__doc__ = """Run the study.
+
+    Args:
+      config: the study's options.
+      out: results go to OUT/NAME/<timestamp>/.
+      plot: write the PNG plots (--no-plot skips them).
+    """
+    return tyro.cli(invocation, args=list(argv), prog=f"fmtkit study {name}",
+                    description=module.__doc__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,20 +238,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fmtkit study: error: {e}", file=sys.stderr)
         return 2
     module = load(name)
-    parser = build_parser(name, module)
     try:
-        ns = parser.parse_args(argv[1:])
+        inv = parse_args(name, argv[1:], module)
     except SystemExit as e:  # --help (0) or a bad option (2, message already printed)
         return e.code if isinstance(e.code, int) else 2
-    try:
-        config = _config_from_args(module.Config, ns)
     except (ValueError, TypeError) as e:
         print(f"fmtkit study {name}: error: {e}", file=sys.stderr)
         return 2
+    config = inv.config
 
     print(f"study {name}: {config}")
     try:
-        folder, record = run_study(name, config, out_root=ns.out, plot=not ns.no_plot)
+        folder, record = run_study(name, config, out_root=inv.out, plot=inv.plot)
     except (OSError, ValueError) as e:  # bad input found while running, e.g. a --data file
         print(f"fmtkit study {name}: error: {e}", file=sys.stderr)
         return 2

@@ -30,8 +30,8 @@ computation is the QK^T / softmax / PV core; the projections are separate rows);
 
 The default model is the byte-level transformer of ``studies.train`` (size preset "tiny":
 d_model 128, d_ff 256, every matmul tiles into 128 blocks; here with 2 layers) trained for
-``train_steps`` steps in f32 on the embedded corpus (0: random initialization), evaluated on
-a batch the training never saw.
+``train.steps`` steps in f32 on the embedded corpus (``--no-pretrain``: random
+initialization), evaluated on a batch the training never saw.
 
     fmtkit study sensitivity [--target fp8-blockwise] [--modules 'Block_0/'] [--rank-by loss]
 """
@@ -55,6 +55,7 @@ from fmtkit.policy import Policy, Rules, module_paths
 from fmtkit.telemetry import compare
 from studies._common import figure, format_table, no_progress, plot_style, save
 from studies.models import TransformerConfig, TransformerLM, lm_loss
+from studies.training.config import TrainConfig
 
 __all__ = ["F32", "Config", "candidate_modules", "evaluate", "plot", "prepare", "run",
            "sqnr_db", "summarize", "target_value"]
@@ -100,29 +101,21 @@ class Config:
         fp8-<recipe> (current, delayed, rowwise, blockwise, mxfp8) or a policy string.
       modules: regex; only module paths it matches (re.search) are lowered ("" = all).
       rank_by: sort key, most sensitive first: grad_sqnr, output_sqnr or loss (|change|).
-      train_steps: f32 training steps before the measurement (0: random init).
-      model_size: size preset of studies.train (studies.train.MODEL_SIZES).
-      num_layers: override the preset's number of layers (0: keep it).
-      batch: sequences in the measured batch.
-      seq_len: bytes per sequence.
-      lr: learning rate of the brief training.
-      seed: seeds the initialization, the training batches and the measured batch.
+      pretrain: train the model in f32 for ``train.steps`` steps before the measurement
+        (--no-pretrain: measure at the random initialization).
       execution: "jit" compiles every variant (seconds each on a CPU), "eager" runs them op
         by op (one warm-up, then fast: better for many modules), "auto" picks jit for up
         to 8 modules. The reference runs the same way.
+      train: the model (size preset, num_layers) and its brief f32 training (steps, lr,
+        seed; batch and seq_len are also those of the measured batch).
     """
 
     target: str = "fp8-blockwise"
     modules: str = ""
     rank_by: Literal["grad_sqnr", "output_sqnr", "loss"] = "grad_sqnr"
-    train_steps: int = 60
-    model_size: Literal["tiny", "small", "base"] = "tiny"
-    num_layers: int = 2
-    batch: int = 8
-    seq_len: int = 64
-    lr: float = 3e-3
-    seed: int = 0
+    pretrain: bool = True
     execution: Literal["auto", "jit", "eager"] = "auto"
+    train: TrainConfig = TrainConfig(steps=60, warmup=10, num_layers=2)
 
     def __post_init__(self):
         target_value(self.target)
@@ -137,44 +130,30 @@ class Config:
         if self.rank_by not in ("grad_sqnr", "output_sqnr", "loss"):
             raise ValueError(f"rank_by must be grad_sqnr, output_sqnr or loss, got "
                              f"{self.rank_by!r}.")
-        for name in ("batch", "seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 2:
-                raise ValueError(f"{name} must be an int >= 2, got {v!r}.")
-        if not isinstance(self.num_layers, int) or self.num_layers < 0:
-            raise ValueError(f"num_layers must be an int >= 0, got {self.num_layers!r}.")
-        if not isinstance(self.train_steps, int) or self.train_steps < 0:
-            raise ValueError(f"train_steps must be an int >= 0, got {self.train_steps!r}.")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}.")
+        if not isinstance(self.train, TrainConfig):
+            raise TypeError(f"train must be a studies.train.TrainConfig, got "
+                            f"{type(self.train).__name__}.")
 
-    def train_config(self):
-        """The ``studies.train.TrainConfig`` of the brief f32 training (and the data)."""
-        from studies import train
-
-        tcfg = train.TrainConfig(model_size=self.model_size, steps=max(self.train_steps, 1),
-                                 batch=self.batch, seq_len=self.seq_len, lr=self.lr,
-                                 warmup=min(10, max(self.train_steps // 5, 0)),
-                                 seed=self.seed)
-        if self.num_layers:
-            model = dataclasses.replace(tcfg.model_config(), num_layers=self.num_layers)
-            tcfg = dataclasses.replace(tcfg, model=model)
-        return tcfg
+    @property
+    def train_steps(self) -> int:
+        """f32 training steps before the measurement (0 without ``pretrain``)."""
+        return self.train.steps if self.pretrain else 0
 
 
 def prepare(config: Config, progress=no_progress
             ) -> tuple[TransformerConfig, Any, jax.Array]:
-    """``(model config, f32 params, tokens)``: the model, trained ``train_steps`` steps in f32
-    (``studies.train``, setup "fp32"), and a batch the training never saw."""
+    """``(model config, f32 params, tokens)``: the model, trained ``train.steps`` steps in
+    f32 (``studies.train``, setup "fp32") unless ``pretrain`` is off, and a batch the
+    training never saw."""
     from studies import train
 
-    tcfg = config.train_config()
+    tcfg = config.train
     mcfg = tcfg.model_config()
     data = train.load_data(tcfg)
-    if config.train_steps > 0:
+    if config.pretrain:
         params = train.train("fp32", tcfg, progress=progress, data=data).state.params
     else:  # the initial parameters every studies.train setup starts from
-        params = train.make_train_step("fp32", tcfg)[0]().params
+        params = train.init_params(tcfg)
     # A batch index beyond the training steps: not a training batch.
     tokens = jnp.asarray(train.batch_at(data, tcfg, 10**6 + config.train_steps))
     return mcfg, params, tokens
@@ -261,8 +240,8 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
       "rel_loss_delta", "output_sqnr_db", "grad_sqnr_db", "module_grad_sqnr_db"}, ...],
       "ranking": [paths], ...}``; rows in ranking order.
     """
-    mcfg = config.train_config().model_config()
-    shape = jax.ShapeDtypeStruct((config.batch, config.seq_len), jnp.int32)
+    mcfg = config.train.model_config()
+    shape = jax.ShapeDtypeStruct((config.train.batch, config.train.seq_len), jnp.int32)
     mods = candidate_modules(mcfg, shape, config.modules)  # checked before any training
     if not mods:
         raise ValueError(f"modules={config.modules!r} matches no module; paths are "

@@ -5,8 +5,11 @@ import os
 # XLA on CPU may keep bf16/f16 intermediates in f32 inside jit ("excess precision"), which
 # hides exactly the rounding a format toolkit measures: (bf16(1) + bf16(1e-3)) -> f32 gives
 # 1.0009995 under jit instead of 1.0. Must be set before JAX initializes its backend.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_allow_excess_precision=false").strip()
+# Idempotent: pytest-xdist workers inherit the flag from the controlling process, which
+# loaded this file too (a doubled flag breaks tests that strip it for a subprocess).
+if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_allow_excess_precision=false").strip()
 
 import jax
 import pytest

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fmtkit.cli import main
+from studies.cli import main
 
 
 def test_formats_json(capsys):
@@ -49,3 +49,18 @@ def test_policies_lists_presets(capsys):
     out = capsys.readouterr().out
     for name in ("fp32", "bf16-mixed", "fp16-mixed", "pure-bf16", "fp8-blockwise"):
         assert f"{name}:" in out
+
+
+def test_python_dash_m_runs_the_cli():
+    # The console script `fmtkit` and `python -m studies.cli` are the same entry point.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "studies.cli", "inspect", "1", "-f", "e4m3",
+                          "--json"], cwd=root, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (rec,) = json.loads(out.stdout)
+    assert rec["bits"] == "0 0111 000"  # 1.0 in e4m3fn: exponent = bias 7, mantissa 0

@@ -5,7 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from fmtkit.cli import exact_low_precision_flags
+from studies.cli import exact_low_precision_flags
 
 
 def test_bf16_sum_is_rounded_under_jit():

@@ -25,9 +25,11 @@ from fmtkit.scaling import (
     ScaledArray,
     TensorScaling,
     compute_scale,
+    delayed_amax,
     dequantize,
     qdq,
     quantize,
+    record_amax,
 )
 
 # NumPy warns on NaN/overflow in the reference casts; those inputs are deliberate here.
@@ -807,3 +809,57 @@ def test_nan_block_dequantizes_to_nan_even_without_a_nan_encoding(fmt, recipe):
     assert np.isnan(y[1, 5])  # the NaN element itself is never made finite
     if not isinstance(recipe, TensorScaling):  # one block spans the whole tensor there
         assert not np.isnan(y[0]).any()  # other blocks are untouched
+
+
+# ----------------------------------------------------------------------------------------------
+# The shared delayed-scaling rules (also used by fmtkit.fp8's dots).
+
+
+def test_record_amax_rolls_records_and_skips_non_finite_units():
+    hist = np.arange(1, 13, dtype=np.float32).reshape(2, 2, 3)  # 2 units of 2 tensors, H = 3
+    amax = np.array([[20.0, 21.0], [np.nan, 23.0]], np.float32)
+    got = np.asarray(record_amax(jnp.asarray(hist), jnp.asarray(amax), group_ndim=1))
+    want = hist.copy()
+    want[0] = [[20.0, 1.0, 2.0], [21.0, 4.0, 5.0]]  # unit 1 has a NaN: unchanged
+    np.testing.assert_array_equal(got, want)
+    per_tensor = np.asarray(record_amax(jnp.asarray(hist), jnp.asarray(amax)))
+    want[1, 1] = [23.0, 10.0, 11.0]  # group_ndim=0: each tensor on its own
+    np.testing.assert_array_equal(per_tensor, want)
+    with pytest.raises(ValueError, match="amax has shape"):
+        record_amax(jnp.zeros((2, 4)), jnp.zeros((3,)))
+
+
+def test_delayed_update_skips_non_finite_amax():
+    recipe = DelayedScaling(history=3)
+    state = recipe.update(recipe.init(), jnp.float32(2.0))
+    same = recipe.update(state, jnp.float32(np.inf))
+    np.testing.assert_array_equal(np.asarray(same.amax_history), [2.0, 0.0, 0.0])
+    assert int(same.count) == 1
+
+
+def test_delayed_amax_bootstraps_per_tensor_from_an_empty_history():
+    hist = jnp.asarray([[0.0, 0.0, 0.0], [1.0, 4.0, 2.0], [0.0, 0.0, 0.0]])
+    current = jnp.asarray([5.0, 6.0, 7.0])
+    np.testing.assert_array_equal(np.asarray(delayed_amax(hist, current)), [5.0, 4.0, 7.0])
+    np.testing.assert_array_equal(np.asarray(delayed_amax(hist, current, "most_recent")),
+                                  [5.0, 1.0, 7.0])
+    # The rule reads the history, not the count: a recorded all-zero tensor bootstraps too.
+    recipe = DelayedScaling(history=4)
+    state = recipe.update(recipe.init(), jnp.zeros((8, 32)))
+    x = np.random.default_rng(5).standard_normal((8, 32)).astype(np.float32)
+    sa = quantize(jnp.asarray(x), "e4m3", recipe, state=state)
+    _, want_s = ref_quantize(x, "float8_e4m3fn", x.shape)
+    np.testing.assert_array_equal(np.asarray(sa.scale).view(np.uint32), want_s.view(np.uint32))
+
+
+def test_quantize_with_a_given_amax():
+    x = np.random.default_rng(6).standard_normal((16, 64)).astype(np.float32)
+    amax = np.float32(7.5)  # e.g. a mesh-reduced amax larger than this shard's
+    sa = quantize(jnp.asarray(x), "e4m3", TensorScaling(), amax=amax)
+    want_v, want_s = ref_quantize(x, "float8_e4m3fn", x.shape, amax=np.array([[amax]]))
+    np.testing.assert_array_equal(np.asarray(sa.scale).view(np.uint32), want_s.view(np.uint32))
+    np.testing.assert_array_equal(codes(sa.values), codes(want_v))
+    with pytest.raises(ValueError, match="amax= is for per-tensor recipes"):
+        quantize(jnp.asarray(x), "e4m3", BlockScaling((1, 32)), amax=amax)
+    with pytest.raises(ValueError, match=r"needs \(4,\)"):
+        quantize(jnp.asarray(x), "e4m3", DelayedScaling(4), state=DelayedScaling(8).init())

@@ -224,13 +224,13 @@ class Analysis:
     """Facts about the equations of one trace, keyed by their position (``idpath``)."""
 
     def __init__(self, closed: jex.ClosedJaxpr, param_inputs: Sequence[bool],
-                 head_outputs: Sequence[bool], policy_of: Callable[[int | None], Any]):
+                 head_outputs: Sequence[bool], modules: Interpreter):
         self.dots: dict[tuple, DotInfo] = {}
         self.facts: dict[tuple, _Facts] = {}
         self.sites: dict[tuple, str] = {}  # idpath of a delayed-FP8 matmul -> slot name
         self.site_shapes: dict[str, tuple[int, ...]] = {}  # slot -> [*layers, 3, history]
         self.scan_sites: dict[tuple, list[str]] = {}  # idpath of a scan -> slots inside
-        self._policy_of = policy_of
+        self._modules = modules  # module index -> path and Policy
         self._count: dict[str, int] = {}
         jaxpr = closed.jaxpr
         ins = [_Facts(param=bool(p), const=not _floating(v.aval.dtype))
@@ -258,7 +258,7 @@ class Analysis:
         return bool(facts and facts.upcast)
 
     def _new_site(self, module: int | None, dims: tuple[int, ...], history: int) -> str:
-        path = self._policy_of.path(module)
+        path = self._modules.path(module)
         n = self._count.get(path, 0)
         self._count[path] = n + 1
         key = f"{path or '<root>'}:dot{n}"
@@ -316,7 +316,7 @@ class Analysis:
             module = chain[-1] if chain else None
             info = DotInfo(module, any(a.param for a in args[:2]), bool(lb))
             self.dots[idp] = info
-            policy = self._policy_of(module)
+            policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
                     and name == "dot_general" and info.projection and not info.batched):
                 self.sites[idp] = self._new_site(module, dims, policy.fp8.history)
@@ -443,17 +443,20 @@ class Interpreter:
 
     def analyze(self, closed, param_inputs: Sequence[bool], head_outputs: Sequence[bool]
                 ) -> Analysis:
-        self.analysis = Analysis(closed, param_inputs, head_outputs, _PolicyOf(self))
+        self.analysis = Analysis(closed, param_inputs, head_outputs, self)
         return self.analysis
 
     # -- evaluation -----------------------------------------------------------------------
-    def run(self, closed, args: Sequence[Any]) -> list[Any]:
-        """Interprets ``closed`` on ``args`` (flat); module outputs leave every module."""
+    def run(self, closed, args: Sequence[Any], leave: Sequence[bool] | None = None
+            ) -> list[Any]:
+        """Interprets ``closed`` on ``args`` (flat). Outputs leave every module (cast to
+        each one's ``output_dtype``) where ``leave`` says so (default: all)."""
         assert self.analysis is not None, "analyze first"
         return self._walk(closed.jaxpr, closed.consts, list(args), [()] * len(args), (), (),
-                          self.fp8_state or {})
+                          self.fp8_state or {}, leave)
 
-    def _walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local):
+    def _walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local,
+              leave=None):
         env: dict[Any, Any] = {}
         chains: dict[Any, tuple] = {}
         exits: dict[tuple, Any] = {}
@@ -485,7 +488,10 @@ class Interpreter:
             outs = self._eqn(eqn, invals, chain, (*idprefix, i), idprefix, fp8_local)
             for v, x in zip(eqn.outvars, outs):
                 env[v], chains[v] = x, chain
-        return [read(v, prefix) for v in jaxpr.outvars]
+        if leave is None:
+            return [read(v, prefix) for v in jaxpr.outvars]
+        return [read(v, prefix) if e or isinstance(v, jex.Literal) else env[v]
+                for v, e in zip(jaxpr.outvars, leave)]
 
     def _exit(self, x, modules: tuple[int, ...], head_value: bool):
         """Casts a value leaving ``modules`` (innermost last) to their output dtypes."""
@@ -700,19 +706,6 @@ class Interpreter:
         return [*carry, *ys]
 
 
-class _PolicyOf:
-    """``policy_of`` plus ``path`` for the analysis (which only reads rules)."""
-
-    def __init__(self, interp: Interpreter):
-        self._interp = interp
-
-    def __call__(self, module):
-        return self._interp.policy_of(module)
-
-    def path(self, module):
-        return self._interp.path(module)
-
-
 # ---------------------------------------------------------------------------------------------
 # Running a function under rules.
 
@@ -770,25 +763,37 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     return Traced(closed, registry, dyn, params, out_tree, avals)
 
 
-def run(traced: Traced, rules: Rules, *, main: Sequence[bool] | None = None,
+def fp8_slots(traced: Traced, rules: Rules) -> dict[str, tuple[int, ...]]:
+    """Shapes of the delayed-FP8 amax histories ``rules`` need for this trace, by slot name
+    (``"<module path>:dot<i>"``; shape ``[*layers, 3, history]``)."""
+    interp = Interpreter(rules, traced.registry)
+    return interp.analyze(traced.closed, traced.params,
+                          [True] * len(traced.out_avals)).site_shapes
+
+
+def run(traced: Traced, rules: Rules, *, main: Sequence[bool | None] | None = None,
         fp8_state: dict | None = None, record: Recorder | None = None
         ) -> tuple[Any, Interpreter]:
     """Interprets a trace under ``rules``; returns (output tree, the interpreter).
 
-    ``main``: per output leaf, whether it is a model output (cast to ``rules.output_dtype``,
-    searched for the head) rather than state handed back (kept in its traced dtype).
+    ``main``: per output leaf, True for a model output (cast to ``rules.output_dtype``,
+    searched for the head), False for state handed back (kept in its traced dtype: BatchNorm
+    statistics, RNG state), None for a value reported as computed (sown intermediates).
     """
     main = [True] * len(traced.out_avals) if main is None else list(main)
     interp = Interpreter(rules, traced.registry, fp8_state=fp8_state,
                          record=record if record is not None else _ACTIVE.recorder)
     interp.analyze(traced.closed, traced.params,
-                   [m and _floating(a.dtype) for m, a in zip(main, traced.out_avals)])
-    outs = interp.run(traced.closed, traced.dyn)
+                   [bool(m) and _floating(a.dtype) for m, a in zip(main, traced.out_avals)])
+    # State and sown values are not module outputs: no module's output cast applies.
+    outs = interp.run(traced.closed, traced.dyn, [bool(m) for m in main])
     odt = rules.output_dtype
     final = []
     for x, aval, is_main in zip(outs, traced.out_avals, main):
         if is_main:
             final.append(_cast(x, odt) if odt is not None else x)
+        elif is_main is None:
+            final.append(x)
         else:
             final.append(_cast(x, aval.dtype))
     return jax.tree.unflatten(traced.out_tree, final), interp

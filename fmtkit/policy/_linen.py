@@ -88,14 +88,11 @@ class PolicyModel:
         variables = dict(variables)
         variables["params"] = self._store(variables.get("params", {}), registry)
         if has_delayed_fp8(self.rules):
-            traced = self._trace(variables, None, args, kwargs, method, False)
-            interp = _interpret.Interpreter(self.rules, traced.registry)
-            analysis = interp.analyze(traced.closed, traced.params,
-                                      [True] * len(traced.out_avals))
-            if analysis.site_shapes:
-                variables[FP8_COLLECTION] = {
-                    key: jnp.zeros(shape, jnp.float32)
-                    for key, shape in analysis.site_shapes.items()}
+            slots = _interpret.fp8_slots(self._trace(variables, None, args, kwargs, method,
+                                                     False), self.rules)
+            if slots:
+                variables[FP8_COLLECTION] = {k: jnp.zeros(shape, jnp.float32)
+                                             for k, shape in slots.items()}
         return variables
 
     def _store(self, params: Any, registry: _interpret.Registry) -> Any:
@@ -124,10 +121,12 @@ class PolicyModel:
         traced = self._trace(variables, rngs, args, kwargs, method, mutable)
         report_unmatched(self.rules, traced.registry.visited(), self.strict)
         main = None
-        if mutable:
+        if mutable:  # (output, updated collections); sown intermediates as computed
             shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
-            n_main = len(jax.tree.leaves(shapes[0]))
-            main = [i < n_main for i in range(len(traced.out_avals))]
+            updates = {k: jax.tree.map(lambda _, k=k: None if k == "intermediates" else False,
+                                       v) for k, v in shapes[1].items()}
+            main = [True] * len(jax.tree.leaves(shapes[0])) + jax.tree.leaves(
+                updates, is_leaf=lambda x: x is None)
         out, _ = _interpret.run(traced, self.rules, main=main,
                                 fp8_state=None if fp8_state is None else dict(fp8_state))
         return out

@@ -166,11 +166,10 @@ def _fp8_state(model: nnx.Module, traced, rules: Rules) -> dict | None:
         return dict(state.get_value())
     if not has_delayed_fp8(rules):
         return None
-    interp = _interpret.Interpreter(rules, traced.registry)
-    analysis = interp.analyze(traced.closed, traced.params, [True] * len(traced.out_avals))
-    if not analysis.site_shapes:
+    slots = _interpret.fp8_slots(traced, rules)
+    if not slots:
         return None
-    fresh = {k: jnp.zeros(s, jnp.float32) for k, s in analysis.site_shapes.items()}
+    fresh = {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
     model.fp8_state = Fp8State(fresh)
     return fresh
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import blockwise_fp8_matmul, quantize_1x128, quantize_128x128
-from pallas_kernels._bench import DEFAULT_SHAPES
+from pallas_kernels.bench import DEFAULT_SHAPES
 from pallas_kernels.config import (
     BLOCK_K,
     SHIPPED_CONFIGS,

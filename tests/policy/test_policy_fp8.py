@@ -154,13 +154,32 @@ def test_linen_fp8_matmuls_in_forward_and_backward():
     assert all(jnp.dtype(d).itemsize <= 2 for pair in dots for d in pair)  # nothing in f32
 
 
-def test_fp8_errors_name_the_module():
-    model = with_policy(TransformerLM(CFG), Rules(
-        [], default=Policy("float32", "bfloat16", fp8=fp8.FP8Recipe("bad", x_tile="mx24"))))
+def test_fp8_errors_name_the_module(monkeypatch):
+    def failing(recipe):
+        def dot(*args, **kwargs):
+            raise ValueError("cannot tile")
+
+        return dot
+
+    monkeypatch.setattr(fp8, "dot_general", failing)
+    model = with_policy(TransformerLM(CFG), "fp8-current")
     tokens = _batches()[0]
     variables = model.init(jax.random.key(0), tokens)
     with pytest.raises(ValueError, match=r"module 'Block_0/attn/query'"):
         model.apply(variables, tokens)
+
+
+def test_blockwise_pads_sizes_that_are_not_multiples_of_128():
+    """d_model 64 and 4 x 63 tokens for the weight gradient: zero-padded inside each GEMM
+    (fmtkit.fp8, issue 11), so the first gradient is finite instead of an error."""
+    small = TransformerConfig(d_model=64, num_heads=2, num_layers=1, d_ff=128, max_len=64)
+    model = with_policy(TransformerLM(small), "fp8-blockwise")
+    tokens = jax.random.randint(jax.random.key(1), (4, 63), 0, 256, jnp.int32)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    grads = jax.grad(lambda p: lm_loss(model.apply({"params": p}, tokens).astype(jnp.float32),
+                                       tokens))(params)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    assert any(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads))
 
 
 def test_user_linen_model_with_fp8_rule():

@@ -8,18 +8,9 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from studies_testlib import assert_plots
 
 from studies import formats, fp8_outliers, loss_scale, master_weights, rounding, underflow
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _assert_png(paths):
-    assert paths
-    for p in paths:
-        data = p.read_bytes()
-        assert len(data) > 1000 and data.startswith(PNG_SIGNATURE)
-
 
 # formats ------------------------------------------------------------------------------------
 
@@ -40,7 +31,7 @@ def test_formats_table_matches_ml_dtypes_finfo(tmp_path):
     assert rows["float8_e4m3fn"]["max"] == 448.0  # OCP FP8 v1.0 (seed 002 says 3.8e5: wrong)
     # fp16: 2^-24 .. 65504 spans log2(65504) + 24 binades (seed 003: "about 40").
     assert rows["float16"]["binades"] == pytest.approx(math.log2(65504) + 24)
-    _assert_png(formats.plot(res, tmp_path))
+    assert_plots(formats.plot(res, tmp_path))
 
 
 def test_formats_subset_and_aliases():
@@ -73,7 +64,7 @@ def test_underflow_against_numpy(tmp_path):
     assert max(np.asarray(sw["fp16"])[normal]) <= 2.0**-11
     assert max(sw["bf16"]) <= 2.0**-8
     assert np.all(np.asarray(sw["fp16"])[hi < 2.0**-25] == 1.0)  # flushed
-    _assert_png(underflow.plot(res, tmp_path))
+    assert_plots(underflow.plot(res, tmp_path))
 
 
 # master weights -----------------------------------------------------------------------------
@@ -108,7 +99,7 @@ def test_master_weights_against_numpy(tmp_path):
     first_four = stall.index(4.0) + 1
     assert res["stall"]["last_change_step"] == first_four == 2048
     assert res["stall"]["stalled"]
-    _assert_png(master_weights.plot(res, tmp_path))
+    assert_plots(master_weights.plot(res, tmp_path))
 
 
 # loss scale ---------------------------------------------------------------------------------
@@ -143,7 +134,7 @@ def test_loss_scale_against_gradscaler_reference(tmp_path):
     for r in res["steps"]:
         assert r["params_changed"] == (not r["overflow"])  # skipped steps leave params alone
     assert res["skipped_steps"] == len(overflow_steps)
-    _assert_png(loss_scale.plot(res, tmp_path))
+    assert_plots(loss_scale.plot(res, tmp_path))
 
 
 # rounding -----------------------------------------------------------------------------------
@@ -174,7 +165,7 @@ def test_rounding_hand_derived(tmp_path):
     assert f"{rows[(12.345, 'bfloat16')]['rel_error']:.1e}" == "2.4e-03"
     errs = res["sweep"]["errors"]
     assert max(errs["bfloat16"]) <= 2.0**-8  # unit roundoff over f32's normal range
-    _assert_png(rounding.plot(res, tmp_path))
+    assert_plots(rounding.plot(res, tmp_path))
 
 
 # fp8 outliers -------------------------------------------------------------------------------
@@ -218,4 +209,4 @@ def test_fp8_outliers_against_numpy(tmp_path):
     assert t[1] > 3 * b[1]  # outlier 3e4: per-tensor loses, blocks do not
     assert b[0] == pytest.approx(b[1], rel=1e-6)  # blocks are blind to the outlier size
     assert 0.02 < b[1] < 0.03  # E4M3's own precision (seed: a flat 2.6%)
-    _assert_png(fp8_outliers.plot(res, tmp_path))
+    assert_plots(fp8_outliers.plot(res, tmp_path))

@@ -11,19 +11,12 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from studies_testlib import assert_plots
 
 import fmtkit
+from fmtkit import fp8
 from studies import accumulation, fp8_recipes, memory, router_precision, sensitivity
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # PNG spec (ISO/IEC 15948) section 5.2
-
-
-def _assert_png(paths):
-    assert paths
-    for p in paths:
-        data = p.read_bytes()
-        assert len(data) > 1000 and data.startswith(PNG_SIGNATURE)
-
+from studies.train import TrainConfig
 
 # accumulation -------------------------------------------------------------------------------
 
@@ -58,12 +51,14 @@ def test_accumulation_matches_numpy_emulation_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(a, a.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
     assert np.all(a >= 0) and np.all(b >= 0)
     curves = res["data"]["positive"]["curves"]
+    # The library function the study runs (jitted as the study runs it).
+    limited = jax.jit(fp8.limited_precision_matmul, static_argnames=("mantissa_bits",
+                                                                      "promote_every"))
     for i, k in enumerate(ks):
         ref = a[:, :k].astype(np.float64) @ b[:, :k].astype(np.float64).T
         for variant, pe in (("limited", None), ("promoted", 128)):
             emu = _numpy_limited_matmul(a[:, :k], b[:, :k], bits, pe)
-            got = np.asarray(accumulation._limited(a[:, :k], b[:, :k], mantissa_bits=bits,
-                                                   promote_every=pe))
+            got = np.asarray(limited(a[:, :k], b[:, :k], mantissa_bits=bits, promote_every=pe))
             np.testing.assert_array_equal(got.view(np.uint32), emu.view(np.uint32))
             err = emu.astype(np.float64) - ref
             # The study's numbers are those of the independent emulation (float64 error
@@ -89,7 +84,7 @@ def test_accumulation_matches_numpy_emulation_bit_for_bit(tmp_path):
     assert sw["limited"][0] == lim[-1]  # 13 bits at K = 4096: the same computation
     assert sw["limited"][0] > sw["limited"][1]
     assert sw["limited"][1] < 1e-5
-    _assert_png(accumulation.plot(res, tmp_path))
+    assert_plots(accumulation.plot(res, tmp_path))
 
 
 def test_accumulation_gaussian_promotion_helps():
@@ -174,7 +169,7 @@ def test_memory_state_bytes_against_hand_counts(tmp_path):
     assert full_t < none_t
     assert acts["full"]["points"][-1]["argument_bytes"] == acts["none"]["points"][-1][
         "argument_bytes"]
-    _assert_png(memory.plot(res, tmp_path))
+    assert_plots(memory.plot(res, tmp_path))
 
 
 def test_memory_bf16_activations_halve_the_saved_input():
@@ -203,8 +198,8 @@ def test_memory_config_validation():
 
 SENS_MODULES = r"^(Block_0/MlpBlock_0/Dense_1|Block_0/ln_2|Block_0/attn)$"
 # One block; batch * seq_len = 128 tokens: one 1x128 block per column for blockwise.
-SENS_CFG = sensitivity.Config(train_steps=0, num_layers=1, batch=2, seq_len=64,
-                              modules=SENS_MODULES)
+SENS_CFG = sensitivity.Config(pretrain=False, modules=SENS_MODULES,
+                              train=TrainConfig(num_layers=1, batch=2, seq_len=64))
 
 
 def _sqnr64(ref, y):
@@ -243,7 +238,7 @@ def test_sensitivity_fp8_rows_match_float64_recomputation(tmp_path):
             < rows["Block_0/ln_2"]["output_sqnr_db"] - 6)
     # Plausible FP8 levels (torchao's blockwise bar: linear outputs >= 25 dB).
     assert 15 < rows["Block_0/MlpBlock_0/Dense_1"]["output_sqnr_db"] < 60
-    _assert_png(sensitivity.plot(res, tmp_path))
+    assert_plots(sensitivity.plot(res, tmp_path))
 
 
 def test_sensitivity_fp32_target_changes_nothing():
@@ -316,8 +311,9 @@ def test_router_flips_on_constructed_near_ties(router):
 def test_router_precision_training_run(tmp_path):
     # The f32 router through training (the bf16 one is checked on the constructed case:
     # compiling a second variant costs more than the rest of this test).
-    cfg = router_precision.Config(routers=("f32",), steps=3, batch=2, seq_len=16, d_model=32,
-                                  d_ff=32, num_layers=1, num_experts=4)
+    cfg = router_precision.Config(routers=("f32",), d_model=32, d_ff=32, num_experts=4,
+                                  train=TrainConfig(steps=3, warmup=0, num_layers=1, batch=2,
+                                                    seq_len=16))
     res = router_precision.run(cfg)
     for name in ("f32",):
         v = res["variants"][name]
@@ -326,7 +322,7 @@ def test_router_precision_training_run(tmp_path):
         assert np.allclose(np.sum(v["final_fractions"], axis=1), 1.0)
         assert all(1.0 <= m <= 4.0 for m in v["max_load"])
     assert res["variants"]["f32"]["flip_frac"] == [0.0, 0.0, 0.0]
-    _assert_png(router_precision.plot(res, tmp_path))
+    assert_plots(router_precision.plot(res, tmp_path))
 
 
 def test_router_precision_config_validation():
@@ -344,8 +340,9 @@ def test_router_precision_config_validation():
 # Blockwise and blockwise with 128x128 gradient blocks (each setup costs a compile of its
 # train step, ~5 s here; the other recipes are covered by the default run, which trains
 # every one, and by fmtkit's FP8 tests).
-FP8_CFG = fp8_recipes.Config(recipes=("blockwise", "blockwise-g128"), steps=2,
-                             num_layers=1, batch=2, seq_len=64)
+FP8_CFG = fp8_recipes.Config(recipes=("blockwise", "blockwise-g128"),
+                             train=TrainConfig(steps=2, warmup=0, num_layers=1, batch=2,
+                                               seq_len=64))
 
 
 def test_fp8_recipes_losses_close_to_bf16(tmp_path):
@@ -368,7 +365,7 @@ def test_fp8_recipes_losses_close_to_bf16(tmp_path):
         assert r["rel_gap"] == pytest.approx((r["final_loss"] - res["baseline"]["final_loss"])
                                              / res["baseline"]["final_loss"])
     assert res["recipes"]["blockwise-g128"]["tiles"]["grad"] == "128x128"
-    _assert_png(fp8_recipes.plot(res, tmp_path))
+    assert_plots(fp8_recipes.plot(res, tmp_path))
 
 
 def test_fp8_recipe_g128_changes_only_the_gradients():
@@ -404,5 +401,5 @@ def test_fp8_recipe_g128_changes_only_the_gradients():
 def test_fp8_recipes_config_validation():
     with pytest.raises(ValueError, match="unknown recipe"):
         fp8_recipes.Config(recipes=("blockwise", "nope"))
-    with pytest.raises(ValueError, match="steps must be"):
-        fp8_recipes.Config(steps=0)
+    with pytest.raises(TypeError, match=r"train must be a studies\.train\.TrainConfig"):
+        fp8_recipes.Config(train={"steps": 2})

@@ -1,4 +1,9 @@
-"""The ``fmtkit`` command line: format tables, number inspection, benchmarks and studies."""
+"""The ``fmtkit`` command line: format tables, number inspection, benchmarks and studies.
+
+An application on top of the library, not part of it: ``fmtkit`` (the core) never imports
+this module or ``studies``. The console script ``fmtkit`` and ``python -m studies.cli`` run
+``main``.
+"""
 
 from __future__ import annotations
 

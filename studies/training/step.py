@@ -1,0 +1,161 @@
+"""The train state and the train step of one setup (no I/O, no caches).
+
+One step, with ``S`` the loss scale (1 without scaling)::
+
+    logits = model.apply({"params": p, "fp8_state": s}, tokens)     (policy applied)
+    loss = lm_loss(f32(logits), tokens) [+ aux_loss_weight * aux for MoE]
+    g, obs = grad(S * loss) w.r.t. (p, s)
+    updates, opt_state = opt.update(g, opt_state, p)           (make_optimizer)
+    p = optax.apply_updates(p, updates)     (exact round(master) under master_weights)
+    s = fmtkit.fp8.update_state(s, obs)     (delayed recipe only; not on a skipped step)
+
+Determinism: the parameters come from ``jax.random.PRNGKey(cfg.seed)`` (in f32, then rounded
+to each setup's parameter dtype, so all setups start from the same point); stochastic
+rounding from seeds in the optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import fmtkit
+from fmtkit import optim
+from fmtkit.fp8 import update_state as fp8_update_state
+from studies.models import TransformerLM, lm_loss
+from studies.training import mesh
+from studies.training.config import TrainConfig
+from studies.training.metrics import step_metrics
+from studies.training.optimizer import make_optimizer
+from studies.training.setups import Setup, get_setup
+
+__all__ = ["TrainState", "build_model", "init_params", "make_train_step"]
+
+F32 = jnp.float32
+
+
+class TrainState(NamedTuple):
+    """Everything a run needs to continue (a pytree; ``train`` checkpoints all of it).
+
+    Attributes:
+      params: the model parameters in their stored dtypes.
+      opt_state: the optimizer state (moments, loss scale, master weights, ...).
+      fp8_state: the Flax "fp8_state" collection (delayed-scaling amax histories); ``{}``
+        when the policy has no delayed recipe.
+      step: int32, steps done = the index of the next batch.
+      rng: uint32[2], a PRNG key advanced every step (reserved for dropout and the like).
+    """
+
+    params: Any
+    opt_state: Any
+    fp8_state: Any
+    step: jax.Array
+    rng: jax.Array
+
+
+def build_model(setup: Setup, cfg: TrainConfig) -> Any:
+    """``fmtkit.with_policy(TransformerLM(cfg.model_config()), setup.policy)``."""
+    return fmtkit.with_policy(TransformerLM(cfg.model_config()), setup.rules())
+
+
+def init_params(cfg: TrainConfig) -> Any:
+    """The f32 initial parameters every setup starts from: ``TransformerLM.init`` with
+    ``PRNGKey(cfg.seed)``. Compute them once and pass them to ``make_train_step`` to share
+    one initialization (and its compile) between setups."""
+    dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
+    model = TransformerLM(cfg.model_config())
+    return jax.jit(model.init)(jax.random.PRNGKey(cfg.seed), dummy)["params"]
+
+
+def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
+                    ) -> tuple[Callable[[], TrainState],
+                               Callable[[TrainState, jax.Array], tuple[TrainState, dict]]]:
+    """The init and (jitted) step functions of one setup; no I/O.
+
+    Each call builds new functions (and ``jax.jit`` compiles the step on first use): keep
+    the pair to reuse the compiled step, e.g. for several runs of one setup.
+
+    Args:
+      setup: a ``Setup`` or a registered name.
+      cfg: the training configuration.
+      params: the f32 initial parameters (``init_params(cfg)``; computed by ``init_fn`` when
+        None).
+
+    Returns:
+      ``(init_fn, step_fn)``: ``init_fn() -> TrainState`` (step 0; the f32 initial
+      parameters rounded to the policy's parameter dtypes, committed to the state's
+      sharding as a restored checkpoint is); ``step_fn(state, tokens) -> (state, metrics)``,
+      jitted, tokens int32 ``[cfg.batch, cfg.seq_len]`` from ``batch_at``, metrics as in
+      ``studies.training.metrics``. The step traces once for any number of steps (nothing
+      that changes per step is static).
+
+    Raises:
+      ValueError: unknown setup; batch/model sizes an FP8 recipe of the setup cannot tile;
+        ``cfg.data_parallel`` larger than the number of local devices.
+    """
+    setup = get_setup(setup)
+    state_sharding = mesh.state_sharding(cfg.data_parallel)
+    model = build_model(setup, cfg)
+    opt = make_optimizer(setup, cfg)
+    scaled = setup.loss_scaling != "none"
+    moe = cfg.model_config().num_experts > 0
+    dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
+    key = jax.random.PRNGKey(cfg.seed)
+    shapes = jax.eval_shape(model.init, key, dummy)
+
+    def init_fn() -> TrainState:
+        ref = init_params(cfg) if params is None else params
+        p = jax.tree.map(lambda x, s: x.astype(s.dtype), ref, shapes["params"])
+        fp8_state = (jax.jit(lambda k: model.init(k, dummy)["fp8_state"])(key)
+                     if "fp8_state" in shapes else {})
+        with jax.numpy_dtype_promotion("standard"):
+            opt_state = opt.init(p)
+        state = TrainState(p, opt_state, fp8_state, jnp.zeros([], jnp.int32),
+                           jax.random.fold_in(key, 1))
+        # Committed, as a restored checkpoint is: a resumed run reuses the compiled step.
+        return jax.device_put(state, state_sharding)
+
+    def loss_fn(p, fp8_state, tokens, scale):
+        variables = {"params": p}
+        if fp8_state:
+            variables["fp8_state"] = fp8_state
+        if moe:  # MoeBlock sows the Switch load-balancing loss into "intermediates"
+            logits, inter = model.apply(variables, tokens, mutable=["intermediates"])
+            aux = sum((jnp.sum(x.astype(F32)) for path, x in
+                       jax.tree_util.tree_leaves_with_path(inter)
+                       if "aux_loss" in jax.tree_util.keystr(path)), jnp.zeros([], F32))
+        else:
+            logits, aux = model.apply(variables, tokens), None
+        loss = lm_loss(logits.astype(F32), tokens)
+        total = loss if aux is None else loss + jnp.float32(cfg.aux_loss_weight) * aux
+        return total * scale, loss
+
+    def step_fn(state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
+        scale = optim.loss_scale(state.opt_state) if scaled else jnp.ones([], F32)
+        (_, loss), (grads, obs) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+            state.params, state.fp8_state, tokens, scale)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes f32 schedules and bf16
+            updates, opt_state = opt.update(grads, state.opt_state, state.params)
+            new_params = optax.apply_updates(state.params, updates)
+        metrics = step_metrics(loss=loss, scale=scale, grads=grads,
+                               grad_format=setup.grad_format, params_before=state.params,
+                               params_after=new_params, opt_state_before=state.opt_state,
+                               opt_state_after=opt_state)
+        fp8_state = state.fp8_state
+        if fp8_state:
+            fp8_state = fp8_update_state(fp8_state, obs)
+            # A skipped step's amaxes are inf/NaN: keep them out of the history.
+            fp8_state = optax.tree.where(metrics["skipped"] == 0, fp8_state, state.fp8_state)
+        new = TrainState(new_params, opt_state, fp8_state, state.step + 1,
+                         jax.random.split(state.rng)[0])
+        return new, metrics
+
+    if cfg.data_parallel > 1:
+        return init_fn, jax.jit(step_fn, in_shardings=(state_sharding,
+                                                       mesh.batch_sharding(cfg.data_parallel)),
+                                out_shardings=(state_sharding, state_sharding))
+    return init_fn, jax.jit(step_fn)

@@ -1,0 +1,32 @@
+"""Smoke test of ``fmtkit bench fp8-step`` at toy sizes (the timings themselves are a
+benchmark, not a test): every variant runs, trains, and lands in the JSON."""
+
+import json
+import math
+
+import pytest
+
+from studies import bench_fp8_step
+
+
+@pytest.mark.slow  # about a minute on 2 cores: 16 train steps to compile
+def test_bench_fp8_step_runs_every_variant(tmp_path, capsys):
+    rc = bench_fp8_step.main([
+        "--batch", "64", "--width", "96", "--layers", "1", "--d-model", "32", "--heads", "2",
+        "--seq", "8", "--lm-batch", "2", "--repeats", "1", "--recipes", "current,delayed,mxfp8",
+        "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert set(res["mlp"]["seconds"]) == {"f32", "bf16", "current", "delayed", "mxfp8",
+                                          "flax-fp8"}
+    assert set(res["transformer"]["seconds"]) == {"f32", "bf16", "current", "delayed",
+                                                  "mxfp8"}
+    for model in ("mlp", "transformer"):
+        loss = res[model]["loss"]
+        # Same data and initialisation: FP8 losses within 5% of the f32 loss (E4M3's 2^-4
+        # relative rounding per operand averages out in a mean loss).
+        for k, v in loss.items():
+            assert math.isfinite(v) and abs(v - loss["f32"]) <= 0.05 * loss["f32"], (model, k)
+        assert res[model]["ratio_to_bf16"]["bf16"] == 1.0
+    out = capsys.readouterr().out
+    assert out.index("ratios to the bf16 step") > out.index("transformer")  # ratios last
