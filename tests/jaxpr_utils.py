@@ -1,9 +1,13 @@
 """Walks a jaxpr and all its sub-jaxprs (custom_vjp, pjit, scan, cond bodies)."""
 
+import dataclasses
+import math
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 
 
 def _subjaxprs(eqn) -> Iterator:
@@ -29,3 +33,232 @@ def dot_operand_dtypes(closed_jaxpr) -> list[tuple]:
     """(lhs dtype, rhs dtype) of every dot_general, in order."""
     return [tuple(v.aval.dtype for v in e.invars) for e in iter_eqns(closed_jaxpr)
             if e.primitive.name == "dot_general"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-flow labels: which inputs each value depends on, through every sub-jaxpr.
+#
+# ``label_eqns`` propagates sets of labels from a jaxpr's inputs to every value: the policy
+# checks seed "param" (trainable parameters), "data" (the batch) and "cotangent" (the seed of
+# the backward pass, an explicit input of a ``jax.vjp`` pullback), which tells a forward matmul
+# (no cotangent) from a backward one, and a weight operand (param only) from an activation.
+# A matmul (``dot_general``, ``conv_general_dilated``) fed a cotangent and no weight adds its own
+# label ``("mm", id)``, and drops the ``"mm"`` labels of its inputs: a gradient output carrying
+# ``("mm", id)`` was reached from that matmul through no other matmul (a weight gradient).
+
+PARAM, DATA, COTANGENT = "param", "data", "cotangent"
+MATMULS = ("dot_general", "conv_general_dilated")
+_EMPTY = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Labeled:
+    """One equation with the labels of its inputs and outputs (its last propagation pass)."""
+
+    eqn: Any
+    ins: tuple[frozenset, ...]
+    outs: tuple[frozenset, ...]
+
+
+def _read(env, atom):
+    return env.get(atom, _EMPTY) if isinstance(atom, jax.extend.core.Var) else _EMPTY
+
+
+def _is_weight(labels: frozenset) -> bool:
+    return PARAM in labels and DATA not in labels and COTANGENT not in labels
+
+
+def _matmul_outs(eqn, ins):
+    base = _drop_mm(_union(ins))
+    if any(COTANGENT in s for s in ins[:2]) and not any(_is_weight(s) for s in ins[:2]):
+        base = base | {("mm", id(eqn))}
+    return [base] * len(eqn.outvars)
+
+
+def _run(jaxpr, in_labels, record):
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    env = dict(zip(jaxpr.invars, in_labels))
+    for eqn in jaxpr.eqns:
+        ins = [_read(env, a) for a in eqn.invars]
+        outs = _eqn_outs(eqn, ins, record)
+        if record is not None:
+            record.append(Labeled(eqn, tuple(ins), tuple(outs)))
+        env.update(zip(eqn.outvars, outs))
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _union(sets):
+    return frozenset().union(*sets)
+
+
+def _drop_mm(labels: frozenset) -> frozenset:
+    return frozenset(lab for lab in labels if not (isinstance(lab, tuple) and lab[0] == "mm"))
+
+
+# Ops through which a matmul's output reaches a gradient only as a scale or a decision (an FP8
+# amax, an overflow check), not as a value: its "mm" label stops there.
+_SCALE_OPS = ("reduce_max", "reduce_min", "argmax", "argmin", "reduce_and", "reduce_or")
+
+
+def _eqn_outs(eqn, ins, record):
+    name = eqn.primitive.name
+    if name in MATMULS:
+        return _matmul_outs(eqn, ins)
+    if name in _SCALE_OPS or (eqn.outvars and all(
+            not jnp.issubdtype(getattr(v.aval, "dtype", jnp.float32), jnp.inexact)
+            for v in eqn.outvars)):
+        return [_drop_mm(_union(ins))] * len(eqn.outvars)
+    if name == "scan":
+        body = eqn.params["jaxpr"]
+        if "num_consts" in eqn.params:
+            nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+            consts, carry, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+        else:  # jax >= 0.9: the (consts, carry, xs) split is a flat tree of the inputs
+            consts, carry, xs = (list(g) for g in eqn.params["ft_in"].update(ins).unpack())
+            ncar = len(carry)
+        while True:  # fixpoint: a carry's labels are those of its init and every iteration
+            outs = _run(body, consts + carry + xs, None)
+            new = [a | b for a, b in zip(carry, outs[:ncar])]
+            if new == carry:
+                break
+            carry = new
+        outs = _run(body, consts + carry + xs, record)
+        return carry + outs[ncar:]
+    if name == "while":
+        cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        bconsts, carry = ins[cn:cn + bn], ins[cn + bn:]
+        while True:
+            outs = _run(eqn.params["body_jaxpr"], bconsts + carry, None)
+            new = [a | b for a, b in zip(carry, outs)]
+            if new == carry:
+                break
+            carry = new
+        _run(eqn.params["body_jaxpr"], bconsts + carry, record)
+        return carry
+    if name == "cond":
+        # Values flow from the branches' operands; the branch index only selects (a weight
+        # passed through one branch stays a weight).
+        outs = [_run(br, ins[1:], record) for br in eqn.params["branches"]]
+        return [_union(col) for col in zip(*outs)]
+    subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+    if len(subs) == 1 and len(getattr(subs[0], "invars", ())) == len(ins) and \
+            len(subs[0].outvars) == len(eqn.outvars):
+        return _run(subs[0], ins, record)  # jit, remat, custom_jvp/vjp calls, closed_call
+    everything = _union(ins)
+    for sub in subs:  # unknown structure: every output may depend on every input
+        _run(sub, [everything] * len(sub.invars), record)
+    return [everything] * len(eqn.outvars)
+
+
+def label_eqns(closed_jaxpr, in_labels) -> tuple[list[Labeled], list[frozenset]]:
+    """Labels every equation of ``closed_jaxpr`` (recursively) from its inputs' labels.
+
+    Args:
+      closed_jaxpr: from ``jax.make_jaxpr``.
+      in_labels: one iterable of labels per flat input (``jaxpr.invars`` order).
+
+    Returns:
+      ``(records, out_labels)``: every equation (sub-jaxprs included; a loop body once, with
+      its fixpoint labels) and the labels of the jaxpr's outputs.
+    """
+    record: list[Labeled] = []
+    outs = _run(closed_jaxpr.jaxpr, [frozenset(labs) for labs in in_labels], record)
+    return record, outs
+
+
+def matmul_flops(eqn) -> int:
+    """2 x (output elements) x (contraction size) of a dot_general or convolution."""
+    out = eqn.outvars[0].aval
+    if eqn.primitive.name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval
+        return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in lhs_contract)
+    rhs = eqn.invars[1].aval
+    out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+    return 2 * math.prod(out.shape) * math.prod(rhs.shape) // rhs.shape[out_feature_dim]
+
+
+def matmul_role(rec: Labeled, head_size: int, weight_grads: frozenset) -> str:
+    """What a labeled matmul computes.
+
+    "head": an operand has the head's size (vocabulary / classes) among its dimensions.
+    "conv_fwd" / "conv_bwd": a convolution in the forward / backward pass. "fwd": a forward
+    matmul with a weight operand (a parameter, not mixed with data). "dgrad": a weight times
+    a cotangent. "wgrad": a matmul of a cotangent and an activation whose result reaches a
+    parameter gradient through no other matmul (``weight_grads``: the ``("mm", id)`` labels
+    found on the gradient outputs).
+    "act_fwd" / "act_bwd": activation x activation (attention) forward / backward.
+    """
+    eqn, (lhs, rhs) = rec.eqn, rec.ins[:2]
+    if any(head_size in v.aval.shape for v in eqn.invars[:2]):
+        return "head"
+    weight = _is_weight(lhs) or _is_weight(rhs)
+    backward = COTANGENT in lhs or COTANGENT in rhs
+    if eqn.primitive.name == "conv_general_dilated":
+        return "conv_bwd" if backward else "conv_fwd"
+    if weight:
+        return "dgrad" if backward else "fwd"
+    if not backward:
+        return "act_fwd"
+    return "wgrad" if ("mm", id(eqn)) in weight_grads else "act_bwd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    role: str
+    dtypes: tuple[str, str]
+    flops: int
+    where: str  # the equation, for messages
+    backward: bool = False  # fed the cotangent
+
+    @property
+    def fp8(self) -> bool:
+        return all(jnp.dtype(d).itemsize == 1 and jnp.issubdtype(d, jnp.floating)
+                   for d in self.dtypes)
+
+
+def matmuls(records: list[Labeled], out_labels, head_size: int) -> list[Matmul]:
+    """Every matmul of a labeled train-step jaxpr with its role, operand dtypes and FLOPs.
+
+    ``out_labels``: labels of the jaxpr outputs that are parameter gradients.
+    """
+    weight_grads = _union(out_labels)
+    found = []
+    for rec in records:
+        if rec.eqn.primitive.name in MATMULS:
+            dts = tuple(str(v.aval.dtype) for v in rec.eqn.invars[:2])
+            shapes = " x ".join(str(v.aval.shape) for v in rec.eqn.invars[:2])
+            found.append(Matmul(matmul_role(rec, head_size, weight_grads), dts,
+                                matmul_flops(rec.eqn), f"{rec.eqn.primitive.name} {shapes}",
+                                any(COTANGENT in s for s in rec.ins[:2])))
+    return found
+
+
+TRANSCENDENTALS = ("exp", "log", "log1p", "expm1", "rsqrt")
+REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "cumsum", "cumprod",
+              "cummax", "cummin", "cumlogsumexp", "argmax", "argmin")
+
+
+def non_f32_transcendentals(closed_jaxpr) -> list[str]:
+    """``exp``/``log``/``log1p``/``expm1``/``rsqrt`` equations whose output is not f32."""
+    return [f"{e.primitive.name} -> {e.outvars[0].aval.dtype}"
+            for e in iter_eqns(closed_jaxpr) if e.primitive.name in TRANSCENDENTALS
+            and e.outvars[0].aval.dtype != jnp.float32]
+
+
+def low_precision_reductions(closed_jaxpr) -> list[str]:
+    """Reductions (sums, maxima, cumulative ops, arg-reductions) of floats narrower than f32."""
+    return [f"{e.primitive.name} of {e.invars[0].aval.dtype}{e.invars[0].aval.shape}"
+            for e in iter_eqns(closed_jaxpr) if e.primitive.name in REDUCTIONS
+            and jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating)
+            and jnp.dtype(e.invars[0].aval.dtype).itemsize < 4]
+
+
+def compute_fraction(found: list[Matmul], dtype, *, backward: bool) -> float:
+    """Fraction of the non-head matmul FLOPs (forward or backward) on two ``dtype`` operands."""
+    roles = ("dgrad", "wgrad", "act_bwd", "conv_bwd") if backward else (
+        "fwd", "act_fwd", "conv_fwd")
+    sel = [m for m in found if m.role in roles]
+    total = sum(m.flops for m in sel)
+    good = sum(m.flops for m in sel if m.dtypes == (jnp.dtype(dtype).name,) * 2)
+    return good / total if total else float("nan")
