@@ -11,6 +11,7 @@ policy (linen's interceptor stack is not part of jit's cache key).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -88,8 +89,11 @@ class PolicyModel:
         variables = dict(variables)
         variables["params"] = self._store(variables.get("params", {}), registry)
         if has_delayed_fp8(self.rules):
-            # Every collection mutable (BatchNorm in training mode updates its statistics).
-            traced = self._trace(variables, None, args, kwargs, method, True)
+            # Every collection mutable (BatchNorm in training mode updates its statistics) and
+            # a "dropout" stream (dropout in training mode): only shapes are read here.
+            keys = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
+            keys.setdefault("dropout", next(iter(keys.values())))
+            traced = self._trace(variables, keys, args, kwargs, method, True)
             slots = _interpret.fp8_slots(traced, self.rules, _main_outputs(traced, True))
             if slots:
                 variables[FP8_COLLECTION] = {k: jnp.zeros(shape, jnp.float32)
