@@ -292,7 +292,8 @@ def late_training(cfg: TrainConfig, progress: Progress = no_progress, *,
         tokens = jnp.asarray(batch_at(data, cfg.with_seed(s), cfg.steps))
         grads = jax.grad(loss)(p, tokens)
         adam = optax.adam(1.0, b1=0.9, b2=0.95, eps=1e-8)
-        direction, _ = adam.update(grads, adam.init(p), p)
+        with jax.numpy_dtype_promotion("standard"):  # optax's f32 lr times int32 counts
+            direction, _ = adam.update(grads, adam.init(p), p)
         lrs.append(float(regime.lr(p, direction)))
     lr = float(np.median(lrs))
     info = {"pretrain_final_loss": pre.final_losses, "calibrated_lr_per_seed": lrs,
