@@ -131,3 +131,19 @@ def test_registered_and_listed():
     assert every == (("outlier-features", tuple(ablate.SETUPS)),)
     with pytest.raises(ValueError, match="lists a setup twice"):
         ablate.Config(policies=("fp32", "fp32"))
+
+
+def test_seeds_regime_full_and_stdlib_options_parse():
+    inv = runner.parse_args("ablate", ["--seeds", "5", "--regime", "late-training",
+                                       "--data", "stdlib", "--full"])
+    c = inv.config
+    assert c.train.seeds == 5 and c.train.regime == "late-training"
+    assert c.train.data == "stdlib" and c.full
+    assert c.groups() == (("late-training", tuple(ablate.SETUPS)),)
+    full = c.train_config()
+    assert (full.model_size, full.steps, full.seeds) == ("small", 400, 5)
+    assert full.seed_list == (0, 1, 2, 3, 4)
+    with pytest.raises(ValueError, match="regime must be one of"):
+        TrainConfig(regime="late")
+    with pytest.raises(ValueError, match="seeds must be >= 1"):
+        TrainConfig(seeds=0)
