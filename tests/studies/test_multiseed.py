@@ -79,3 +79,26 @@ def test_multiseed_resume_is_bit_identical(tmp_path):
     for j in range(2):
         for k in T.METRIC_KEYS:
             np.testing.assert_array_equal(resumed.histories[j][k], full.histories[j][k])
+
+
+@pytest.mark.slow  # two compiles of the micro step
+def test_tokens_per_update_scales_the_gradient_by_micro_over_global_tokens():
+    base = micro(seeds=1)
+    data = T.load_data(base)
+    tokens = T.batch_at(data, base, 0)
+    norms = {}
+    for regime in ("none", "tokens-per-update"):
+        cfg = micro(seeds=1, regime=regime)
+        init_fn, step_fn = T.make_train_step("fp32", cfg)
+        _, m = step_fn(init_fn(), tokens)
+        norms[regime] = float(m["grad_norm"])
+    # 4 sequences x 15 predicted bytes = 60 tokens of a 2^22-token update (by hand).
+    assert norms["tokens-per-update"] / norms["none"] == pytest.approx(60 / 2**22, rel=1e-4)
+
+
+def test_outlier_features_regime_puts_one_channel_at_1e4_in_the_model():
+    cfg = micro(regime="outlier-features").model_config()
+    scale = np.asarray(cfg.outlier_scale)
+    assert scale.shape == (32,)
+    assert np.sum(scale == 1e4) == 1 and np.sum(scale == 1.0) == 31
+    assert micro().model_config().outlier_scale is None
