@@ -102,3 +102,16 @@ def test_outlier_features_regime_puts_one_channel_at_1e4_in_the_model():
     assert scale.shape == (32,)
     assert np.sum(scale == 1e4) == 1 and np.sum(scale == 1.0) == 31
     assert micro().model_config().outlier_scale is None
+
+
+@pytest.mark.slow  # reads the standard library, compiles the micro step and its evaluation
+def test_stdlib_data_reports_a_heldout_loss_per_seed():
+    cfg = micro(data="stdlib", steps=3, heldout_windows=4)
+    res = M.train_seeds("fp32", cfg)
+    assert res.heldout_loss is not None and len(res.heldout_loss) == 2
+    # A byte-level model after 3 steps: below a uniform guess over 256 bytes (ln 256 plus a
+    # margin for the untrained logits) and above 0; seeds start apart, so they differ.
+    for h in res.heldout_loss:
+        assert 0.0 < h < np.log(256) + 1.0
+    assert res.heldout_loss[0] != res.heldout_loss[1]
+    assert M.train_seeds("fp32", micro(steps=1, seeds=1)).heldout_loss is None
