@@ -1,33 +1,51 @@
 """Study ``ablate`` (the main job): a small transformer LM under each precision setup.
 
-Trains ``studies.models.TransformerLM`` (byte level) on the embedded corpus (or ``--data``)
-once per setup of ``studies.train.SETUPS`` (fp32, bf16-mixed, pure-bf16 with plain /
-stochastically rounded / Kahan updates, bf16 with f32 master weights, fp16 without and with
-dynamic loss scaling, the five FP8 recipes), from the same initial parameters and on the same
-batches, and reports per setup:
+Trains ``studies.models.TransformerLM`` (byte level) under the setups of
+``studies.train.SETUPS`` (fp32, bf16-mixed, pure-bf16 with plain / stochastically rounded /
+Kahan updates, bf16 with f32 master weights, fp16 without and with dynamic loss scaling, the
+five FP8 recipes), several seeds per setup (``--seeds``, default 3) trained together by one
+vmapped step (``studies.training.multiseed``); seed k of every setup starts from the same
+initial parameters and sees the same batches.
 
-* final loss: mean training loss (nats/byte) of the last 10% of the steps; gap to fp32 in %;
-  gap to the corpus's entropy rate (the irreducible loss; embedded corpus only);
-* skipped steps (dynamic loss scaling), the mean fraction of gradient values that flush to
-  zero in the setup's gradient format (``studies.train`` defines it), the mean fraction of
-  parameters an update changes;
-* compile time and steady-state step time (ms), bytes per parameter of params + gradients +
-  optimizer state + master copy (``fmtkit.memory.ledger`` of the real state);
-* the loss curves of all setups in one PNG (``loss_curves.png``).
+The default run shows the contrasts of issue 12, each in the regime (``studies.regimes``)
+where the literature finds it, against a reference setup of its group:
 
-A setup expected to diverge (fp16 without loss scaling) is marked "diverged" instead of
-stopping the study; any other non-finite loss stops it with an error (exit 1).
+=====================  ======================================  ==============================
+regime                 setups (reference first)                expected (literature)
+=====================  ======================================  ==============================
+late-training          bf16-master, pure-bf16, pure-bf16-sr,   pure bf16 stalls and ends
+                       pure-bf16-kahan                         worse; SR and Kahan recover
+tokens-per-update      bf16-mixed, fp16, fp16-dynamic          fp16 flushes gradients; loss
+                                                               scaling matches bf16
+outlier-features       bf16-mixed, fp8-current, fp8-delayed,   per-tensor worse than rowwise,
+                       fp8-rowwise, fp8-blockwise, fp8-mxfp8   blockwise, MX
+=====================  ======================================  ==============================
 
-    fmtkit ablate [--steps N] [--policies fp32,bf16-mixed,...] [--model-size tiny|small|base]
-                  [--data FILE] [--checkpoint-every K] [--resume RUN_OR_CHECKPOINT_DIR]
+``--policies`` (and/or ``--regime``) instead runs one group: those setups (default all) in
+that regime (default none), reference fp32 when it is among them, else the first. ``--full``
+runs the contrasts longer and larger (the "small" model, 400 steps, 5 seeds).
 
-(the training options are those of ``studies.train.TrainConfig``, nested as ``Config.train``).
+Per setup: final loss (mean training loss, nats/byte, of the last 10% of the steps) as mean
+± std over seeds; its gap to the group's reference, relative, ± the std of one seed's gap,
+marked ``*`` when larger than 3 standard errors of the difference (``studies.stats``; the
+SE of the per-seed differences, since seed k of both setups shares its parameters and
+batches); skipped steps, gradient flush share, share of parameters moved, the median
+update-to-weight ratio, compile time, time per vmapped step, bytes per parameter. With
+``--data stdlib`` the held-out loss (bits per byte) of the standard library's held-out
+files sits next to the training loss. Plots: seed bands of the loss curves per group and a
+bar chart of the gaps with ±3 SE whiskers.
 
-Checkpoints (``--checkpoint-every K``): the full train state of each setup goes to
-``CHECKPOINT_DIR/<timestamp>/<setup>/checkpoints/<step>/`` (orbax); ``--resume`` with that
-folder, or with the earlier run's results folder (its results.json names the checkpoint
-folder), continues every setup from its latest checkpoint with the same options, and ends
-bit-identical to an uninterrupted run.
+A setup expected to diverge (fp16 without loss scaling) is marked "diverged k/n" instead
+of stopping the study; any other non-finite loss stops it with an error (exit 1).
+
+    fmtkit ablate [--seeds N] [--full] [--policies fp32,bf16-mixed,...] [--regime NAME]
+                  [--steps N] [--model-size tiny|small|base] [--data FILE|stdlib]
+                  [--checkpoint-every K] [--resume RUN_OR_CHECKPOINT_DIR]
+
+Checkpoints (``--checkpoint-every K``): the stacked train state of each group's setup goes
+to ``CHECKPOINT_DIR/<timestamp>/<regime>/<setup>/checkpoints/<step>/`` (orbax); ``--resume``
+with that folder, or with the earlier run's results folder, continues every setup from its
+latest checkpoint with the same options, and ends bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -41,12 +59,23 @@ from typing import Any
 
 import numpy as np
 
-from studies import corpus
-from studies._common import figure, format_table, no_progress, plot_style, save
-from studies.train import DEFAULT_SETUPS, SETUPS, TrainConfig, init_params, load_data, train
-from studies.training import distributed
+from studies import corpus, stats
+from studies._common import format_table, no_progress
+from studies.train import SETUPS, TrainConfig, load_data
+from studies.training import distributed, multiseed
 
-__all__ = ["Config", "main", "plot", "run", "summarize"]
+__all__ = ["CONTRASTS", "Config", "main", "plot", "run", "summarize"]
+
+CONTRASTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("late-training", ("bf16-master", "pure-bf16", "pure-bf16-sr", "pure-bf16-kahan")),
+    ("tokens-per-update", ("bf16-mixed", "fp16", "fp16-dynamic")),
+    ("outlier-features", ("bf16-mixed", "fp8-current", "fp8-delayed", "fp8-rowwise",
+                          "fp8-blockwise", "fp8-mxfp8")),
+)
+"""The default groups: (regime, setups with the reference first) (module docstring)."""
+
+FULL = dict(model_size="small", steps=400, seeds=5)
+"""``--full``: the contrasts with the 4-layer "small" model, longer, more seeds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,17 +84,20 @@ class Config:
 
     Attributes:
       policies: the setups to train (comma- or space-separated), in table order; see
-        studies.train.SETUPS. Default: all of them.
-      checkpoint_dir: checkpoints go to CHECKPOINT_DIR/<timestamp>/<setup>/.
+        studies.train.SETUPS. Empty (default): the contrast groups (module docstring), or
+        every setup when ``--regime`` is given.
+      full: the contrasts with the "small" model, 400 steps and 5 seeds (longer).
+      checkpoint_dir: checkpoints go to CHECKPOINT_DIR/<timestamp>/<regime>/<setup>/.
       resume: continue an earlier run: its checkpoint folder, or its results folder.
-      train: the training settings of every setup (model size, steps, batch, lr, data,
-        checkpoints, data parallelism).
+      train: the training settings of every setup (model size, steps, seeds, regime, batch,
+        lr, data, checkpoints).
     """
 
-    policies: tuple[str, ...] = DEFAULT_SETUPS
+    policies: tuple[str, ...] = ()
+    full: bool = False
     checkpoint_dir: str = "runs/ablate-checkpoints"
     resume: str | None = None
-    train: TrainConfig = TrainConfig(steps=150)
+    train: TrainConfig = TrainConfig(steps=150, seeds=3)
 
     def __post_init__(self):
         if isinstance(self.policies, str):
@@ -76,9 +108,6 @@ class Config:
         # "fp32,bf16-mixed" and "fp32 bf16-mixed" (one name per argument) both work.
         object.__setattr__(self, "policies", tuple(
             p.strip() for item in self.policies for p in item.split(",") if p.strip()))
-        if not self.policies:
-            raise ValueError(f"policies must name at least one setup; valid: "
-                             f"{', '.join(SETUPS)}.")
         unknown = [p for p in self.policies if p not in SETUPS]
         if unknown:
             raise ValueError(f"unknown policies {', '.join(map(repr, unknown))}; valid: "
@@ -88,7 +117,7 @@ class Config:
         if not isinstance(self.train, TrainConfig):
             raise TypeError(f"train must be a studies.train.TrainConfig, got "
                             f"{type(self.train).__name__}.")
-        if self.train.data is not None:
+        if self.train.data is not None and self.train.data != corpus.STDLIB:
             p = Path(self.train.data)
             if not p.exists():
                 raise ValueError(f"--data {self.train.data!r}: no such file.")
@@ -101,6 +130,16 @@ class Config:
         if self.resume is not None and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume!r}: no such folder (give the checkpoint "
                              "folder or the results folder of an earlier ablate run).")
+
+    def groups(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(regime, setups) of each group to run (reference first)."""
+        if not self.policies and self.train.regime == "none":
+            return CONTRASTS
+        return ((self.train.regime, self.policies or tuple(SETUPS)),)
+
+    def train_config(self) -> TrainConfig:
+        """``train`` with the ``--full`` preset applied."""
+        return dataclasses.replace(self.train, **FULL) if self.full else self.train
 
 
 def _checkpoint_root(config: Config) -> Path | None:
@@ -118,7 +157,7 @@ def _checkpoint_root(config: Config) -> Path | None:
                 raise ValueError(f"--resume {config.resume!r}: its checkpoint folder {ckpt!r} "
                                  "no longer exists.")
         return root
-    if config.train.checkpoint_every > 0:
+    if config.train_config().checkpoint_every > 0:
         # One folder for all processes of a multi-process run: process 0's clock names it.
         stamp = distributed.same_on_all(int(time.time()))
         return Path(config.checkpoint_dir) / time.strftime("%Y%m%d-%H%M%S",
@@ -126,42 +165,81 @@ def _checkpoint_root(config: Config) -> Path | None:
     return None
 
 
-def _pct(a: float, b: float) -> float | None:
-    if not (math.isfinite(a) and math.isfinite(b)) or b == 0:
+def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.ndarray,
+                params: list[Any], root: Path | None, resume: bool, progress
+                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Trains one group; its rows and (late-training) the calibration info."""
+    gcfg = dataclasses.replace(cfg, regime=regime)
+    info = None
+    if regime == "late-training":
+        gcfg, params, info = multiseed.late_training(gcfg, progress, data=data)
+    elif regime == "outlier-features":
+        params = multiseed.seed_params(gcfg)  # the regime changes the model's config
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        res = multiseed.train_seeds(
+            name, gcfg, progress, run_dir=None if root is None else root / regime / name,
+            resume=resume, data=data, params=params)
+        row = res.summary()
+        row["regime"] = regime
+        row["wall_seconds"] = time.perf_counter() - t0
+        rows.append(row)
+    ref = rows[0]["final_loss"]
+    for r in rows:
+        gap = stats.compare(ref, r["final_loss"], paired=True)
+        r["reference"] = rows[0]["setup"]
+        r["gap"] = gap.to_dict()
+        r["gap_welch"] = stats.compare(ref, r["final_loss"]).to_dict()
+        held = [p["heldout_loss"] for p in r["per_seed"]]
+        r["heldout_bits_per_byte"] = (None if any(h is None for h in held) else
+                                      [corpus.bits_per_byte(h) for h in held])
+    return rows, info
+
+
+def _recovered(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Late training: the share of pure-bf16's gap to bf16-master that SR / Kahan recover,
+    (loss(pure) - loss(x)) / (loss(pure) - loss(master)) on the seed means."""
+    by = {r["setup"]: float(np.nanmean(r["final_loss"])) for r in rows}
+    if not {"bf16-master", "pure-bf16"} <= by.keys():
         return None
-    return 100.0 * (a - b) / b
+    gap = by["pure-bf16"] - by["bf16-master"]
+    return {k: (by["pure-bf16"] - by[k]) / gap if gap != 0 else float("nan")
+            for k in ("pure-bf16-sr", "pure-bf16-kahan") if k in by}
 
 
 def run(config: Config, progress=no_progress) -> dict[str, Any]:
-    """Trains every setup of ``config.policies`` and returns the table and the curves.
+    """Trains every group of ``config.groups()`` and returns the tables and the curves.
 
-    Writes nothing but checkpoints (when asked for). Returns a dict with ``rows`` (one per
-    setup: the numbers of ``studies.train.TrainResult.summary`` plus ``gap_to_fp32_pct`` and
-    ``gap_to_floor_nats``), ``entropy_floor_nats`` (None with ``--data``), ``train_config``,
-    ``checkpoint_dir`` and ``descriptions``.
+    Writes nothing but checkpoints (when asked for). Returns a dict with ``groups`` (per
+    group: ``regime``, ``reference``, ``rows`` (one per setup: ``SeedsResult.summary`` with
+    every seed's numbers, ``gap`` (paired rule) and ``gap_welch`` as ``stats.Gap.to_dict``,
+    ``heldout_bits_per_byte``), ``late_training`` calibration, ``recovered``),
+    ``entropy_floor_nats`` (None with ``--data``), ``train_config``, ``checkpoint_dir``,
+    ``descriptions`` and ``wall_seconds``.
     """
-    cfg = config.train
+    t0 = time.perf_counter()
+    cfg = config.train_config()
     data = load_data(cfg)  # once for all setups
-    params = init_params(cfg)  # every setup starts from these f32 parameters
+    params = multiseed.seed_params(cfg)  # seed k of every setup starts from these
     root = _checkpoint_root(config)
     floor = corpus.entropy_rate_nats() if cfg.data is None else None
-    rows = []
-    for name in config.policies:
-        result = train(name, cfg, progress,
-                       run_dir=None if root is None else root / name,
-                       resume=config.resume is not None, data=data, params=params)
-        rows.append(result.summary())
-    ref = next((r["final_loss"] for r in rows if r["setup"] == "fp32"), None)
-    for r in rows:
-        r["gap_to_fp32_pct"] = None if ref is None else _pct(r["final_loss"], ref)
-        r["gap_to_floor_nats"] = (None if floor is None or not math.isfinite(r["final_loss"])
-                                  else r["final_loss"] - floor)
+    groups = []
+    for regime, names in config.groups():
+        rows, info = _group_rows(regime, names, cfg, data, params, root,
+                                 config.resume is not None, progress)
+        groups.append({"regime": regime, "reference": names[0], "rows": rows,
+                       "late_training": info,
+                       "recovered": _recovered(rows) if regime == "late-training" else None})
+    names = [r["setup"] for g in groups for r in g["rows"]]
     return {
-        "train_config": cfg,
+        "train_config": dataclasses.asdict(cfg),
+        "seeds": list(cfg.seed_list),
         "entropy_floor_nats": floor,
         "checkpoint_dir": None if root is None else str(root),
-        "descriptions": {name: SETUPS[name].description for name in config.policies},
-        "rows": rows,
+        "descriptions": {n: SETUPS[n].description for n in names},
+        "groups": groups,
+        "wall_seconds": time.perf_counter() - t0,
     }
 
 
@@ -171,75 +249,98 @@ def _f(v: Any, fmt: str, none: str = "-") -> str:
     return format(v, fmt)
 
 
+def _gap(d: dict[str, Any]) -> stats.Gap:
+    return stats.compare(d["reference"]["values"], d["candidate"]["values"],
+                         threshold=d["threshold"], paired=d["paired"])
+
+
 def summarize(results: dict[str, Any]) -> str:
-    """The table printed by ``fmtkit ablate``."""
+    """The tables printed by ``fmtkit ablate`` (one per group)."""
     floor = results.get("entropy_floor_nats")
-    header = ["setup", "final loss", "vs fp32", "vs floor", "skipped", "grad flush",
-              "params moved", "compile s", "step ms", "bytes/param"]
-    rows = []
-    for r in results["rows"]:
-        loss = ("diverged@" + str(r["diverged_at"]) if r["diverged_at"] is not None
-                else _f(r["final_loss"], ".4f"))
-        gap = r["gap_to_fp32_pct"]
-        rows.append([
-            r["setup"], loss, "-" if gap is None else f"{gap:+.2f}%",
-            _f(r["gap_to_floor_nats"], "+.4f"), str(r["skipped_steps"]),
-            f"{100 * r['grad_flush']:.3g}%", f"{100 * r['update_frac']:.1f}%",
-            _f(r["compile_seconds"], ".1f"), _f(r["step_ms"], ".1f"),
-            _f(r["bytes_per_param"], ".1f")])
-    cfg = results["train_config"]
-    c = cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg)
-    title = (f"ablate: {c['model_size']} model, {c['steps']} steps of {c['batch']}x"
-             f"{c['seq_len']} bytes, lr {c['lr']}, seed {c['seed']}")
-    notes = [
-        "final loss: mean training cross entropy (nats/byte) over the last 10% of the steps; "
-        "vs fp32: relative gap.",
-        ("vs floor: final loss minus the corpus entropy rate "
+    c = results["train_config"]
+    out = [f"ablate: {c['model_size']} model, {c['steps']} steps of {c['batch']}x"
+           f"{c['seq_len']} bytes, lr {c['lr']}, seeds {results['seeds']}, "
+           f"{results['wall_seconds']:.0f} s in all", ""]
+    held = any(r.get("heldout_bits_per_byte") for g in results["groups"] for r in g["rows"])
+    for g in results["groups"]:
+        header = ["setup", "final loss", f"vs {g['reference']}", "skipped", "grad flush",
+                  "params moved", "upd/weight", "compile s", "step ms", "s/seed",
+                  "bytes/param"]
+        if held:
+            header[2:2] = ["train bpb", "held-out bpb"]
+        rows = []
+        for r in g["rows"]:
+            vals = r["final_loss"]
+            n_bad = sum(1 for v in vals if not math.isfinite(v))
+            loss = (f"diverged {n_bad}/{len(vals)}" if n_bad else
+                    stats.format_mean_std(vals))
+            gap = "-" if r["setup"] == g["reference"] else stats.format_gap(_gap(r["gap"]))
+            ps = r["per_seed"]
+            row = [r["setup"], loss, gap,
+                   f"{np.mean([p['skipped_steps'] for p in ps]):.1f}",
+                   f"{100 * np.mean([p['grad_flush'] for p in ps]):.3g}%",
+                   f"{100 * np.mean([p['update_frac'] for p in ps]):.1f}%",
+                   f"{np.median([p['update_ratio'] for p in ps]):.1e}",
+                   _f(r["compile_seconds"], ".1f"), _f(r["step_ms"], ".1f"),
+                   _f(r["wall_seconds"] / len(ps), ".1f"), _f(r["bytes_per_param"], ".1f")]
+            if held:
+                bpb = r.get("heldout_bits_per_byte")
+                row[2:2] = [stats.format_mean_std([corpus.bits_per_byte(v) for v in vals]),
+                            "-" if not bpb else stats.format_mean_std(bpb)]
+            rows.append(row)
+        title = f"regime: {g['regime']} (reference {g['reference']})"
+        out += [format_table(header, rows, title=title)]
+        if g.get("late_training"):
+            lt = g["late_training"]
+            out.append(f"  late phase: constant lr {lt['lr']:.3g} (update-to-weight "
+                       f"{lt['update_to_weight_target']:g} for fresh Adam), from fp32 "
+                       f"pretrained for {c['steps']} steps (loss "
+                       f"{stats.format_mean_std(lt['pretrain_final_loss'])}).")
+        if g.get("recovered"):
+            out.append("  share of pure-bf16's gap to bf16-master recovered: " + ", ".join(
+                f"{k} {100 * v:.0f}%" for k, v in g["recovered"].items()))
+        out.append("")
+    out += [
+        "final loss: mean training cross entropy (nats/byte) of the last 10% of the steps, "
+        "mean ± std over seeds.",
+        "vs <reference>: mean over seeds of (setup - reference) relative to the reference "
+        f"mean, ± the std of one seed's gap; {stats.MARK}: |gap| > {stats.THRESHOLD:g} "
+        "standard errors of the per-seed differences (paired: seed k of both setups shares "
+        "its parameters and batches); results.json also has Welch's unpaired SE.",
+        ("entropy floor of the corpus: "
          f"{floor:.4f} nats/byte (the best any model can do)." if floor is not None else
-         "vs floor: unknown for --data (no known entropy rate)."),
+         "no known entropy floor for --data."),
         "grad flush: mean share of nonzero gradient values (as the optimizer receives them, "
         "scaled if the loss is) that round to 0 in the setup's gradient format.",
-        "params moved: mean share of parameter elements an update changes.",
+        "params moved: mean share of parameter elements an update changes; upd/weight: "
+        "median update-to-weight ratio of the weight matrices per step.",
+        "step ms: one vmapped step of all seeds; s/seed: the setup's wall time per seed.",
     ]
-    return "\n".join([format_table(header, rows, title=title), "", *notes])
+    return "\n".join(out)
 
 
 def plot(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """``loss_curves.png``: the loss of every setup per step (left) and its gap to fp32
-    (right, moving average over 10 steps)."""
-    import matplotlib
-
-    rows = results["rows"]
-    cmap = matplotlib.colormaps["tab20"]
+    """Per group: ``loss_<regime>.png`` (mean ± std bands of the loss curves, 10-step
+    moving average) and ``gaps_<regime>.png`` (gap to the reference, ±3 SE whiskers)."""
+    paths = []
     floor = results.get("entropy_floor_nats")
-    ref = next((np.asarray(r["history"]["loss"], np.float64) for r in rows
-                if r["setup"] == "fp32"), None)
-    with plot_style():
-        fig, (ax, ax2) = figure(1, 2, width=12.0, height=4.6)
-        for i, r in enumerate(rows):
-            loss = np.asarray(r["history"]["loss"], np.float64)
-            color = cmap(i % 20)
-            style = "--" if i >= 10 else "-"
-            label = r["setup"] + (" (diverged)" if r["diverged_at"] is not None else "")
-            ax.plot(np.arange(loss.size), loss, style, color=color, label=label, lw=1.2)
-            if ref is not None and r["setup"] != "fp32":
-                n = min(loss.size, ref.size)
-                gap = 100.0 * (loss[:n] - ref[:n]) / ref[:n]
-                k = min(10, max(n, 1))
-                smooth = np.convolve(gap, np.ones(k) / k, mode="valid") if n else gap
-                ax2.plot(np.arange(smooth.size) + k - 1, smooth, style, color=color, lw=1.2,
-                         label=r["setup"])
-        if floor is not None:
-            ax.axhline(floor, color="k", lw=0.8, ls=":", label=f"entropy floor {floor:.3f}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (nats/byte)")
-        ax.set_title("loss curves")
-        ax.legend(fontsize=7, ncol=2)
-        ax2.axhline(0.0, color="k", lw=0.8)
-        ax2.set_xlabel("step")
-        ax2.set_ylabel("loss gap to fp32 (%), 10-step mean")
-        ax2.set_title("gap to fp32" if ref is not None else "gap to fp32 (no fp32 run)")
-        return [save(fig, out_dir, "loss_curves")]
+    for g in results["groups"]:
+        curves = {}
+        for r in g["rows"]:
+            hs = [p["history"]["loss"] for p in r["per_seed"]]
+            n = min(len(h) for h in hs)
+            if n:
+                curves[r["setup"]] = [h[:n] for h in hs]
+        paths.append(stats.plot_seed_bands(
+            curves, out_dir, f"loss_{g['regime']}", smooth=10, hline=floor,
+            title=f"{g['regime']}: loss, mean ± std over seeds"))
+        gaps = {r["setup"]: _gap(r["gap"]) for r in g["rows"]
+                if r["setup"] != g["reference"]}
+        if gaps:
+            paths.append(stats.plot_gap_bars(
+                gaps, out_dir, f"gaps_{g['regime']}",
+                title=f"{g['regime']}: gap to {g['reference']} (±3 SE, paired)"))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,8 +28,10 @@ seeds share its random stream.
 Measured with ``studies.train.make_train_step`` (tiny model, 3 seeds, the 2-core CPU, 20
 steps): the vmapped seeds match separate runs to 1e-6 in loss for fp32; in low precision
 the batched kernels' different rounding grows to 1.5e-4 (fp16 + dynamic scaling) and 3.5e-3
-(FP8 delayed) after 20 steps, and ``pure-bf16-sr`` differs by 6e-4 because its
-stochastic-rounding seed is a closure constant of the step (the caveat above). A vmapped
+(FP8 delayed) after 20 steps, and ``pure-bf16-sr`` differed by 6e-4 when one seed's
+optimizer state was used for all (the caveat above); ``studies.training.multiseed`` builds
+each seed's state with its own stochastic-rounding seed (``StochasticRoundUpdatesState.seed``)
+and matches separate runs to 2e-3 relative in loss over 6 steps (tested). A vmapped
 step of 3 seeds costs about 3 single-seed steps on that CPU (no throughput gain there); the
 saving is one compile per setup instead of one per seed (``make_train_step`` caches per
 config, seed included: 20-40 s each on that machine under load).

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import serialization
 
 from studies.training.config import TrainConfig
@@ -71,7 +72,8 @@ def save(mngr, state: TrainState, history: dict[str, list[float]], record: dict)
     """Saves ``state`` and ``{**record, "history": history}`` at step ``state.step``."""
     import orbax.checkpoint as ocp
 
-    mngr.save(int(state.step), args=ocp.args.Composite(
+    step = int(np.ravel(np.asarray(state.step))[0])  # a stacked (multi-seed) state: seed 0's
+    mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(_tree(state)),
         meta=ocp.args.JsonSave({**record, "history": history})), force=True)
     mngr.wait_until_finished()

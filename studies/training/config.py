@@ -10,7 +10,11 @@ import tyro
 
 from studies.models import TransformerConfig
 
-__all__ = ["MODEL_SIZES", "TrainConfig"]
+__all__ = ["MODEL_SIZES", "REGIME_NAMES", "TrainConfig"]
+
+REGIME_NAMES = ("none", "late-training", "tokens-per-update", "outlier-features",
+                "token-grad-outliers")
+"""``TrainConfig.regime`` values: "none" or a name of ``studies.regimes.REGIMES``."""
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
     # d_model and d_ff are multiples of 128 so that every FP8 recipe (blockwise: 1x128 /
@@ -61,6 +65,18 @@ class TrainConfig:
       model: an explicit ``TransformerConfig`` (e.g. with ``num_experts``) instead of the
         size preset; its ``max_len`` must be >= seq_len. Not a command-line option.
       aux_loss_weight: weight of the Switch load-balancing loss when the model has experts.
+      seeds: seeds per setup: ``seed, seed + 1, ..., seed + seeds - 1`` (each its own
+        initial parameters, batches and stochastic-rounding stream), trained together by
+        one vmapped step (``studies.training.multiseed``). ``train`` runs ``seed`` only.
+      regime: "none" or a regime of ``studies.regimes`` applied with its default
+        (literature) magnitudes: "late-training" (constant learning rate ``lr``, which
+        ``studies.training.multiseed.late_training`` calibrates to an update-to-weight ratio
+        of 3e-4 from fp32-pretrained parameters), "tokens-per-update" (the gradient-carrying
+        loss multiplied by batch * (seq_len - 1) / 2^22), "outlier-features" (one
+        residual-stream channel 1e4x after every LayerNorm) or "token-grad-outliers"
+        (1/256 of the tokens weighted 100x in the loss, new positions every step).
+      heldout_windows: windows of ``seq_len`` bytes of held-out text evaluated at the end
+        (``--data stdlib`` only; 0: none).
     """
 
     model_size: Literal["tiny", "small", "base"] = "tiny"
@@ -79,6 +95,10 @@ class TrainConfig:
     data_parallel: int = 1
     model: Annotated[TransformerConfig | None, tyro.conf.Suppress] = None
     aux_loss_weight: float = 0.01
+    seeds: int = 3
+    regime: Literal["none", "late-training", "tokens-per-update", "outlier-features",
+                    "token-grad-outliers"] = "none"
+    heldout_windows: int = 64
 
     def __post_init__(self):
         if self.model is None and self.model_size not in MODEL_SIZES:
@@ -96,6 +116,11 @@ class TrainConfig:
         _check_int(self.corpus_bytes, "corpus_bytes")
         _check_int(self.checkpoint_every, "checkpoint_every", minimum=0)
         _check_int(self.data_parallel, "data_parallel")
+        _check_int(self.seeds, "seeds")
+        _check_int(self.heldout_windows, "heldout_windows", minimum=0)
+        if self.regime not in REGIME_NAMES:
+            raise ValueError(f"regime must be one of {', '.join(REGIME_NAMES)}, got "
+                             f"{self.regime!r}.")
         for name in ("lr", "weight_decay", "clip_norm", "aux_loss_weight"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -103,8 +128,9 @@ class TrainConfig:
             if v < 0 or (name == "lr" and v == 0):
                 raise ValueError(f"{name} must be {'> 0' if name == 'lr' else '>= 0'}, "
                                  f"got {v}.")
-        if self.seed >= 2**31:
-            raise ValueError(f"seed must fit in int32, got {self.seed}.")
+        if self.seed + self.seeds > 2**31:
+            raise ValueError(f"seed + seeds must fit in int32, got {self.seed} + "
+                             f"{self.seeds}.")
         if self.batch % self.data_parallel:
             raise ValueError(f"batch={self.batch} must be divisible by "
                              f"data_parallel={self.data_parallel}.")
@@ -120,7 +146,20 @@ class TrainConfig:
             mcfg = TransformerConfig(max_len=self.seq_len, **MODEL_SIZES[self.model_size])
         if self.num_layers:
             mcfg = dataclasses.replace(mcfg, num_layers=self.num_layers)
+        if self.regime == "outlier-features":
+            from studies.regimes import OutlierFeatures
+
+            mcfg = OutlierFeatures().apply(mcfg)
         return mcfg
+
+    @property
+    def seed_list(self) -> tuple[int, ...]:
+        """The seeds of a multi-seed run: ``seed .. seed + seeds - 1``."""
+        return tuple(range(self.seed, self.seed + self.seeds))
+
+    def with_seed(self, seed: int) -> TrainConfig:
+        """This config for one seed (``seed=seed, seeds=1``)."""
+        return dataclasses.replace(self, seed=seed, seeds=1)
 
     @property
     def warmup_steps(self) -> int:

@@ -7,18 +7,24 @@ import numpy as np
 from studies import corpus
 from studies.training.config import TrainConfig
 
-__all__ = ["batch_at", "load_data"]
+__all__ = ["batch_at", "heldout_tokens", "load_data"]
 
 
 def load_data(cfg: TrainConfig) -> np.ndarray:
-    """The training bytes as ``uint8[n]``: ``cfg.data`` (a UTF-8 file) or the embedded corpus.
+    """The training bytes as ``uint8[n]``: ``cfg.data`` (a UTF-8 file), the training part of
+    the Python standard library (``cfg.data == "stdlib"``: ``studies.corpus.stdlib_corpus``)
+    or the embedded corpus.
 
     Raises:
       FileNotFoundError, IsADirectoryError, ValueError: a missing, folder, empty or non-UTF-8
         ``cfg.data`` (``studies.corpus.load_text``); ValueError: fewer than seq_len bytes.
     """
-    raw = (corpus.default_corpus(cfg.corpus_bytes) if cfg.data is None
-           else corpus.load_text(cfg.data))
+    if cfg.data is None:
+        raw = corpus.default_corpus(cfg.corpus_bytes)
+    elif cfg.data == corpus.STDLIB:
+        raw = corpus.stdlib_corpus().train
+    else:
+        raw = corpus.load_text(cfg.data)
     data = np.frombuffer(raw, dtype=np.uint8)
     if data.size < cfg.seq_len:
         where = "the corpus" if cfg.data is None else f"--data {cfg.data!r}"
@@ -39,3 +45,14 @@ def batch_at(data: np.ndarray, cfg: TrainConfig, step: int) -> np.ndarray:
     rng = np.random.default_rng([cfg.seed, int(step)])
     starts = rng.integers(0, data.size - cfg.seq_len + 1, size=cfg.batch)
     return data[starts[:, None] + np.arange(cfg.seq_len)].astype(np.int32)
+
+
+def heldout_tokens(cfg: TrainConfig) -> np.ndarray | None:
+    """The held-out evaluation windows, int32 ``[cfg.heldout_windows, seq_len]``
+    (``studies.corpus.heldout_windows`` of the standard library's held-out files), or None
+    when the data has no held-out part (anything but ``--data stdlib``) or
+    ``heldout_windows`` is 0."""
+    if cfg.data != corpus.STDLIB or cfg.heldout_windows == 0:
+        return None
+    return corpus.heldout_windows(corpus.stdlib_corpus().heldout, cfg.seq_len,
+                                  cfg.heldout_windows)

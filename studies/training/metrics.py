@@ -25,6 +25,9 @@
   overflow).
 * ``update_frac``: fraction of parameter elements whose stored value changed in this step
   (1.0 means every parameter moved; pure-bf16 loses small updates and scores lower).
+* ``update_ratio``: the step's update-to-weight ratio ||p_after - p_before|| / ||p_before||
+  over the weight matrices (``studies.regimes.update_ratio``, "global"; differences in f32):
+  what the late-training regime claims (1e-4 .. 1e-3).
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ import jax.numpy as jnp
 import optax
 
 from fmtkit.casting import cast
+from studies.regimes import update_ratio
 
 __all__ = ["METRIC_KEYS", "flush_counts", "skipped_steps", "step_metrics"]
 
 F32 = jnp.float32
 
-METRIC_KEYS = ("loss", "loss_scale", "skipped", "grad_flush", "grad_norm", "update_frac")
+METRIC_KEYS = ("loss", "loss_scale", "skipped", "grad_flush", "grad_norm", "update_frac",
+               "update_ratio")
 """The per-step metrics of a step and of ``TrainResult.history`` (module docstring)."""
 
 
@@ -77,4 +82,5 @@ def step_metrics(*, loss: jax.Array, scale: jax.Array, grads: Any, grad_format: 
         "grad_flush": jnp.where(nonzero > 0, flushed / jnp.maximum(nonzero, 1.0), 0.0),
         "grad_norm": grad_norm,
         "update_frac": changed / jnp.float32(optax.tree.size(params_after)),
+        "update_ratio": update_ratio(params_before, params_after)["global"],
     }

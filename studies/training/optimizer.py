@@ -15,7 +15,10 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Linear warmup from 0 over ``cfg.warmup_steps`` to ``cfg.lr``, then cosine decay to
     ``lr / 10`` at ``cfg.steps`` (``optax.warmup_cosine_decay_schedule``):
     ``lr(t) = lr * t / w`` for t < w, else ``lr * (0.1 + 0.45 * (1 + cos(pi * (t - w) /
-    (steps - w))))``."""
+    (steps - w))))``. Under the "late-training" regime: the constant ``cfg.lr`` (the end of
+    a schedule, with ``lr`` calibrated by ``studies.training.multiseed.late_training``)."""
+    if cfg.regime == "late-training":
+        return optax.constant_schedule(cfg.lr)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
         decay_steps=cfg.steps, end_value=cfg.lr / 10)

@@ -26,6 +26,7 @@ import optax
 import fmtkit
 from fmtkit import optim
 from fmtkit.fp8 import update_state as fp8_update_state
+from studies import regimes
 from studies.models import TransformerLM, lm_loss
 from studies.training import mesh
 from studies.training.config import TrainConfig
@@ -47,7 +48,8 @@ class TrainState(NamedTuple):
       fp8_state: the Flax "fp8_state" collection (delayed-scaling amax histories); ``{}``
         when the policy has no delayed recipe.
       step: int32, steps done = the index of the next batch.
-      rng: uint32[2], a PRNG key advanced every step (reserved for dropout and the like).
+      rng: uint32[2], a PRNG key advanced every step (the
+        token-grad-outliers regime draws its outlier positions from it).
     """
 
     params: Any
@@ -103,6 +105,11 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
     opt = make_optimizer(setup, cfg)
     scaled = setup.loss_scaling != "none"
     moe = cfg.model_config().num_experts > 0
+    # Regimes acting on the loss whose gradient is taken (the reported loss is unweighted).
+    loss_weight = (regimes.TokensPerUpdate().loss_weight(cfg.batch * (cfg.seq_len - 1))
+                   if cfg.regime == "tokens-per-update" else 1.0)
+    token_outliers = (regimes.TokenGradOutliers() if cfg.regime == "token-grad-outliers"
+                      else None)
     dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
     key = jax.random.PRNGKey(cfg.seed)
     shapes = jax.eval_shape(model.init, key, dummy)
@@ -119,7 +126,7 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
         # Committed, as a restored checkpoint is: a resumed run reuses the compiled step.
         return jax.device_put(state, state_sharding)
 
-    def loss_fn(p, fp8_state, tokens, scale):
+    def loss_fn(p, fp8_state, tokens, scale, rng):
         variables = {"params": p}
         if fp8_state:
             variables["fp8_state"] = fp8_state
@@ -131,13 +138,20 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
         else:
             logits, aux = model.apply(variables, tokens), None
         loss = lm_loss(logits.astype(F32), tokens)
-        total = loss if aux is None else loss + jnp.float32(cfg.aux_loss_weight) * aux
+        total = loss
+        if token_outliers is not None:
+            weights = token_outliers.loss_weights(rng, (tokens.shape[0], tokens.shape[1] - 1))
+            total = regimes.weighted_lm_loss(logits.astype(F32), tokens, weights)
+        if aux is not None:
+            total = total + jnp.float32(cfg.aux_loss_weight) * aux
+        if loss_weight != 1.0:
+            total = total * jnp.float32(loss_weight)
         return total * scale, loss
 
     def step_fn(state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
         scale = optim.loss_scale(state.opt_state) if scaled else jnp.ones([], F32)
         (_, loss), (grads, obs) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-            state.params, state.fp8_state, tokens, scale)
+            state.params, state.fp8_state, tokens, scale, state.rng)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes f32 schedules and bf16
             updates, opt_state = opt.update(grads, state.opt_state, state.params)
             new_params = optax.apply_updates(state.params, updates)

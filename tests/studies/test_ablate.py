@@ -7,6 +7,8 @@ import pytest
 from studies_testlib import assert_plots, plain
 
 from studies import ablate, cli, corpus, runner
+from studies.models import TransformerConfig
+from studies.train import TrainConfig
 
 
 def _only_run(out_root):
@@ -15,45 +17,85 @@ def _only_run(out_root):
     return runs[0]
 
 
-@pytest.mark.slow  # trains two setups for 20 steps
+@pytest.mark.slow  # trains two setups, two seeds, 20 steps
 def test_fmtkit_ablate_end_to_end(tmp_path, capsys):
-    rc = cli.main(["ablate", "--steps", "20", "--policies", "fp32,bf16-mixed",
+    rc = cli.main(["ablate", "--steps", "20", "--seeds", "2", "--policies", "fp32,bf16-mixed",
                    "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0
     folder = _only_run(tmp_path)
     record = json.loads((folder / "results.json").read_text())
-    assert_plots([folder / "loss_curves.png"])
-    assert record["plots"] == ["loss_curves.png"]
+    assert record["plots"] == ["loss_none.png", "gaps_none.png"]
+    assert_plots([folder / p for p in record["plots"]])
 
     res = record["results"]
-    rows = {r["setup"]: r for r in res["rows"]}
+    (group,) = res["groups"]
+    assert group["regime"] == "none" and group["reference"] == "fp32"
+    rows = {r["setup"]: r for r in group["rows"]}
     assert list(rows) == ["fp32", "bf16-mixed"]
     floor = corpus.entropy_rate_nats()
     assert res["entropy_floor_nats"] == pytest.approx(floor, rel=0, abs=0)
+    assert res["seeds"] == [0, 1]
     for r in rows.values():
-        loss = r["history"]["loss"]
-        assert len(loss) == 20 and all(math.isfinite(x) for x in loss)
-        # Uniform guessing over 256 bytes costs ln 256 = 5.545 nats; 20 steps learn the
-        # 29-byte alphabet's frequencies at least, and no model beats the entropy rate.
-        assert r["final_loss"] < math.log(256) - 1.0
-        assert r["final_loss"] > floor
-        # Final loss: the mean of the last 10% of the steps (2 of 20), as documented.
-        assert r["final_loss"] == pytest.approx((loss[-1] + loss[-2]) / 2, rel=1e-12)
-        assert r["gap_to_floor_nats"] == pytest.approx(r["final_loss"] - floor, rel=1e-12)
+        assert [p["seed"] for p in r["per_seed"]] == [0, 1]
+        for p, final in zip(r["per_seed"], r["final_loss"]):
+            loss = p["history"]["loss"]
+            assert len(loss) == 20 and all(math.isfinite(x) for x in loss)
+            # Uniform guessing over 256 bytes costs ln 256 = 5.545 nats; 20 steps learn the
+            # 29-byte alphabet's frequencies at least, and no model beats the entropy rate.
+            assert math.log(256) - 1.0 > final > floor
+            # Final loss: the mean of the last 10% of the steps (2 of 20), as documented.
+            assert final == pytest.approx((loss[-1] + loss[-2]) / 2, rel=1e-12)
+            assert p["skipped_steps"] == 0 and p["diverged_at"] is None
+        assert r["final_loss"][0] != r["final_loss"][1]  # seeds differ
         assert r["compile_seconds"] > 0 and r["step_ms"] > 0
-        assert r["skipped_steps"] == 0 and r["diverged_at"] is None
-    assert rows["fp32"]["gap_to_fp32_pct"] == 0.0
+    # The gap is the paired one of every seed's numbers (reference fp32).
     ref, mixed = rows["fp32"]["final_loss"], rows["bf16-mixed"]["final_loss"]
-    assert rows["bf16-mixed"]["gap_to_fp32_pct"] == pytest.approx(
-        100 * (mixed - ref) / ref, rel=1e-9)
+    gap = rows["bf16-mixed"]["gap"]
+    assert gap["paired"] is True
+    assert gap["gap"] == pytest.approx((mixed[0] - ref[0] + mixed[1] - ref[1]) / 2, rel=1e-9)
     # Params f32 (4) + grads f32 (4) + Adam's two f32 moments (8) = 16 bytes/param in both
     # (Rajbhandari et al. 2020, "ZeRO", section 3.1: the mixed-precision figure is 16 with
     # bf16 params + f32 master instead).
     assert rows["fp32"]["bytes_per_param"] == 16.0
     assert rows["bf16-mixed"]["bytes_per_param"] == 16.0
     # The table was printed with both setups.
-    assert "fp32" in out and "bf16-mixed" in out and "vs floor" in out
+    assert "fp32" in out and "bf16-mixed" in out and "vs fp32" in out
+
+
+MICRO = TransformerConfig(d_model=32, num_heads=2, num_layers=1, d_ff=64, max_len=16)
+REDUCED = (
+    ("late-training", ("bf16-master", "pure-bf16", "pure-bf16-sr")),
+    ("tokens-per-update", ("bf16-mixed", "fp16", "fp16-dynamic")),
+)
+# The outlier-features group is left out: at this reduced size (micro model, 12 steps, 3
+# seeds) fp8-current's gap to bf16-mixed was not significant by the rule (2026-12-01), so
+# there is no flag to assert; the default run reports it with its numbers (README).
+
+
+@pytest.mark.slow  # 7 vmapped runs of the micro model (one compile each)
+def test_reduced_contrasts_show_the_orderings_and_flags(monkeypatch):
+    monkeypatch.setattr(ablate, "CONTRASTS", REDUCED)
+    cfg = ablate.Config(train=TrainConfig(model=MICRO, steps=12, seeds=3, batch=4,
+                                          seq_len=16, warmup=2, corpus_bytes=4096))
+    res = ablate.run(cfg)
+    g = {grp["regime"]: {r["setup"]: r for r in grp["rows"]} for grp in res["groups"]}
+
+    def mean(rows, name):
+        return sum(rows[name]["final_loss"]) / 3
+
+    late = g["late-training"]
+    # The late phase runs at the calibrated update-to-weight ratio (3e-4 for fresh Adam's
+    # first step; Adam's later steps are smaller), where pure bf16 loses updates.
+    assert 1e-4 < late["bf16-master"]["per_seed"][0]["update_ratio"] < 1e-3
+    assert (late["pure-bf16"]["per_seed"][0]["update_frac"]
+            < late["bf16-master"]["per_seed"][0]["update_frac"])
+    assert late["pure-bf16"]["gap"]["gap"] > 0 and late["pure-bf16"]["gap"]["significant"]
+    assert mean(late, "pure-bf16-sr") < mean(late, "pure-bf16")
+    tok = g["tokens-per-update"]
+    assert tok["fp16"]["gap"]["gap"] > 0 and tok["fp16"]["gap"]["significant"]
+    assert not tok["fp16-dynamic"]["gap"]["significant"]
+    assert sum(p["grad_flush"] for p in tok["fp16"]["per_seed"]) > 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -82,6 +124,26 @@ def test_empty_and_non_utf8_data_files_exit_2(tmp_path, capsys):
 
 def test_registered_and_listed():
     assert "ablate" in runner.STUDIES
-    assert ablate.Config().policies == tuple(ablate.SETUPS)
+    assert ablate.Config().policies == ()
+    assert ablate.Config().groups() == ablate.CONTRASTS
+    assert ablate.Config(policies=("fp32",)).groups() == (("none", ("fp32",)),)
+    every = ablate.Config(train=TrainConfig(regime="outlier-features")).groups()
+    assert every == (("outlier-features", tuple(ablate.SETUPS)),)
     with pytest.raises(ValueError, match="lists a setup twice"):
         ablate.Config(policies=("fp32", "fp32"))
+
+
+def test_seeds_regime_full_and_stdlib_options_parse():
+    inv = runner.parse_args("ablate", ["--seeds", "5", "--regime", "late-training",
+                                       "--data", "stdlib", "--full"])
+    c = inv.config
+    assert c.train.seeds == 5 and c.train.regime == "late-training"
+    assert c.train.data == "stdlib" and c.full
+    assert c.groups() == (("late-training", tuple(ablate.SETUPS)),)
+    full = c.train_config()
+    assert (full.model_size, full.steps, full.seeds) == ("small", 400, 5)
+    assert full.seed_list == (0, 1, 2, 3, 4)
+    with pytest.raises(ValueError, match="regime must be one of"):
+        TrainConfig(regime="late")
+    with pytest.raises(ValueError, match="seeds must be >= 1"):
+        TrainConfig(seeds=0)
