@@ -171,6 +171,10 @@ def test_process_count_not_matching_the_mesh_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "fmtkit ablate now vmaps its seeds on one device (studies.training.multiseed refuses "
+    "data_parallel > 1); sharding the seed-vmapped step over a multi-process mesh is open "
+    "(issue 15). The training library itself runs multi-process (tests above)."))
 def test_ablate_under_the_launcher_writes_once(tmp_path):
     cmd = [sys.executable, "-m", "studies.launch", "--num-processes", "2", "--timeout",
            str(TIMEOUT), "--", sys.executable, "-m", "studies.cli", "ablate", "--policies",
