@@ -1,4 +1,5 @@
-"""Helpers shared by the study tests: plots that hold a drawing, CLI messages as text."""
+"""Helpers shared by the study tests: plots that hold a drawing, CLI messages as text, a
+progress bar that interrupts a run (resume tests)."""
 
 import re
 from pathlib import Path
@@ -23,3 +24,18 @@ def plain(text):
     """Command-line output without the boxes tyro draws around messages, whitespace
     collapsed (tyro wraps long messages to the terminal width)."""
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+
+class Interrupted(Exception):
+    """Raised by ``stop_after``'s progress bar in place of a killed run."""
+
+
+def stop_after(k):
+    """A progress factory whose iterator raises ``Interrupted`` before item ``k``."""
+    def progress(iterable, *, total=None, desc=None):
+        for n, item in enumerate(iterable):
+            if n == k:
+                raise Interrupted
+            yield item
+
+    return progress

@@ -5,6 +5,7 @@ reproducible; resume is bit-identical; the regimes do what they claim inside tra
 import jax
 import numpy as np
 import pytest
+from studies_testlib import Interrupted, stop_after
 
 from fmtkit import optim
 from studies import seeds as seeds_lib
@@ -51,17 +52,6 @@ def test_vmapped_seeds_match_separate_runs_including_stochastic_rounding():
         np.testing.assert_array_equal(again.histories[j]["loss"], res.histories[j]["loss"])
 
 
-class _Interrupted(Exception):
-    pass
-
-
-def _stop_after(k):
-    def progress(iterable, *, total=None, desc=None):
-        for n, item in enumerate(iterable):
-            if n == k:
-                raise _Interrupted
-            yield item
-    return progress
 
 
 @pytest.mark.slow  # three vmapped runs with checkpoints
@@ -69,8 +59,8 @@ def test_multiseed_resume_is_bit_identical(tmp_path):
     cfg = micro(checkpoint_every=3)
     data = T.load_data(cfg)
     full = M.train_seeds("fp16-dynamic", cfg, data=data)
-    with pytest.raises(_Interrupted):
-        M.train_seeds("fp16-dynamic", cfg, _stop_after(3), run_dir=tmp_path, data=data)
+    with pytest.raises(Interrupted):
+        M.train_seeds("fp16-dynamic", cfg, stop_after(3), run_dir=tmp_path, data=data)
     resumed = M.train_seeds("fp16-dynamic", cfg, run_dir=tmp_path, resume=True, data=data)
     assert resumed.resumed_from == 3
     for a, b in zip(jax.tree.leaves(full.state), jax.tree.leaves(resumed.state)):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from studies_testlib import Interrupted, stop_after
 
 from fmtkit import optim
 from studies import train as T
@@ -132,17 +133,6 @@ def test_batches_depend_only_on_seed_and_step():
 # ------------------------------------------------------------------------------ resume
 
 
-class _Interrupted(Exception):
-    pass
-
-
-def _stop_after(k):
-    def progress(iterable, *, total=None, desc=None):
-        for n, item in enumerate(iterable):
-            if n == k:
-                raise _Interrupted
-            yield item
-    return progress
 
 
 @pytest.mark.slow  # three runs with checkpoints
@@ -152,8 +142,8 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     fns = T.make_train_step(SCALED_MASTER, cfg)  # one compile for the three runs
     full = T.train(SCALED_MASTER, cfg, data=data, step=fns)  # uninterrupted, no checkpoints
 
-    with pytest.raises(_Interrupted):  # "killed" after 3 steps (a checkpoint at step 3)
-        T.train(SCALED_MASTER, cfg, _stop_after(3), run_dir=tmp_path, data=data, step=fns)
+    with pytest.raises(Interrupted):  # "killed" after 3 steps (a checkpoint at step 3)
+        T.train(SCALED_MASTER, cfg, stop_after(3), run_dir=tmp_path, data=data, step=fns)
     resumed = T.train(SCALED_MASTER, cfg, run_dir=tmp_path, resume=True, data=data, step=fns)
 
     assert resumed.resumed_from == 3
