@@ -1,4 +1,4 @@
-"""Test configuration: strict numerics, so silent up-casts fail (STYLE.md rule 12)."""
+"""Test configuration: strict numerics, so silent up-casts fail."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""The public surface is explicit (STYLE.md rule 1): nothing leaks in by accident."""
+"""The public surface is explicit: nothing leaks in by accident."""
 
 import fmtkit
 

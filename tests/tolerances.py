@@ -1,4 +1,4 @@
-"""One dtype-keyed tolerance table (STYLE.md rule 11). Values are relative tolerances.
+"""One dtype-keyed tolerance table. Values are relative tolerances.
 
 Each entry is the unit roundoff of the dtype (half its eps), times a small factor for the
 few roundings a test's arithmetic adds; tests that need another tolerance say why at the call.

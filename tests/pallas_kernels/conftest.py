@@ -1,4 +1,4 @@
-"""Shared fixtures of the kernel tests (STYLE.md rule 8).
+"""Shared fixtures of the kernel tests.
 
 ``mode`` parametrizes one test body over the kernel in GPU-interpret mode (runs on CPU) and
 compiled (needs a Hopper GPU): the GPU mark and skip sit on the compiled parameter only, so
