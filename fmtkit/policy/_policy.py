@@ -24,7 +24,8 @@ __all__ = ["Policy", "Rules", "describe_presets", "get_preset", "list_presets"]
 # Short names used by ``str(policy)`` (jmp's spelling: f32 / f16 / bf16).
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 # jmp also accepts "full" for float32; "half" is float16 here on every device (jmp picks bf16 on
-# TPU, a device-dependent default that STYLE.md lists as an anti-pattern).
+# TPU: a device-dependent default, which makes a policy mean different things on different
+# machines).
 _EXTRA_NAMES = {"full": "float32", "single": "float32"}
 _KEYS = {
     "p": "param_dtype", "params": "param_dtype", "param": "param_dtype",
