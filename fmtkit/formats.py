@@ -156,7 +156,7 @@ ALIASES: Mapping[str, str] = MappingProxyType({
     "fp4": "float4_e2m1fn", "fp4_e2m1": "float4_e2m1fn",
     "e8m0": "float8_e8m0fnu",
 })
-"""Short names accepted by ``get_format`` (the DESIGN.md aliases plus jmp's f32/f16/half)."""
+"""Short names accepted by ``get_format`` (fp32, bf16, e4m3, ... plus jmp's f32/f16/half)."""
 
 
 def get_format(name_or_dtype: str | Format | Any) -> Format:

