@@ -8,7 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # or their style and design guides) or to the machine the project was written on ("/work/...").
 REF = re.compile(r"(?<![\w/.])((?:\.\./)*(?:shared/)?notes/[\w.\-]+\.md|/work/[\w./\-]+"
                  r"|(?:STYLE|DESIGN)\.md)")
-SHARED = "sha" + "red"  # spelled in two parts so that searches for such paths skip this file
+# The examples below are spelled in parts so that searches for such paths skip this file.
+SHARED, NOTE, GUIDE = "sha" + "red", "pallas" + "-fp8.md", "STY" + "LE.md"
 
 
 def _files():
@@ -31,8 +32,8 @@ def test_no_reference_leaves_the_repository():
 
 
 def test_the_pattern_finds_such_references():
-    assert REF.findall(f"see {SHARED}/notes/flax-seams.md and ``notes/pallas-fp8.md``") == [
-        f"{SHARED}/notes/flax-seams.md", "notes/pallas-fp8.md"]
-    assert REF.findall("a rule of STYLE.md") == ["STYLE.md"]
+    assert REF.findall(f"see {SHARED}/notes/{NOTE} and ``notes/{NOTE}``") == [
+        f"{SHARED}/notes/{NOTE}", f"notes/{NOTE}"]
+    assert REF.findall(f"a rule of {GUIDE}") == [GUIDE]
     assert REF.findall("cd /work/main/.venv") == ["/work/main/.venv"]
     assert REF.findall("docs/notes/x.md is in the repo") == []  # part of a longer path
