@@ -96,21 +96,31 @@ def init_seeds(init_fn: Callable[[int], Any], seeds: Sequence[int]) -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def vmap_step(step_fn: Callable[[Any, Any], tuple[Any, Any]]
+def vmap_step(step_fn: Callable[[Any, Any], tuple[Any, Any]], *,
+              state_sharding: jax.sharding.Sharding | None = None,
+              batch_sharding: jax.sharding.Sharding | None = None
               ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """``jax.jit(jax.vmap(step_fn))``: one compiled step for every seed.
 
-    Cached per ``step_fn`` (by identity), so ``run_seeds`` called again with the same step
-    (e.g. to resume) reuses the compiled step.
+    Cached per ``step_fn`` (by identity) and shardings, so ``run_seeds`` called again with
+    the same step (e.g. to resume) reuses the compiled step.
 
     Args:
       step_fn: ``(state, batch) -> (state, metrics)`` for one seed (pure; may be jitted
-        already: ``vmap`` of a jitted function is fine).
+        already: ``vmap`` of a jitted function is fine, its shardings gain the seeds axis
+        unsplit).
+      state_sharding: with ``batch_sharding``, the stacked states' (and the metrics')
+        sharding on a mesh, e.g. replicated: the seeds then run data-parallel, each
+        seed's batch split over the devices (and processes) of the mesh.
+      batch_sharding: the stacked batches' sharding (e.g. ``PartitionSpec(None, "data")``).
 
     Returns:
       ``(states, batches) -> (states, metrics)`` with a leading seeds axis on all of them.
     """
-    return jax.jit(jax.vmap(step_fn))
+    if state_sharding is None and batch_sharding is None:
+        return jax.jit(jax.vmap(step_fn))
+    return jax.jit(jax.vmap(step_fn), in_shardings=(state_sharding, batch_sharding),
+                   out_shardings=(state_sharding, state_sharding))
 
 
 def run_seeds(init_fn: Callable[[int], Any], step_fn: Callable[[Any, Any], tuple[Any, Any]],

@@ -87,23 +87,27 @@ def is_primary() -> bool:
 
 
 def put_global_batch(tokens: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-    """The global batch ``tokens`` (the same on every process) as a global ``jax.Array``
-    of ``sharding``, each process supplying only the rows its devices hold
-    (``jax.make_array_from_process_local_data``).
+    """The global array ``tokens`` (the same on every process) as a global ``jax.Array``
+    of ``sharding``, each process supplying only the block its devices hold
+    (``jax.make_array_from_process_local_data``): the batch's rows, or with a leading
+    seeds axis (``studies.training.multiseed``) the rows of every seed.
 
     Raises:
-      ValueError: this process's rows are not one contiguous block (a mesh whose device
+      ValueError: this process's part is not one contiguous block (a mesh whose device
         order interleaves processes).
     """
     index_map = sharding.addressable_devices_indices_map(tokens.shape)
-    rows = sorted({(s[0].start or 0, s[0].stop if s[0].stop is not None else tokens.shape[0])
-                   for s in index_map.values()})
-    start, stop = rows[0][0], rows[-1][1]
-    covered = sum(b - a for a, b in rows)
-    if covered != stop - start:
-        raise ValueError(f"process {jax.process_index()} holds rows {rows} of the batch: not "
-                         "one contiguous block; order the mesh's devices by process.")
-    return jax.make_array_from_process_local_data(sharding, tokens[start:stop], tokens.shape)
+    block = []
+    for axis, size in enumerate(tokens.shape):
+        spans = sorted({(s[axis].start or 0, size if s[axis].stop is None else s[axis].stop)
+                        for s in index_map.values()})
+        start, stop = spans[0][0], spans[-1][1]
+        if sum(b - a for a, b in spans) != stop - start:
+            raise ValueError(f"process {jax.process_index()} holds {spans} of axis {axis}: "
+                             "not one contiguous block; order the mesh's devices by process.")
+        block.append(slice(start, stop))
+    return jax.make_array_from_process_local_data(sharding, tokens[tuple(block)],
+                                                  tokens.shape)
 
 
 def fingerprint(tree: Any) -> str:

@@ -8,13 +8,15 @@ feeds the rows of the batch its devices hold.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from studies.training.distributed import put_global_batch
 
-__all__ = ["batch_sharding", "data_mesh", "put_batch", "state_sharding"]
+__all__ = ["batch_sharding", "data_mesh", "is_sharded", "put_batch", "replicate", "state_sharding"]
 
 
 def data_mesh(n: int) -> Mesh:
@@ -41,27 +43,45 @@ def data_mesh(n: int) -> Mesh:
     return Mesh(np.array(devices[:n]), ("data",))
 
 
-def _sharded(n: int) -> bool:
+def is_sharded(n: int) -> bool:
+    """Whether a run over ``n`` devices has a mesh: n > 1, or several processes."""
     return n > 1 or jax.process_count() > 1
 
 
 def state_sharding(n: int) -> jax.sharding.Sharding:
     """The train state's sharding: replicated over the mesh, or the first device for n = 1."""
-    if _sharded(n):
+    if is_sharded(n):
         return NamedSharding(data_mesh(n), PartitionSpec())
     return SingleDeviceSharding(jax.local_devices()[0])
 
 
-def batch_sharding(n: int) -> jax.sharding.Sharding:
-    """A batch's sharding: split along its first axis over the mesh (one device for n = 1)."""
-    if _sharded(n):
-        return NamedSharding(data_mesh(n), PartitionSpec("data"))
+def batch_sharding(n: int, *, seeds_axis: bool = False) -> jax.sharding.Sharding:
+    """A batch's sharding: split along its batch axis over the mesh (one device for n = 1).
+
+    Args:
+      n: the data-parallel device count.
+      seeds_axis: the batch has a leading seeds axis (``[seeds, batch, ...]``, the vmapped
+        seeds of ``studies.training.multiseed``): every device holds all seeds, and its
+        rows of each seed's batch.
+    """
+    if is_sharded(n):
+        spec = PartitionSpec(None, "data") if seeds_axis else PartitionSpec("data")
+        return NamedSharding(data_mesh(n), spec)
     return SingleDeviceSharding(jax.local_devices()[0])
 
 
-def put_batch(tokens: np.ndarray, n: int) -> jax.Array:
-    """``tokens`` (the global batch) on the device(s), sharded along the batch over ``n``
-    devices; with several processes each supplies only its own rows."""
+def put_batch(tokens: np.ndarray, n: int, *, seeds_axis: bool = False) -> jax.Array:
+    """``tokens`` (the global batch, ``[seeds, batch, ...]`` with ``seeds_axis``) on the
+    device(s), sharded along the batch over ``n`` devices; with several processes each
+    supplies only its own rows."""
+    sharding = batch_sharding(n, seeds_axis=seeds_axis)
     if jax.process_count() > 1:
-        return put_global_batch(tokens, batch_sharding(n))
-    return jax.device_put(tokens, batch_sharding(n))
+        return put_global_batch(tokens, sharding)
+    return jax.device_put(tokens, sharding)
+
+
+def replicate(tree: Any, n: int) -> Any:
+    """``tree`` (the same on every process) placed as the train state is
+    (``state_sharding(n)``): replicated over the mesh, so that a jitted function can mix it
+    with the state's global arrays."""
+    return jax.device_put(tree, state_sharding(n))

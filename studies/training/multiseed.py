@@ -10,6 +10,12 @@ in the optimizer state (``fmtkit.optim.StochasticRoundUpdatesState.seed``), the 
 token positions come from ``TrainState.rng``, so the vmapped seeds have independent
 streams (tested against separate single-seed runs).
 
+Data-parallel (``cfg.data_parallel > 1``, or several processes under ``jax.distributed``):
+the stacked state is replicated over the mesh (``studies.training.mesh``) and each seed's
+batch split along its rows (stacked batches ``[seeds, batch, seq_len]`` sharded as
+``PartitionSpec(None, "data")``); each process supplies its rows of every seed's batch.
+Still one compile; the seeds' results equal a single-process run over as many devices.
+
 Divergence: a seed's run is marked diverged at its first non-finite loss (``may_diverge``
 setups; any other setup raises ``StudyError``); its history stops there, while the other
 seeds go on (the run stops once every seed has diverged). Checkpoints hold the stacked
@@ -43,7 +49,7 @@ from studies import regimes
 from studies import seeds as seeds_lib
 from studies._common import Progress, StudyError, no_progress
 from studies.models import lm_loss
-from studies.training import checkpoint
+from studies.training import checkpoint, mesh
 from studies.training.config import TrainConfig
 from studies.training.data import batch_at, heldout_tokens, load_data
 from studies.training.metrics import METRIC_KEYS
@@ -130,10 +136,13 @@ def seed_params(cfg: TrainConfig) -> list[Any]:
 
 
 def _stack_batches(data: np.ndarray, cfg: TrainConfig, step: int) -> jax.Array:
+    """Every seed's batch of ``step``, ``[seeds, batch, seq_len]``, each seed's rows split
+    over the mesh (``studies.training.mesh``) when there is one."""
     if cfg.regime == "late-training":  # after the pretraining's batches
         step += cfg.steps
-    return jnp.asarray(np.stack([batch_at(data, cfg.with_seed(s), step)
-                                 for s in cfg.seed_list]))
+    return mesh.put_batch(np.stack([batch_at(data, cfg.with_seed(s), step)
+                                    for s in cfg.seed_list]), cfg.data_parallel,
+                          seeds_axis=True)
 
 
 def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_progress,
@@ -153,13 +162,11 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
 
     Raises:
       StudyError: non-finite loss in a setup not expected to diverge.
-      ValueError: ``cfg.data_parallel > 1`` (seeds are vmapped on one device), ``resume``
-        without ``run_dir``, ``params`` of the wrong length, a checkpoint of another run.
+      ValueError: ``resume`` without ``run_dir``, ``params`` of the wrong length, a
+        checkpoint of another run; ``cfg.data_parallel`` that the devices (of every
+        process) do not match (``studies.training.mesh``).
     """
     setup = get_setup(setup)
-    if cfg.data_parallel != 1:
-        raise ValueError(f"train_seeds vmaps the seeds on one device; data_parallel must be "
-                         f"1, got {cfg.data_parallel}.")
     if resume and run_dir is None:
         raise ValueError("resume=True needs run_dir (the folder holding the checkpoints).")
     seeds = cfg.seed_list
@@ -176,7 +183,7 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
         init_fn, fn = make_train_step(setup, cfg.with_seed(s), params=p)
         step_fn = step_fn or fn
         states.append(init_fn())
-    state = seeds_lib.stack(states)
+    state = mesh.replicate(seeds_lib.stack(states), cfg.data_parallel)
     histories: list[dict[str, list[float]]] = [{k: [] for k in METRIC_KEYS} for _ in seeds]
     diverged_at: list[int | None] = [None] * len(seeds)
     record = checkpoint.config_record(setup, cfg)
@@ -188,7 +195,12 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
             histories, diverged_at = saved["per_seed"], saved["diverged_at"]
             resumed_from = int(state.step[0])
 
-    vstep = seeds_lib.vmap_step(step_fn)
+    if mesh.is_sharded(cfg.data_parallel):  # every seed data-parallel over the mesh
+        vstep = seeds_lib.vmap_step(
+            step_fn, state_sharding=mesh.state_sharding(cfg.data_parallel),
+            batch_sharding=mesh.batch_sharding(cfg.data_parallel, seeds_axis=True))
+    else:
+        vstep = seeds_lib.vmap_step(step_fn)
     start = int(state.step[0])
     compiled, compile_seconds = None, 0.0
     if start < cfg.steps:
@@ -248,14 +260,14 @@ def heldout_loss(setup: Setup | str, cfg: TrainConfig, state: Any) -> list[float
         return None
     model = build_model(get_setup(setup), cfg)
 
-    def one(params, fp8_state):
+    def one(params, fp8_state, tokens):
         variables = {"params": params}
         if fp8_state:
             variables["fp8_state"] = fp8_state
-        return lm_loss(model.apply(variables, jnp.asarray(tokens)).astype(F32),
-                       jnp.asarray(tokens))
+        return lm_loss(model.apply(variables, tokens).astype(F32), tokens)
 
-    losses = jax.jit(jax.vmap(one))(state.params, state.fp8_state)
+    losses = jax.jit(jax.vmap(one, in_axes=(0, 0, None)))(
+        state.params, state.fp8_state, mesh.replicate(tokens, cfg.data_parallel))
     return [float(x) for x in np.asarray(losses)]
 
 
@@ -289,8 +301,9 @@ def late_training(cfg: TrainConfig, progress: Progress = no_progress, *,
         return lm_loss(model.apply({"params": q}, tokens), tokens)
 
     for s, p in zip(cfg.seed_list, params):
-        tokens = jnp.asarray(batch_at(data, cfg.with_seed(s), cfg.steps))
-        grads = jax.grad(loss)(p, tokens)
+        tokens = mesh.replicate(batch_at(data, cfg.with_seed(s), cfg.steps),
+                                cfg.data_parallel)
+        grads = jax.jit(jax.grad(loss))(p, tokens)
         adam = optax.adam(1.0, b1=0.9, b2=0.95, eps=1e-8)
         with jax.numpy_dtype_promotion("standard"):  # optax's f32 lr times int32 counts
             direction, _ = adam.update(grads, adam.init(p), p)

@@ -168,7 +168,7 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
                          jax.random.split(state.rng)[0])
         return new, metrics
 
-    if cfg.data_parallel > 1 or jax.process_count() > 1:  # a mesh (over all processes)
+    if mesh.is_sharded(cfg.data_parallel):  # a mesh (over all processes)
         return init_fn, jax.jit(step_fn, in_shardings=(state_sharding,
                                                        mesh.batch_sharding(cfg.data_parallel)),
                                 out_shardings=(state_sharding, state_sharding))

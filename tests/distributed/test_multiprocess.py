@@ -171,20 +171,37 @@ def test_process_count_not_matching_the_mesh_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "fmtkit ablate now vmaps its seeds on one device (studies.training.multiseed refuses "
-    "data_parallel > 1); sharding the seed-vmapped step over a multi-process mesh is open "
-    "(issue 15). The training library itself runs multi-process (tests above)."))
-def test_ablate_under_the_launcher_writes_once(tmp_path):
-    cmd = [sys.executable, "-m", "studies.launch", "--num-processes", "2", "--timeout",
-           str(TIMEOUT), "--", sys.executable, "-m", "studies.cli", "ablate", "--policies",
-           "fp32", "--steps", "2", "--batch", "4", "--seq-len", "16", "--corpus-bytes", "4096",
-           "--data-parallel", "2", "--warmup", "1", "--no-plot", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT + 30,
+def _ablate(out: Path, *, processes: int) -> dict:
+    """``fmtkit ablate`` (fp32, 2 seeds, 2 steps) data-parallel over 2 devices: 2 processes
+    of 1 device each, or 1 process with 2 simulated devices; its results.json."""
+    args = ["ablate", "--policies", "fp32", "--seeds", "2", "--steps", "2", "--batch", "4",
+            "--seq-len", "16", "--corpus-bytes", "4096", "--data-parallel", "2", "--warmup",
+            "1", "--no-plot", "--out", str(out)]
+    if processes > 1:
+        cmd = [sys.executable, "-m", "studies.launch", "--num-processes", str(processes),
+               "--timeout", str(TIMEOUT), "--", sys.executable, "-m", "studies.cli", *args]
+        env = _env()
+    else:
+        cmd, env = [sys.executable, "-m", "studies.cli", *args], _env(devices=2)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT + 30,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("study ablate:") == 1  # printed by process 0 only
-    (results,) = tmp_path.glob("ablate/*/results.json")  # one results folder
-    rows = json.loads(results.read_text())["results"]["rows"]
-    assert [row["setup"] for row in rows] == ["fp32"]
-    assert rows[0]["steps_done"] == 2
+    (results,) = out.glob("ablate/*/results.json")  # one results folder
+    return json.loads(results.read_text())["results"]
+
+
+def test_ablate_under_the_launcher_writes_once_and_equals_one_process(tmp_path):
+    """The seed-vmapped step sharded over a 2-process mesh: one results file, both seeds'
+    numbers, equal to one process over 2 devices (the same mesh shape, so the same
+    reduction order)."""
+    two = _ablate(tmp_path / "two", processes=2)
+    one = _ablate(tmp_path / "one", processes=1)
+    (group,) = two["groups"]
+    (row,) = group["rows"]
+    assert row["setup"] == "fp32" and row["seeds"] == [0, 1]
+    assert [p["steps_done"] for p in row["per_seed"]] == [2, 2]
+    assert row["per_seed"][0]["final_loss"] != row["per_seed"][1]["final_loss"]
+    np.testing.assert_array_equal(
+        [p["history"]["loss"] for p in row["per_seed"]],
+        [p["history"]["loss"] for p in one["groups"][0]["rows"][0]["per_seed"]])
