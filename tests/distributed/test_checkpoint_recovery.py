@@ -1,6 +1,6 @@
 """Checkpoints that lose nothing: a write killed half-way, a truncated or corrupted
-checkpoint, a checkpoint of another model (one process; the multi-process restart is in
-``test_multiprocess``)."""
+checkpoint, a checkpoint of another model (one process; the multi-process restarts, after
+a kill mid-run and mid-write, are in ``test_multiprocess``)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def test_delayed_fp8_history_is_the_global_max(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_then_restart_from_checkpoint_equals_uninterrupted(tmp_path):
+def test_sigkill_mid_run_or_mid_write_then_restart_equals_uninterrupted(tmp_path):
     cfg = dict(CFG, steps=5, data_parallel=2, checkpoint_every=2)
     base = {"setup": "bf16-master", "cfg": cfg}
     _, clean, _ = launch("train", tmp_path / "clean", base)
@@ -158,6 +158,19 @@ def test_sigkill_then_restart_from_checkpoint_equals_uninterrupted(tmp_path):
                  devices=2)
     assert one["resumed_from"] == 2
     assert one["fingerprint"] == clean[0]["fingerprint"]
+    # SIGKILL inside the write of step 4's checkpoint (after its files, before orbax's
+    # atomic rename): step 2 stays the latest, and a restart ends as the clean run.
+    run = str(tmp_path / "run-write")
+    code, _, _ = launch("train", tmp_path / "killed-write",
+                        dict(base, run_dir=run, kill_in_write=4), check=False)
+    assert code != 0
+    assert sorted(p.name for p in (Path(run) / "checkpoints").iterdir()
+                  if p.name.isdigit()) == ["2"]
+    _, resumed, _ = launch("train", tmp_path / "resumed-write",
+                           dict(base, run_dir=run, resume=True))
+    for r in resumed:
+        assert r["resumed_from"] == 2
+        assert r["fingerprint"] == clean[0]["fingerprint"]
 
 
 def test_process_count_not_matching_the_mesh_is_a_clear_error(tmp_path):
