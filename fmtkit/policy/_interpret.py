@@ -92,6 +92,16 @@ class Registry:
             self.modules.append(info)
         return self._index[info]
 
+    def chain(self, path: str) -> tuple[int, ...]:
+        """The scope chain of the module at ``path`` (its ancestors' indices, then its own),
+        as the equations it runs carry it: where a value it sows is read."""
+        first: dict[str, int] = {}
+        for i, m in enumerate(self.modules):
+            first.setdefault(m.path, i)
+        parts = path.split("/") if path else []
+        prefixes = ["", *("/".join(parts[:k]) for k in range(1, len(parts) + 1))]
+        return tuple(first[p] for p in prefixes if p in first)
+
     def visited(self) -> dict[str, tuple[str, ...]]:
         """``{path: class names}`` of every module called (for unmatched-rule reports)."""
         return {m.path: m.type_names for m in self.modules}
@@ -452,10 +462,12 @@ class Interpreter:
         return self.analysis
 
     # -- evaluation -----------------------------------------------------------------------
-    def run(self, closed, args: Sequence[Any], leave: Sequence[bool] | None = None
-            ) -> list[Any]:
-        """Interprets ``closed`` on ``args`` (flat). Outputs leave every module (cast to
-        each one's ``output_dtype``) where ``leave`` says so (default: all)."""
+    def run(self, closed, args: Sequence[Any],
+            leave: Sequence[bool | tuple[int, ...]] | None = None) -> list[Any]:
+        """Interprets ``closed`` on ``args`` (flat). Per output, ``leave`` (default: all
+        True): True, it leaves every module (cast to each one's ``output_dtype``); False,
+        it is returned as computed; a scope chain, it is read there (as the module at the
+        end of the chain sees it: the outputs of the modules it did not run are cast)."""
         assert self.analysis is not None, "analyze first"
         return self._walk(closed.jaxpr, closed.consts, list(args), [()] * len(args), (), (),
                           self.fp8_state or {}, leave)
@@ -495,8 +507,8 @@ class Interpreter:
                 env[v], chains[v] = x, chain
         if leave is None:
             return [read(v, prefix) for v in jaxpr.outvars]
-        return [read(v, prefix) if e or isinstance(v, jex.Literal) else env[v]
-                for v, e in zip(jaxpr.outvars, leave)]
+        return [read(v, prefix) if e is True or isinstance(v, jex.Literal) else
+                env[v] if e is False else read(v, e) for v, e in zip(jaxpr.outvars, leave)]
 
     def _exit(self, x, modules: tuple[int, ...], head_value: bool):
         """Casts a value leaving ``modules`` (innermost last) to their output dtypes."""
@@ -767,39 +779,43 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     return Traced(closed, registry, dyn, params, out_tree, avals)
 
 
-def fp8_slots(traced: Traced, rules: Rules, main: Sequence[bool | None] | None = None
+def fp8_slots(traced: Traced, rules: Rules, main: Sequence[bool | str] | None = None
               ) -> dict[str, tuple[int, ...]]:
     """Shapes of the delayed-FP8 amax histories ``rules`` need for this trace, by slot name
     (``"<module path>:dot<i>"``; shape ``[*layers, 3, history]``); ``main`` as in ``run``."""
     main = [True] * len(traced.out_avals) if main is None else main
     interp = Interpreter(rules, traced.registry)
     return interp.analyze(traced.closed, traced.params,
-                          [bool(m) and _floating(a.dtype)
+                          [m is True and _floating(a.dtype)
                            for m, a in zip(main, traced.out_avals)]).site_shapes
 
 
-def run(traced: Traced, rules: Rules, *, main: Sequence[bool | None] | None = None,
+def run(traced: Traced, rules: Rules, *, main: Sequence[bool | str] | None = None,
         fp8_state: dict | None = None, record: Recorder | None = None
         ) -> tuple[Any, Interpreter]:
     """Interprets a trace under ``rules``; returns (output tree, the interpreter).
 
     ``main``: per output leaf, True for a model output (cast to ``rules.output_dtype``,
     searched for the head), False for state handed back (kept in its traced dtype: BatchNorm
-    statistics, RNG state), None for a value reported as computed (sown intermediates).
+    statistics, RNG state), a module path for a value that module sowed (as that module sees
+    it: a sub-module's output reaches it cast to the sub-module's output dtype, as the ops
+    it runs read it).
     """
     main = [True] * len(traced.out_avals) if main is None else list(main)
     interp = Interpreter(rules, traced.registry, fp8_state=fp8_state,
                          record=record if record is not None else _ACTIVE.recorder)
     interp.analyze(traced.closed, traced.params,
-                   [bool(m) and _floating(a.dtype) for m, a in zip(main, traced.out_avals)])
-    # State and sown values are not module outputs: no module's output cast applies.
-    outs = interp.run(traced.closed, traced.dyn, [bool(m) for m in main])
+                   [m is True and _floating(a.dtype) for m, a in zip(main, traced.out_avals)])
+    # State is not a module output (no output cast applies); a sown value is read where
+    # its module sowed it.
+    outs = interp.run(traced.closed, traced.dyn,
+                      [traced.registry.chain(m) if isinstance(m, str) else m for m in main])
     odt = rules.output_dtype
     final = []
     for x, aval, is_main in zip(outs, traced.out_avals, main):
-        if is_main:
+        if is_main is True:
             final.append(_cast(x, odt) if odt is not None else x)
-        elif is_main is None:
+        elif isinstance(is_main, str):
             final.append(x)
         else:
             final.append(_cast(x, aval.dtype))

@@ -130,16 +130,22 @@ class PolicyModel:
         return out
 
 
-def _main_outputs(traced, mutable) -> list[bool | None] | None:
+def _main_outputs(traced, mutable) -> list[bool | str] | None:
     """Per output leaf of ``apply``: True for the model's output, False for an updated
-    collection (BatchNorm statistics), None for sown intermediates (reported as computed)."""
+    collection (BatchNorm statistics), the sowing module's path for a sown intermediate
+    (read as that module sees it)."""
     if not mutable:
         return None
     shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
-    updates = {k: jax.tree.map(lambda _, k=k: None if k == "intermediates" else False, v)
-               for k, v in shapes[1].items()}
-    return [True] * len(jax.tree.leaves(shapes[0])) + jax.tree.leaves(
-        updates, is_leaf=lambda x: x is None)
+    flags: list[bool | str] = [True] * len(jax.tree.leaves(shapes[0]))
+    for path, _ in jax.tree_util.tree_leaves_with_path(shapes[1]):
+        if getattr(path[0], "key", None) == "intermediates":
+            # intermediates/<module path>/<name>/<index>: the module is all but the last two.
+            keys = [str(k.key) for k in path[1:] if hasattr(k, "key")]
+            flags.append("/".join(keys[:-1]))
+        else:
+            flags.append(False)
+    return flags
 
 
 def collect_paths(model: nn.Module, *inputs, **kwargs) -> dict[str, tuple[str, ...]]:

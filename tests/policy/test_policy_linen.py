@@ -5,12 +5,13 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from policy_testlib import TOKENS, build, dot_dtypes, init_params, loss_and_grads
 from tolerances import rtol
 
-from fmtkit.policy import Policy, inspect_policy, module_paths, with_policy
+from fmtkit.policy import Policy, Rules, inspect_policy, module_paths, with_policy
 from studies import models
 
 BF16, F32 = "bfloat16", "float32"
@@ -185,3 +186,30 @@ def test_strict_promotion_user_code_runs_under_the_policy():
 
     with pytest.raises(jax.dtypes.TypePromotionError):
         with_policy(Mixes2(), "p=f32,c=bf16").init(jax.random.key(0), x)
+
+
+def test_a_sown_value_is_what_the_sowing_module_reads():
+    """A module sows its child's output: it gets the value the module's own ops read (the
+    child's result cast to the child's output dtype), not the child's internal value."""
+
+    class Outer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.Dense(4, use_bias=False, name="a")(x)
+            self.sow("intermediates", "y", y)
+            return nn.Dense(3, use_bias=False, name="b")(y)
+
+    model = with_policy(Outer(), Rules([("^a$", "p=f32,c=f32,o=bf16")], default="p=f32,c=bf16,o=bf16"))
+    x = jax.random.normal(jax.random.key(0), (5, 8), jnp.float32)
+    variables = model.init(jax.random.key(1), x)
+    out, state = model.apply(variables, x, mutable=["intermediates"])
+    (y,) = state["intermediates"]["y"]
+    assert y.dtype == jnp.bfloat16
+    # Independent: "a" in float64 (f32 operands, f32 compute), rounded to bf16 by ml_dtypes.
+    ka = np.asarray(variables["params"]["a"]["kernel"], np.float64)
+    want = (np.asarray(x, np.float64) @ ka).astype(np.float32).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y), want)
+    # "b" reads the same values (bf16 x bf16 under bf16-mixed).
+    kb = np.asarray(variables["params"]["b"]["kernel"]).astype(ml_dtypes.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float64),
+                               np.asarray(y, np.float64) @ kb.astype(np.float64), rtol=2e-2)

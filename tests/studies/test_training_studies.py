@@ -15,7 +15,7 @@ from studies_testlib import assert_plots
 
 import fmtkit
 from fmtkit import fp8
-from studies import accumulation, fp8_recipes, memory, router_precision, sensitivity
+from studies import accumulation, fp8_recipes, memory, router_precision, sensitivity, train
 from studies.train import TrainConfig
 
 # accumulation -------------------------------------------------------------------------------
@@ -306,6 +306,30 @@ def test_router_flips_on_constructed_near_ties(router):
         np.testing.assert_array_equal(index, bf16_choice)
         flips = float(np.mean(index != shadow))
         assert flips == float(np.mean(bf16_choice != f32_choice)) == 6 / 12  # rows 0 and 3
+
+
+def test_the_shadow_reads_the_input_the_f32_router_reads():
+    """In the LM the router's input is the f32 norm's output as the bf16 MoE block sees it
+    (cast to bf16 on leaving the norm); the sown input is that value, so the f32 shadow
+    recomputes the f32 router's logits (float64 here) to f32 rounding, and flips are 0."""
+    cfg = router_precision.Config(d_model=32, d_ff=32, train=TrainConfig(
+        num_layers=1, batch=4, seq_len=32))
+    tcfg = cfg.train_config()
+    setup = train.Setup("router-f32", router_precision.router_rules("p=f32,c=f32"),
+                        grad_format="bfloat16", description="")
+    model = train.build_model(setup, tcfg)
+    tokens = jax.random.randint(jax.random.key(0), (4, 32), 0, 256)
+    variables = model.init(jax.random.key(1), tokens)
+    _, state = model.apply(variables, tokens, mutable=["intermediates"])
+    node = state["intermediates"]["Block_0"]["MoeBlock_0"]
+    x = np.asarray(node["router_input"][0])
+    assert x.dtype == ml_dtypes.bfloat16
+    kernel = np.asarray(variables["params"]["Block_0"]["MoeBlock_0"]["router"]["kernel"])
+    want = x.astype(np.float64) @ kernel.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(node["router_logits"][0], np.float64), want,
+                               rtol=1e-5, atol=1e-6)
+    _, routers = router_precision.route_with_shadow(model, variables, tokens)
+    np.testing.assert_array_equal(routers[0]["index"], routers[0]["shadow"])
 
 
 def test_router_precision_training_run(tmp_path):
