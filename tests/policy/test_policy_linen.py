@@ -199,7 +199,8 @@ def test_a_sown_value_is_what_the_sowing_module_reads():
             self.sow("intermediates", "y", y)
             return nn.Dense(3, use_bias=False, name="b")(y)
 
-    model = with_policy(Outer(), Rules([("^a$", "p=f32,c=f32,o=bf16")], default="p=f32,c=bf16,o=bf16"))
+    rules = Rules([("^a$", "p=f32,c=f32,o=bf16")], default="p=f32,c=bf16,o=bf16")
+    model = with_policy(Outer(), rules)
     x = jax.random.normal(jax.random.key(0), (5, 8), jnp.float32)
     variables = model.init(jax.random.key(1), x)
     out, state = model.apply(variables, x, mutable=["intermediates"])
