@@ -50,6 +50,7 @@ from fmtkit.scaling import (
     DelayedScaling,
     DelayedScalingState,
     MXScaling,
+    Recipe,
     ScaledArray,
     TensorScaling,
     delayed_amax,
@@ -171,6 +172,19 @@ class FP8Recipe:
                 isinstance(a, str) for a in self.amax_reduce_axes):
             raise TypeError("amax_reduce_axes must be a tuple of mesh axis names, got "
                             f"{self.amax_reduce_axes!r}.")
+
+    def scaling(self, operand: Literal["x", "w", "grad"]) -> Recipe | None:
+        """The ``fmtkit.scaling`` recipe that quantizes ``operand`` ("x", "w" or "grad"),
+        laid out ``[free, contraction]``: ``qdq(t, fmt, recipe.scaling("x"))`` is what the
+        forward GEMM reads of a 2-D activation ``t`` (whose last dimension divides into the
+        tiles). None for "none" (a plain saturating cast).
+
+        Raises:
+          ValueError: ``operand`` not one of "x", "w", "grad".
+        """
+        if operand not in ("x", "w", "grad"):
+            raise ValueError(f"operand must be 'x', 'w' or 'grad', got {operand!r}.")
+        return _scaling(_tile(getattr(self, f"{operand}_tile")), self)
 
     def __str__(self) -> str:
         """The name, plus every field that differs from the named recipe (or, for a custom
@@ -361,17 +375,25 @@ def _pad2(t: jax.Array, f: int, c: int) -> jax.Array:
     return jnp.pad(t, ((0, pf), (0, pc))) if pf or pc else t
 
 
+def _scaling(tile: _Tile, recipe: FP8Recipe) -> Recipe | None:
+    """The scaling recipe of a tile of a [free, contraction] operand (None: no scale)."""
+    if tile.kind == "tensor":
+        return TensorScaling(recipe.power_of_two, recipe.margin)
+    if tile.kind == "row":
+        return AxisScaling(-1, recipe.power_of_two, recipe.margin)
+    if tile.kind == "mx":
+        return MXScaling(tile.arg, recipe.mx_scale_rounding, axis=-1)
+    if tile.kind == "block":
+        return BlockScaling(tile.arg, recipe.power_of_two, recipe.margin)
+    return None
+
+
 def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: FP8Recipe,
               amax: jax.Array | None) -> ScaledArray:
     """Quantizes a 2-D [free, contraction] operand (already padded to its blocks)."""
-    if tile.kind == "tensor":
-        return quantize(t, fmt, TensorScaling(recipe.power_of_two, recipe.margin), amax=amax)
-    if tile.kind == "row":
-        return quantize(t, fmt, AxisScaling(-1, recipe.power_of_two, recipe.margin))
-    if tile.kind == "mx":
-        return quantize(t, fmt, MXScaling(tile.arg, recipe.mx_scale_rounding, axis=-1))
-    if tile.kind == "block":
-        return quantize(t, fmt, BlockScaling(tile.arg, recipe.power_of_two, recipe.margin))
+    scaling = _scaling(tile, recipe)
+    if scaling is not None:
+        return quantize(t, fmt, scaling, amax=amax if tile.kind == "tensor" else None)
     f = get_format(fmt)
     values = jnp.clip(t.astype(jnp.float32), -f.max, f.max).astype(f.dtype)
     return ScaledArray(values, jnp.ones((1, 1), jnp.float32), f, TensorScaling())

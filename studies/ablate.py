@@ -59,9 +59,10 @@ from typing import Any
 
 import numpy as np
 
-from studies import corpus, stats
+from studies import corpus, regimes, stats
+from studies import seeds as seeds_lib
 from studies._common import format_table, no_progress
-from studies.train import SETUPS, TrainConfig, load_data
+from studies.train import SETUPS, TrainConfig, batch_at, load_data
 from studies.training import distributed, multiseed
 
 __all__ = ["CONTRASTS", "Config", "main", "plot", "run", "summarize"]
@@ -168,7 +169,8 @@ def _checkpoint_root(config: Config) -> Path | None:
 def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.ndarray,
                 params: list[Any], root: Path | None, resume: bool, progress
                 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Trains one group; its rows and (late-training) the calibration info."""
+    """Trains one group; its rows and the regime's info (late-training: the calibration;
+    outlier-features: ``_gemm_input_sqnr``)."""
     gcfg = dataclasses.replace(cfg, regime=regime)
     info = None
     if regime == "late-training":
@@ -181,6 +183,8 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         res = multiseed.train_seeds(
             name, gcfg, progress, run_dir=None if root is None else root / regime / name,
             resume=resume, data=data, params=params)
+        if regime == "outlier-features" and name == names[0]:
+            info = _gemm_input_sqnr(gcfg, seeds_lib.unstack(res.state)[0].params, data, names)
         row = res.summary()
         row["regime"] = regime
         row["wall_seconds"] = time.perf_counter() - t0
@@ -195,6 +199,45 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         r["heldout_bits_per_byte"] = (None if any(h is None for h in held) else
                                       [corpus.bits_per_byte(h) for h in held])
     return rows, info
+
+
+def _gemm_input_sqnr(cfg: TrainConfig, params: Any, data: np.ndarray,
+                     names: tuple[str, ...]) -> dict[str, Any]:
+    """Outlier features: what the FP8 recipes do to the GEMM input the regime shapes.
+
+    The first block's attention input (``ln_1``'s output times the regime's channel scale)
+    of ``params`` (the reference's seed 0 after training) on the batch after the last
+    training step, flattened to [tokens, d_model]: its channel amax ratio, and the SQNR (dB)
+    of its normal channels after bf16 rounding and after each FP8 setup's activation
+    quantization (``FP8Recipe.scaling("x")``; delayed as current: its history's amax is at
+    least the current one). Shows whether the recipes differ where the regime acts, whatever
+    the loss does.
+    """
+    import jax.numpy as jnp
+
+    from fmtkit import fp8, qdq
+    from fmtkit.telemetry import compare
+    from studies.models import TransformerLM
+
+    mcfg = cfg.model_config()
+    tokens = jnp.asarray(batch_at(data, cfg, cfg.steps))
+    _, inter = TransformerLM(mcfg).apply({"params": params}, tokens, mutable=["intermediates"],
+                                         capture_intermediates=True)
+    (y,) = inter["intermediates"]["Block_0"]["ln_1"]["__call__"]
+    scale = np.asarray(mcfg.outlier_scale, np.float32)
+    x = y.reshape(-1, mcfg.d_model) * jnp.asarray(scale)[None, :]
+    normal = np.flatnonzero(scale == 1.0)
+
+    def sqnr(q):
+        return float(compare(x[:, normal], q[:, normal]).sqnr_db)
+
+    out = {"channel_amax_ratio": float(regimes.channel_amax_ratio(x)),
+           "sqnr_db": {"bf16": sqnr(x.astype(jnp.bfloat16).astype(jnp.float32))}}
+    for name in names:
+        if name.startswith("fp8-"):
+            recipe = fp8.get_recipe(name.removeprefix("fp8-"))
+            out["sqnr_db"][name] = sqnr(qdq(x, recipe.x_format, recipe.scaling("x")))
+    return out
 
 
 def _recovered(rows: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -229,7 +272,8 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         rows, info = _group_rows(regime, names, cfg, data, params, root,
                                  config.resume is not None, progress)
         groups.append({"regime": regime, "reference": names[0], "rows": rows,
-                       "late_training": info,
+                       "late_training": info if regime == "late-training" else None,
+                       "gemm_input": info if regime == "outlier-features" else None,
                        "recovered": _recovered(rows) if regime == "late-training" else None})
     names = [r["setup"] for g in groups for r in g["rows"]]
     return {
@@ -296,6 +340,12 @@ def summarize(results: dict[str, Any]) -> str:
                        f"{lt['update_to_weight_target']:g} for fresh Adam), from fp32 "
                        f"pretrained for {c['steps']} steps (loss "
                        f"{stats.format_mean_std(lt['pretrain_final_loss'])}).")
+        if g.get("gemm_input"):
+            gi = g["gemm_input"]
+            out.append(
+                f"  GEMM input (block 0 attention, {g['reference']} seed 0 after training): "
+                f"channel amax ratio {gi['channel_amax_ratio']:.3g}; SQNR of its normal "
+                "channels: " + ", ".join(f"{k} {v:.1f} dB" for k, v in gi["sqnr_db"].items()))
         if g.get("recovered"):
             out.append("  share of pure-bf16's gap to bf16-master recovered: " + ", ".join(
                 f"{k} {100 * v:.0f}%" for k, v in g["recovered"].items()))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jaxpr_utils import dot_operand_dtypes, iter_eqns
 
-from fmtkit import fp8
+from fmtkit import fp8, scaling
 from fmtkit.formats import get_format
 from fmtkit.scaling import BlockScaling, ScaledArray
 
@@ -566,3 +566,31 @@ def test_block_scaled_dot_equals_the_emulated_mxfp8_gemms():
     for g_, ref in zip(got, _reference_gemms("mxfp8", x, w, dy)):
         np.testing.assert_allclose(np.asarray(g_, np.float64), ref, rtol=1e-5,
                                    atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name,first_block_hit", [("current", True), ("rowwise", True),
+                                                  ("blockwise", False), ("mxfp8", False)])
+def test_recipe_scaling_is_what_the_forward_gemm_reads_of_x(name, first_block_hit):
+    """``FP8Recipe.scaling("x")``: one outlier in column 0 of a [2, 256] activation sets the
+    scale of everything that shares its tile: the whole tensor (current), its row (rowwise),
+    only its 1x128 block (blockwise) or 32-block (mxfp8). The second 128 columns are checked
+    against an independent E4M3 cast (ml_dtypes) of x * 448 / amax_of_their_tile."""
+    x = np.tile(np.linspace(0.01, 1.0, 256, dtype=np.float32), (2, 1))
+    x[:, 0] = 1e4
+    recipe = fp8.RECIPES[name]
+    got = np.asarray(scaling.qdq(jnp.asarray(x), recipe.x_format, recipe.scaling("x")))
+    tail = x[:, 128:].astype(np.float64)
+    tile_amax = 1e4 if first_block_hit else (
+        np.abs(tail).max() if name == "blockwise" else None)
+    if name == "mxfp8":  # E8M0 scales, rceil: 2^ceil(log2(amax / 448)) per 32-block
+        blocks = tail.reshape(2, 4, 32)
+        s = 2.0 ** np.ceil(np.log2(np.abs(blocks).max(-1, keepdims=True) / 448.0))
+        want = ((blocks / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s)
+        want = want.reshape(2, 128)
+    else:
+        scale = tile_amax / 448.0
+        want = (tail / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+    np.testing.assert_allclose(got[:, 128:], want, rtol=1e-6)
+    assert recipe.scaling("w") is not None
+    with pytest.raises(ValueError, match="operand must be"):
+        recipe.scaling("y")

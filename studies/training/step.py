@@ -16,6 +16,7 @@ rounding from seeds in the optimizer state.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ import fmtkit
 from fmtkit import optim
 from fmtkit.fp8 import update_state as fp8_update_state
 from studies import regimes
-from studies.models import TransformerLM, lm_loss
+from studies.models import TransformerConfig, TransformerLM, lm_loss
 from studies.training import mesh
 from studies.training.config import TrainConfig
 from studies.training.metrics import step_metrics
@@ -67,10 +68,15 @@ def build_model(setup: Setup, cfg: TrainConfig) -> Any:
 def init_params(cfg: TrainConfig) -> Any:
     """The f32 initial parameters every setup starts from: ``TransformerLM.init`` with
     ``PRNGKey(cfg.seed)``. Compute them once and pass them to ``make_train_step`` to share
-    one initialization (and its compile) between setups."""
+    one initialization between setups (the compiled init is shared by every seed)."""
     dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
-    model = TransformerLM(cfg.model_config())
-    return jax.jit(model.init)(jax.random.PRNGKey(cfg.seed), dummy)["params"]
+    return _jitted_init(cfg.model_config())(jax.random.PRNGKey(cfg.seed), dummy)["params"]
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_init(model_config: TransformerConfig) -> Callable:
+    """``jax.jit(TransformerLM(model_config).init)``, one per model (a compile is ~1 s)."""
+    return jax.jit(TransformerLM(model_config).init)
 
 
 def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None

@@ -3,12 +3,15 @@
 import json
 import math
 
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 import pytest
 from studies_testlib import assert_plots, plain
 
 from studies import ablate, cli, corpus, runner
-from studies.models import TransformerConfig
-from studies.train import TrainConfig
+from studies.models import TransformerConfig, TransformerLM
+from studies.train import TrainConfig, batch_at, init_params, load_data
 
 
 def _only_run(out_root):
@@ -147,3 +150,33 @@ def test_seeds_regime_full_and_stdlib_options_parse():
         TrainConfig(regime="late")
     with pytest.raises(ValueError, match="seeds must be >= 1"):
         TrainConfig(seeds=0)
+
+
+def test_outlier_gemm_input_sqnr_orders_the_recipes():
+    """The outlier group's GEMM-input numerics, on the initial parameters of the tiny model
+    in the regime: the amax ratio is the regime's magnitude times the spread of the norm's
+    output, and per-tensor E4M3 (whose scale the outlier sets) is worse than 1x128 blocks
+    and MX (which confine it to its block); fp8-current is checked against an ml_dtypes
+    per-tensor cast of the same values in float64."""
+    cfg = TrainConfig(regime="outlier-features", seeds=1)
+    params = init_params(cfg)
+    data = load_data(cfg)
+    names = ("bf16-mixed", "fp8-current", "fp8-blockwise", "fp8-mxfp8")
+    got = ablate._gemm_input_sqnr(cfg, params, data, names)
+    assert got["channel_amax_ratio"] > 1e3
+    db = got["sqnr_db"]
+    assert db["bf16"] > db["fp8-mxfp8"] and db["bf16"] > db["fp8-blockwise"]
+    assert min(db["fp8-blockwise"], db["fp8-mxfp8"]) > db["fp8-current"] + 3.0
+    # Independent per-tensor reference: the same input rebuilt in float64.
+    mcfg = cfg.model_config()
+    tokens = jnp.asarray(batch_at(data, cfg, cfg.steps))
+    _, inter = TransformerLM(mcfg).apply({"params": params}, tokens, mutable=["intermediates"],
+                                         capture_intermediates=True)
+    scale = np.asarray(mcfg.outlier_scale)
+    x = (np.asarray(inter["intermediates"]["Block_0"]["ln_1"]["__call__"][0], np.float32)
+         * scale.astype(np.float32)).reshape(-1, mcfg.d_model).astype(np.float64)
+    s = np.abs(x).max() / 448.0
+    q = (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
+    n = scale == 1.0
+    want = 10 * np.log10(np.sum(x[:, n] ** 2) / np.sum((x[:, n] - q[:, n]) ** 2))
+    assert abs(db["fp8-current"] - want) < 0.05
