@@ -30,7 +30,10 @@ Per setup: final loss (mean training loss, nats/byte, of the last 10% of the ste
 marked ``*`` when larger than 3 standard errors of the difference (``studies.stats``; the
 SE of the per-seed differences, since seed k of both setups shares its parameters and
 batches); skipped steps, gradient flush share, share of parameters moved, the median
-update-to-weight ratio, compile time, time per vmapped step, bytes per parameter. With
+update-to-weight ratio, compile time, time per vmapped step, bytes per parameter. Under
+outlier features a line gives the block's GEMM input (channel amax ratio; SQNR of its
+normal channels in bf16 and under each recipe's activation quantization), so the table
+shows whether the recipes differ where the regime acts even where the loss does not. With
 ``--data stdlib`` the held-out loss (bits per byte) of the standard library's held-out
 files sits next to the training loss. Plots: seed bands of the loss curves per group and a
 bar chart of the gaps with ±3 SE whiskers.
