@@ -10,7 +10,13 @@ state slows down going from 1 to 2 processes than a setup without any (bf16-mixe
     slowdown(setup) = step_ms(2 processes) / step_ms(1 process)
     overhead(setup) = slowdown(setup) / slowdown(bf16-mixed) - 1
 
-Prints a table and writes ``runs/bench-multiprocess/results.json``. Not a test: the numbers
+Timing two runs of separate processes on a shared machine is noisy (about ±20% here), so
+the bench also counts what the step communicates, exactly: the all-reduces of the compiled
+step (from its HLO; the same partitioning for 1 process with 2 devices as for 2 processes)
+and their bytes per step. The extra all-reduces of a setup over bf16-mixed are what keeping
+its precision state global costs.
+
+Prints a table and writes ``runs/bench-multiprocess/results.json``. Not a test: the timings
 depend on the machine (on a loaded 2-core CPU box both processes share the cores).
 """
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,20 +37,47 @@ SETUPS = ("bf16-mixed", "fp16-dynamic", "fp8-delayed")
 """No precision state; loss scale + skip decision; delayed-FP8 amax histories."""
 
 
+_ALL_REDUCE = re.compile(r"=\s*(.*?)\s+all-reduce(?:-start)?\(")
+_SHAPE = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
+
+
+def all_reduces(hlo_text: str) -> tuple[int, int]:
+    """(count, bytes) of the all-reduce instructions in compiled HLO text (a combined
+    all-reduce of a tuple counts once, with all its operands' bytes)."""
+    count = nbytes = 0
+    for line in hlo_text.splitlines():
+        m = _ALL_REDUCE.search(line)
+        if not m:
+            continue
+        count += 1
+        for dtype, dims in _SHAPE.findall(m.group(1)):
+            bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            nbytes += n * bits // 8
+    return count, nbytes
+
+
 def _worker(setup: str, steps: int, out: str) -> None:
     from studies.training import distributed
 
     distributed.initialize_from_env()
-    from studies.train import TrainConfig, train
+    from studies.train import TrainConfig, batch_at, load_data, make_train_step, train
+    from studies.training.mesh import put_batch
 
     # The tiny LM, batch 8 of 64 bytes (the default TrainConfig sizes): small enough for a
     # shared CPU, big enough that a step is not only dispatch overhead.
     cfg = TrainConfig(steps=steps, batch=8, seq_len=64, warmup=1, corpus_bytes=1 << 16,
                       data_parallel=2)
     res = train(setup, cfg)
+    init_fn, step_fn = make_train_step(setup, cfg)
+    tokens = put_batch(batch_at(load_data(cfg), cfg, 0), cfg.data_parallel)
+    count, nbytes = all_reduces(step_fn.lower(init_fn(), tokens).compile().as_text())
     if distributed.is_primary():
         Path(out).write_text(json.dumps({"step_ms": res.step_ms,
-                                         "compile_seconds": res.compile_seconds}))
+                                         "compile_seconds": res.compile_seconds,
+                                         "all_reduces": count, "all_reduce_bytes": nbytes}))
 
 
 def _run(setup: str, steps: int, processes: int) -> dict:
@@ -84,14 +118,20 @@ def main(argv: list[str] | None = None) -> int:
         one = _run(s, args.steps, 1)
         two = _run(s, args.steps, 2)
         rows[s] = {"one_process_ms": one["step_ms"], "two_processes_ms": two["step_ms"],
-                   "slowdown": two["step_ms"] / one["step_ms"]}
+                   "slowdown": two["step_ms"] / one["step_ms"],
+                   "all_reduces": two["all_reduces"],
+                   "all_reduce_bytes": two["all_reduce_bytes"]}
     base = rows.get("bf16-mixed", {}).get("slowdown")
-    print(f"{'setup':14} {'1 proc ms':>10} {'2 procs ms':>11} {'2p/1p':>7} {'overhead':>9}")
+    print(f"{'setup':14} {'1 proc ms':>10} {'2 procs ms':>11} {'2p/1p':>7} {'overhead':>9} "
+          f"{'all-reduces':>12} {'bytes/step':>11}")
     for s, r in rows.items():
         r["overhead"] = None if base is None else r["slowdown"] / base - 1
         ov = "-" if r["overhead"] is None else f"{100 * r['overhead']:+.1f}%"
         print(f"{s:14} {r['one_process_ms']:10.1f} {r['two_processes_ms']:11.1f} "
-              f"{r['slowdown']:7.2f} {ov:>9}")
+              f"{r['slowdown']:7.2f} {ov:>9} {r['all_reduces']:12d} "
+              f"{r['all_reduce_bytes']:11d}")
+    print("overhead: (2p/1p of the setup) / (2p/1p of bf16-mixed) - 1; all-reduces and bytes "
+          "per step from the compiled step's HLO (2 processes).")
     print(f"wrote {write_results('multiprocess', {'steps': args.steps, 'rows': rows}, args.out)}")
     return 0
 
