@@ -56,10 +56,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from studies import corpus, regimes, stats
@@ -93,6 +96,10 @@ class Config:
       full: the contrasts with the "small" model, 400 steps and 5 seeds (longer).
       checkpoint_dir: checkpoints go to CHECKPOINT_DIR/<timestamp>/<regime>/<setup>/.
       resume: continue an earlier run: its checkpoint folder, or its results folder.
+      parallel: setups of a group trained at once, each in its own thread (XLA runs one
+        small step on about one core, so two setups fill a 2-core machine); 0 (default):
+        the machine's core count, at most 2; always 1 under several processes (every
+        process must issue its collectives in the same order). Results do not depend on it.
       train: the training settings of every setup (model size, steps, seeds, regime, batch,
         lr, data, checkpoints).
     """
@@ -101,6 +108,7 @@ class Config:
     full: bool = False
     checkpoint_dir: str = "runs/ablate-checkpoints"
     resume: str | None = None
+    parallel: int = 0
     train: TrainConfig = TrainConfig(steps=150, seeds=3)
 
     def __post_init__(self):
@@ -131,6 +139,10 @@ class Config:
             if p.stat().st_size == 0:
                 raise ValueError(f"--data {self.train.data!r} is empty; give a non-empty "
                                  "UTF-8 text file.")
+        if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or \
+                self.parallel < 0:
+            raise ValueError(f"parallel must be an int >= 0 (0: automatic), got "
+                             f"{self.parallel!r}.")
         if self.resume is not None and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume!r}: no such folder (give the checkpoint "
                              "folder or the results folder of an earlier ablate run).")
@@ -140,6 +152,12 @@ class Config:
         if not self.policies and self.train.regime == "none":
             return CONTRASTS
         return ((self.train.regime, self.policies or tuple(SETUPS)),)
+
+    def workers(self) -> int:
+        """Setups trained at once (``parallel`` resolved)."""
+        if jax.process_count() > 1:
+            return 1
+        return self.parallel or max(1, min(2, os.cpu_count() or 1))
 
     def train_config(self) -> TrainConfig:
         """``train`` with the ``--full`` preset applied."""
@@ -170,7 +188,7 @@ def _checkpoint_root(config: Config) -> Path | None:
 
 
 def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.ndarray,
-                params: list[Any], root: Path | None, resume: bool, progress
+                params: list[Any], root: Path | None, resume: bool, progress, workers: int
                 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Trains one group; its rows and the regime's info (late-training: the calibration;
     outlier-features: ``_gemm_input_sqnr``)."""
@@ -180,18 +198,25 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         gcfg, params, info = multiseed.late_training(gcfg, progress, data=data)
     elif regime == "outlier-features":
         params = multiseed.seed_params(gcfg)  # the regime changes the model's config
-    rows = []
-    for name in names:
+
+    def train(name: str) -> tuple[multiseed.SeedsResult, float]:
         t0 = time.perf_counter()
         res = multiseed.train_seeds(
             name, gcfg, progress, run_dir=None if root is None else root / regime / name,
             resume=resume, data=data, params=params)
-        if regime == "outlier-features" and name == names[0]:
-            info = _gemm_input_sqnr(gcfg, seeds_lib.unstack(res.state)[0].params, data, names)
+        return res, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(workers) as pool:  # results in table order
+        results = list(pool.map(train, names))
+    rows = []
+    for res, wall in results:
         row = res.summary()
         row["regime"] = regime
-        row["wall_seconds"] = time.perf_counter() - t0
+        row["wall_seconds"] = wall
         rows.append(row)
+    if regime == "outlier-features":
+        info = _gemm_input_sqnr(gcfg, seeds_lib.unstack(results[0][0].state)[0].params, data,
+                                names)
     ref = rows[0]["final_loss"]
     for r in rows:
         gap = stats.compare(ref, r["final_loss"], paired=True)
@@ -262,7 +287,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     every seed's numbers, ``gap`` (paired rule) and ``gap_welch`` as ``stats.Gap.to_dict``,
     ``heldout_bits_per_byte``), ``late_training`` calibration, ``recovered``),
     ``entropy_floor_nats`` (None with ``--data``), ``train_config``, ``checkpoint_dir``,
-    ``descriptions`` and ``wall_seconds``.
+    ``descriptions``, ``parallel_setups`` (``Config.workers``) and ``wall_seconds``.
     """
     t0 = time.perf_counter()
     cfg = config.train_config()
@@ -273,7 +298,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     groups = []
     for regime, names in config.groups():
         rows, info = _group_rows(regime, names, cfg, data, params, root,
-                                 config.resume is not None, progress)
+                                 config.resume is not None, progress, config.workers())
         groups.append({"regime": regime, "reference": names[0], "rows": rows,
                        "late_training": info if regime == "late-training" else None,
                        "gemm_input": info if regime == "outlier-features" else None,
@@ -286,6 +311,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         "checkpoint_dir": None if root is None else str(root),
         "descriptions": {n: SETUPS[n].description for n in names},
         "groups": groups,
+        "parallel_setups": config.workers(),
         "wall_seconds": time.perf_counter() - t0,
     }
 
@@ -367,7 +393,9 @@ def summarize(results: dict[str, Any]) -> str:
         "scaled if the loss is) that round to 0 in the setup's gradient format.",
         "params moved: mean share of parameter elements an update changes; upd/weight: "
         "median update-to-weight ratio of the weight matrices per step.",
-        "step ms: one vmapped step of all seeds; s/seed: the setup's wall time per seed.",
+        "step ms: one vmapped step of all seeds; s/seed: the setup's wall time per seed "
+        f"({results.get('parallel_setups', 1)} setup(s) trained at a time, sharing the "
+        "cores).",
     ]
     return "\n".join(out)
 

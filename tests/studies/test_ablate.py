@@ -180,3 +180,24 @@ def test_outlier_gemm_input_sqnr_orders_the_recipes():
     n = scale == 1.0
     want = 10 * np.log10(np.sum(x[:, n] ** 2) / np.sum((x[:, n] - q[:, n]) ** 2))
     assert abs(db["fp8-current"] - want) < 0.05
+
+
+@pytest.mark.slow  # four micro runs
+def test_setups_trained_two_at_a_time_give_the_same_numbers():
+    """``parallel=2`` trains a group's setups in two threads; every seed's loss history is
+    the one of training them one after the other."""
+    train = TrainConfig(model=MICRO, steps=3, seeds=2, batch=4, seq_len=16, warmup=1,
+                        corpus_bytes=4096)
+
+    def histories(parallel):
+        res = ablate.run(ablate.Config(policies=("fp32", "fp16-dynamic"), parallel=parallel,
+                                       train=train))
+        assert res["parallel_setups"] == parallel
+        return [[p["history"] for p in r["per_seed"]] for r in res["groups"][0]["rows"]]
+
+    assert histories(2) == histories(1)
+
+
+def test_parallel_must_be_a_count():
+    with pytest.raises(ValueError, match="parallel must be an int >= 0"):
+        ablate.Config(parallel=-1)
