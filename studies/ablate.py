@@ -322,11 +322,6 @@ def _f(v: Any, fmt: str, none: str = "-") -> str:
     return format(v, fmt)
 
 
-def _gap(d: dict[str, Any]) -> stats.Gap:
-    return stats.compare(d["reference"]["values"], d["candidate"]["values"],
-                         threshold=d["threshold"], paired=d["paired"])
-
-
 def summarize(results: dict[str, Any]) -> str:
     """The tables printed by ``fmtkit ablate`` (one per group)."""
     floor = results.get("entropy_floor_nats")
@@ -347,7 +342,8 @@ def summarize(results: dict[str, Any]) -> str:
             n_bad = sum(1 for v in vals if not math.isfinite(v))
             loss = (f"diverged {n_bad}/{len(vals)}" if n_bad else
                     stats.format_mean_std(vals))
-            gap = "-" if r["setup"] == g["reference"] else stats.format_gap(_gap(r["gap"]))
+            gap = ("-" if r["setup"] == g["reference"] else
+                   stats.format_gap(stats.Gap.from_dict(r["gap"])))
             ps = r["per_seed"]
             row = [r["setup"], loss, gap,
                    f"{np.mean([p['skipped_steps'] for p in ps]):.1f}",
@@ -406,16 +402,11 @@ def plot(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     paths = []
     floor = results.get("entropy_floor_nats")
     for g in results["groups"]:
-        curves = {}
-        for r in g["rows"]:
-            hs = [p["history"]["loss"] for p in r["per_seed"]]
-            n = min(len(h) for h in hs)
-            if n:
-                curves[r["setup"]] = [h[:n] for h in hs]
         paths.append(stats.plot_seed_bands(
-            curves, out_dir, f"loss_{g['regime']}", smooth=10, hline=floor,
+            multiseed.seed_curves(g["rows"]), out_dir, f"loss_{g['regime']}", smooth=10,
+            hline=floor,
             title=f"{g['regime']}: loss, mean ± std over seeds"))
-        gaps = {r["setup"]: _gap(r["gap"]) for r in g["rows"]
+        gaps = {r["setup"]: stats.Gap.from_dict(r["gap"]) for r in g["rows"]
                 if r["setup"] != g["reference"]}
         if gaps:
             paths.append(stats.plot_gap_bars(

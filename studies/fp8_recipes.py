@@ -1,15 +1,18 @@
 """Study ``fp8-recipes``: training loss of the small transformer under each FP8 recipe vs
-bf16-mixed.
+bf16-mixed, over several seeds.
 
 Each setup is the ``fp8-<recipe>`` policy preset of ``studies.train`` (bf16-mixed with the
 recipe on every linear layer; embeddings, head, norms, router and the attention core stay
-bf16/f32, as in DeepSeek-V3 section 3.3), trained from the same initialization on the same
-batches as the ``bf16-mixed`` baseline. Reported per recipe: the final loss (mean of the
-last 10% of steps) and the **relative loss gap** ``(L_fp8 - L_bf16) / L_bf16``. DeepSeek-V3
-(arXiv 2412.19437, section 3.3 and appendix B.1) reports a gap below 0.25% for its
-fine-grained recipe on ~1T-token runs; a few hundred steps of a tiny model on a CPU give the
-sign and size of the early gap, not that bar: there the gaps are a few hundredths of a
-percent either way, the size of the step-to-step spread of the per-step gap (``gap_std``).
+bf16/f32, as in DeepSeek-V3 section 3.3). Every setup trains the seeds ``--seeds`` (default
+3) together with one vmapped step (``studies.training.multiseed.train_seeds``); seed k of
+every setup starts from the same initial parameters and sees the same batches as seed k of
+the ``bf16-mixed`` baseline. Reported per recipe: the final loss (mean of the last 10% of
+steps) as mean ± std over seeds, and the **relative loss gap** ``(L_fp8 - L_bf16) / L_bf16``
+over seeds, ± the std of one seed's gap, marked when larger than 3 standard errors of the
+per-seed differences (``studies.stats.compare(paired=True)``; the pairing removes the
+seed-to-seed spread both setups share). DeepSeek-V3 (arXiv 2412.19437, section 3.3 and
+appendix B.1) reports a gap below 0.25% for its fine-grained recipe on ~1T-token runs; a few
+hundred steps of a tiny model on a CPU give the sign and size of the early gap, not that bar.
 
 Recipes (``fmtkit.fp8.RECIPES``): ``current`` and ``delayed`` (per tensor, E4M3 forward,
 E5M2 gradients), ``rowwise``, ``blockwise`` (DeepSeek: 1x128 activations and gradients,
@@ -18,9 +21,13 @@ E5M2 gradients), ``rowwise``, ``blockwise`` (DeepSeek: 1x128 activations and gra
 the weights (``FP8Recipe(grad_tile="128x128")``): the variant DeepSeek-V3 appendix B.2 found
 to diverge a 16B MoE after ~300B tokens (token-correlated outliers in activation gradients
 need per-token 1x128 tiles). Its forward pass is the same as blockwise's; only the
-gradients differ.
+gradients differ. When both run, the paired gap blockwise-g128 minus blockwise is reported
+too, with whether its sign is DeepSeek's (128x128 worse); ``--regime token-grad-outliers``
+(``studies.regimes``) gives the activation gradients the token-correlated outliers that
+DeepSeek blames.
 
-    fmtkit study fp8-recipes [--steps 200] [--recipes blockwise blockwise-g128]
+    fmtkit study fp8-recipes [--steps 200] [--seeds 3] [--recipes blockwise blockwise-g128]
+                             [--regime token-grad-outliers]
 """
 
 from __future__ import annotations
@@ -29,14 +36,15 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from fmtkit.fp8 import RECIPES, FP8Recipe
 from fmtkit.policy import Policy, Rules, get_preset
-from studies._common import figure, format_table, no_progress, plot_style, save
+from studies import stats
+from studies._common import format_table, no_progress
+from studies.training import multiseed
 from studies.training.config import TrainConfig
 
-__all__ = ["EXTRA_RECIPES", "Config", "plot", "recipe_of", "run", "setup_of", "summarize"]
+__all__ = ["EXTRA_RECIPES", "G128_PAIR", "Config", "g128_verdict", "plot", "recipe_of", "run",
+           "setup_of", "summarize"]
 
 EXTRA_RECIPES: dict[str, FP8Recipe] = {
     "blockwise-g128": dataclasses.replace(RECIPES["blockwise"], name="blockwise-g128",
@@ -45,6 +53,10 @@ EXTRA_RECIPES: dict[str, FP8Recipe] = {
 """Recipes beyond ``fmtkit.fp8.RECIPES``: blockwise with 128x128 activation-gradient blocks."""
 
 BASELINE = "bf16-mixed"
+
+G128_PAIR = ("blockwise", "blockwise-g128")
+"""(reference, candidate) of the gradient-tile comparison: DeepSeek-V3 appendix B.2 found the
+candidate (128x128 activation-gradient blocks) worse, so a positive gap is its sign."""
 
 
 def recipe_of(name: str) -> FP8Recipe:
@@ -83,7 +95,7 @@ class Config:
       recipes: FP8 recipes to train (current, delayed, rowwise, blockwise, mxfp8,
         blockwise-g128); each is compared with bf16-mixed.
       train: the training settings shared by every setup (model size, steps, batch, lr,
-        seed: the same initialization and batches for every setup).
+        seeds: seed k of every setup has the same initialization and batches; regime).
     """
 
     recipes: tuple[str, ...] = ("current", "delayed", "rowwise", "blockwise", "mxfp8",
@@ -100,12 +112,19 @@ class Config:
                             f"{type(self.train).__name__}.")
 
 
+def _paired(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any]:
+    """The paired gap of two ``SeedsResult.summary`` rows' final losses, as a dict."""
+    return stats.compare(ref["final_loss"], cand["final_loss"], paired=True).to_dict()
+
+
 def run(config: Config, progress=no_progress) -> dict[str, Any]:
-    """Trains bf16-mixed and each recipe; final losses, relative gaps, loss curves.
+    """Trains bf16-mixed and each recipe, every seed; final losses and paired gaps.
 
     Returns:
-      ``{"baseline": {...}, "recipes": {name: {"final_loss", "rel_gap", "loss": [...],
-      "recipe": str, ...}}, ...}``.
+      ``{"baseline": row, "recipes": {name: row | {"gap", "recipe", "tiles", "formats",
+      "delayed"}}, "g128_vs_blockwise": gap or None, "seeds", ...}``: each row a
+      ``SeedsResult.summary()`` (per-seed final losses and histories), each gap a
+      ``stats.Gap.to_dict()`` (paired, per-seed values included).
 
     Raises:
       StudyError: a non-finite loss.
@@ -114,85 +133,86 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
 
     tcfg = config.train
     data = train.load_data(tcfg)
-    params = train.init_params(tcfg)
+    params = multiseed.seed_params(tcfg)  # seed k of every setup starts from these
     names = [BASELINE, *dict.fromkeys(config.recipes)]
-    runs: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name in progress(names, total=len(names), desc="setups"):
-        runs[name] = train.train(setup_of(name), tcfg, progress=progress, data=data,
-                                 params=params).summary()
-    base = runs[BASELINE]["final_loss"]
+        rows[name] = multiseed.train_seeds(setup_of(name), tcfg, progress, data=data,
+                                           params=params).summary()
+    base = rows[BASELINE]
     recipes = {}
     for name in names[1:]:
-        r = runs[name]
         rec = recipe_of(name)
-        n = min(len(r["history"]["loss"]), len(runs[BASELINE]["history"]["loss"]))
-        b = np.asarray(runs[BASELINE]["history"]["loss"][:n], np.float64)
-        step_gap = (np.asarray(r["history"]["loss"][:n], np.float64) - b) / b
         recipes[name] = {
-            "final_loss": r["final_loss"],
-            "rel_gap": (r["final_loss"] - base) / base,
-            # Step-to-step spread of the per-step gap over the second half of the run: how
-            # much of the final gap is noise (both runs see the same batches).
-            "gap_std": float(np.std(step_gap[n // 2:])) if n >= 2 else 0.0,
-            "loss": r["history"]["loss"],
-            "compile_seconds": r["compile_seconds"],
-            "step_ms": r["step_ms"],
+            **rows[name],
+            "gap": _paired(base, rows[name]),
+            "recipe": rec.name,
             "tiles": {"x": rec.x_tile, "w": rec.w_tile, "grad": rec.grad_tile},
             "formats": {"x": rec.x_format, "w": rec.w_format, "grad": rec.grad_format},
             "delayed": rec.delayed,
         }
+    ref, cand = G128_PAIR
     mcfg = tcfg.model_config()
     return {
         "steps": tcfg.steps,
+        "seeds": list(tcfg.seed_list),
+        "regime": tcfg.regime,
         "model": {"d_model": mcfg.d_model, "num_layers": mcfg.num_layers, "d_ff": mcfg.d_ff},
         "tokens_per_step": tcfg.batch * tcfg.seq_len,
-        "baseline": {"name": BASELINE, "final_loss": base,
-                     "loss": runs[BASELINE]["history"]["loss"],
-                     "step_ms": runs[BASELINE]["step_ms"]},
+        "baseline": base,
         "recipes": recipes,
+        "g128_vs_blockwise": (_paired(rows[ref], rows[cand]) if {ref, cand} <= rows.keys()
+                              else None),
         "deepseek_v3_bar": 0.0025,
     }
 
 
+def g128_verdict(gap: stats.Gap) -> str:
+    """One sentence on blockwise-g128 minus blockwise against DeepSeek-V3's finding."""
+    sign = ("128x128 worse: DeepSeek-V3's sign" if gap.gap > 0 else
+            "128x128 not worse: DeepSeek-V3's sign (128x128 worse) is not reproduced")
+    sig = (f"significant (> {gap.threshold:g} SE)" if gap.significant else
+           f"not significant (<= {gap.threshold:g} SE)")
+    return (f"blockwise-g128 vs blockwise (paired): {stats.format_gap(gap)} "
+            f"({gap.gap:+.5f} nats, SE {gap.se:.5f}); {sign}; {sig}.")
+
+
 def summarize(results: dict[str, Any]) -> str:
-    """Final loss and relative gap to bf16-mixed per recipe."""
+    """Final loss (mean ± std over seeds) and the paired gap to bf16-mixed per recipe."""
     b = results["baseline"]
-    rows = [[b["name"], "-", f"{b['final_loss']:.4f}", "-", "-", f"{b['step_ms']:.0f}"]]
+    rows = [[b["setup"], "-", stats.format_mean_std(b["final_loss"]), "-",
+             f"{b['step_ms']:.0f}"]]
     for name, r in results["recipes"].items():
         t = r["tiles"]
         rows.append([f"fp8 {name}", f"x {t['x']} / w {t['w']} / g {t['grad']}",
-                     f"{r['final_loss']:.4f}", f"{100 * r['rel_gap']:+.3f}%",
-                     f"{100 * r['gap_std']:.3f}%", f"{r['step_ms']:.0f}"])
+                     stats.format_mean_std(r["final_loss"]),
+                     stats.format_gap(stats.Gap.from_dict(r["gap"])), f"{r['step_ms']:.0f}"])
     m = results["model"]
-    return format_table(
-        ["setup", "tiles", "final loss", "gap vs bf16", "per-step gap std", "ms/step"], rows,
+    out = [format_table(
+        ["setup", "tiles", "final loss", "gap vs bf16", "ms/step (all seeds)"], rows,
         title=(f"{results['steps']} steps, d_model {m['d_model']}, layers {m['num_layers']}, "
-               f"{results['tokens_per_step']} tokens/step; DeepSeek-V3 at scale: gap < 0.25%"))
+               f"{results['tokens_per_step']} tokens/step, regime {results['regime']}, seeds "
+               f"{results['seeds']}; DeepSeek-V3 at scale: gap < 0.25%"))]
+    if results.get("g128_vs_blockwise"):
+        out.append(g128_verdict(stats.Gap.from_dict(results["g128_vs_blockwise"])))
+    out += ["final loss: mean training loss (nats/byte) of the last 10% of the steps, mean ± "
+            "std over seeds; gap relative to bf16-mixed's mean.", stats.PAIRED_NOTE]
+    return "\n".join(out)
 
 
 def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """``fp8_recipes.png``: loss curves, and the relative gap to bf16-mixed over the steps."""
-    b = np.asarray(results["baseline"]["loss"], np.float64)
-    with plot_style():
-        fig, (ax1, ax2) = figure(1, 2, width=12.0, height=4.0)
-        ax1.plot(b, color="k", label="bf16-mixed")
-        k = max(1, len(b) // 20)
-        kernel = np.ones(k) / k
-        for name, r in results["recipes"].items():
-            loss = np.asarray(r["loss"], np.float64)
-            ax1.plot(loss, label=f"fp8 {name}", alpha=0.8)
-            n = min(len(loss), len(b))
-            gap = 100 * (loss[:n] - b[:n]) / b[:n]
-            smooth = np.convolve(gap, kernel, mode="valid") if n >= k else gap
-            ax2.plot(np.arange(len(smooth)) + (n - len(smooth)), smooth, label=f"fp8 {name}")
-        ax1.set_xlabel("step")
-        ax1.set_ylabel("loss (nats/byte)")
-        ax1.set_title("training loss")
-        ax1.legend(fontsize=7)
-        ax2.axhline(0, color="k", lw=0.8)
-        ax2.axhspan(-25e-2, 25e-2, color="#2ca02c", alpha=0.15, label="DeepSeek-V3: |gap| < 0.25%")
-        ax2.set_xlabel("step")
-        ax2.set_ylabel(f"(L_fp8 - L_bf16) / L_bf16 (%), {k}-step mean")
-        ax2.set_title("relative loss gap to bf16-mixed")
-        ax2.legend(fontsize=7)
-        return [save(fig, out_dir, "fp8_recipes")]
+    """``fp8_recipes_loss.png``: loss curves, mean ± std over seeds; ``fp8_recipes_gaps.png``:
+    each recipe's final-loss gap to bf16-mixed (and blockwise-g128's to blockwise) with ±3 SE
+    whiskers."""
+    rows = [results["baseline"], *results["recipes"].values()]
+    paths = [stats.plot_seed_bands(
+        multiseed.seed_curves(rows), out_dir, "fp8_recipes_loss", smooth=10,
+        title=f"training loss, mean ± std over seeds {results['seeds']}")]
+    gaps = {f"fp8 {n} vs bf16": stats.Gap.from_dict(r["gap"])
+            for n, r in results["recipes"].items()}
+    if results.get("g128_vs_blockwise"):
+        gaps["g128 vs blockwise"] = stats.Gap.from_dict(results["g128_vs_blockwise"])
+    paths.append(stats.plot_gap_bars(
+        gaps, out_dir, "fp8_recipes_gaps",
+        title="final-loss gap over seeds (paired, ±3 SE; DeepSeek-V3: < 0.25%)"))
+    return paths

@@ -73,6 +73,7 @@ import numpy as np
 
 __all__ = [
     "MARK",
+    "PAIRED_NOTE",
     "SIGNIFICANCE_NOTE",
     "THRESHOLD",
     "Gap",
@@ -100,6 +101,11 @@ SIGNIFICANCE_NOTE = (f"gap: mean over seeds of (setup - reference), relative to 
                      f"{THRESHOLD:g} standard errors of the difference (Welch, seeds "
                      f"independent).")
 """A footnote for tables that use ``format_gap``."""
+
+PAIRED_NOTE = (f"gap: mean over seeds of (setup - reference), ± the std of one seed's gap; "
+               f"{MARK}: |gap| > {THRESHOLD:g} standard errors of the per-seed differences "
+               f"(paired: seed k of both setups shares its parameters and batches).")
+"""The footnote for gaps from ``compare(..., paired=True)``."""
 
 
 def _as_values(values: Any, name: str) -> np.ndarray:
@@ -218,6 +224,13 @@ class Gap:
         d.update(relative=self.relative, relative_se=self.relative_se,
                  relative_std=self.relative_std)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Gap:
+        """The ``Gap`` of a ``to_dict`` (e.g. read back from results.json): recomputed by
+        ``compare`` from the per-seed values it holds, with its threshold and pairing."""
+        return compare(d["reference"]["values"], d["candidate"]["values"],
+                       threshold=d["threshold"], paired=d["paired"])
 
 
 def _t_two_sided(t: float, dof: float) -> float:

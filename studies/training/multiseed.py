@@ -57,7 +57,8 @@ from studies.training.optimizer import make_optimizer
 from studies.training.setups import Setup, get_setup
 from studies.training.step import build_model, init_params, make_train_step
 
-__all__ = ["SeedsResult", "final_loss", "late_training", "seed_params", "train_seeds"]
+__all__ = ["SeedsResult", "final_loss", "late_training", "seed_curves", "seed_params",
+           "stack_batches", "train_seeds"]
 
 F32 = jnp.float32
 
@@ -135,7 +136,21 @@ def seed_params(cfg: TrainConfig) -> list[Any]:
     return [init_params(cfg.with_seed(s)) for s in cfg.seed_list]
 
 
-def _stack_batches(data: np.ndarray, cfg: TrainConfig, step: int) -> jax.Array:
+def seed_curves(summaries: list[dict[str, Any]], key: str = "loss"
+                ) -> dict[str, list[list[float]]]:
+    """Setup -> each seed's per-step ``key`` curve, cut to the shortest seed's length (a
+    diverged seed stops early), from ``SeedsResult.summary`` dicts; setups with an empty
+    curve are left out. What ``studies.stats.plot_seed_bands`` draws."""
+    curves = {}
+    for row in summaries:
+        hs = [p["history"][key] for p in row["per_seed"]]
+        n = min(len(h) for h in hs)
+        if n:
+            curves[row["setup"]] = [h[:n] for h in hs]
+    return curves
+
+
+def stack_batches(data: np.ndarray, cfg: TrainConfig, step: int) -> jax.Array:
     """Every seed's batch of ``step``, ``[seeds, batch, seq_len]``, each seed's rows split
     over the mesh (``studies.training.mesh``) when there is one."""
     if cfg.regime == "late-training":  # after the pretraining's batches
@@ -205,11 +220,11 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
     compiled, compile_seconds = None, 0.0
     if start < cfg.steps:
         t0 = time.perf_counter()
-        compiled = vstep.lower(state, _stack_batches(data, cfg, start)).compile()
+        compiled = vstep.lower(state, stack_batches(data, cfg, start)).compile()
         compile_seconds = time.perf_counter() - t0
     times: list[float] = []
     for i in progress(range(start, cfg.steps), total=cfg.steps - start, desc=setup.name):
-        tokens = _stack_batches(data, cfg, i)
+        tokens = stack_batches(data, cfg, i)
         t = time.perf_counter()
         state, metrics = compiled(state, tokens)
         metrics = jax.device_get(metrics)

@@ -5,6 +5,7 @@ SciPy's own Welch test, an independent implementation).
 """
 
 import doctest
+import json
 import math
 
 import numpy as np
@@ -213,3 +214,10 @@ def test_plots_write_png(tmp_path):
                                tmp_path, smooth=3, hline=0.0)
     for p in (p1, p2):
         assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_gap_from_dict_round_trips(paired):
+    g = stats.compare([2.0, 2.1, 1.9], [2.2, 2.15, 2.0], threshold=2.5, paired=paired)
+    back = stats.Gap.from_dict(json.loads(json.dumps(g.to_dict())))
+    assert back == g
