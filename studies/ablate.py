@@ -217,6 +217,7 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
     if regime == "outlier-features":
         info = _gemm_input_sqnr(gcfg, seeds_lib.unstack(results[0][0].state)[0].params, data,
                                 names)
+        info["per_tensor_vs_fine"] = _per_tensor_vs_fine(rows)
     ref = rows[0]["final_loss"]
     for r in rows:
         gap = stats.compare(ref, r["final_loss"], paired=True)
@@ -266,6 +267,20 @@ def _gemm_input_sqnr(cfg: TrainConfig, params: Any, data: np.ndarray,
             recipe = fp8.get_recipe(name.removeprefix("fp8-"))
             out["sqnr_db"][name] = sqnr(qdq(x, recipe.x_format, recipe.scaling("x")))
     return out
+
+
+PER_TENSOR = ("fp8-current", "fp8-delayed")
+"""The per-tensor FP8 setups; the others (rowwise, blockwise, MX) scale finer tiles."""
+
+
+def _per_tensor_vs_fine(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Outlier features: each per-tensor setup against each finer-grained one, paired per
+    seed (``stats.compare(fine, per_tensor)``: a positive gap means per-tensor is worse)."""
+    by = {r["setup"]: r["final_loss"] for r in rows}
+    fine = [n for n in by if n.startswith("fp8-") and n not in PER_TENSOR]
+    return [{"per_tensor": a, "fine": b,
+             "gap": stats.compare(by[b], by[a], paired=True).to_dict()}
+            for a in PER_TENSOR if a in by for b in fine]
 
 
 def _recovered(rows: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -371,6 +386,11 @@ def summarize(results: dict[str, Any]) -> str:
                 f"  GEMM input (block 0 attention, {g['reference']} seed 0 after training): "
                 f"channel amax ratio {gi['channel_amax_ratio']:.3g}; SQNR of its normal "
                 "channels: " + ", ".join(f"{k} {v:.1f} dB" for k, v in gi["sqnr_db"].items()))
+            if gi.get("per_tensor_vs_fine"):
+                out.append("  per-tensor vs finer tiles (paired; > 0: per-tensor worse): " +
+                           ", ".join(f"{c['per_tensor']} - {c['fine']} "
+                                     f"{stats.format_gap(stats.Gap.from_dict(c['gap']))}"
+                                     for c in gi["per_tensor_vs_fine"]))
         if g.get("recovered"):
             out.append("  share of pure-bf16's gap to bf16-master recovered: " + ", ".join(
                 f"{k} {100 * v:.0f}%" for k, v in g["recovered"].items()))

@@ -120,8 +120,16 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
     key = jax.random.PRNGKey(cfg.seed)
     shapes = jax.eval_shape(model.init, key, dummy)
 
+    # Outlier features: the rows of the kernels that read the scaled channels stay at zero.
+    reader_mask = None
+    if cfg.regime == "outlier-features":
+        reader_mask = regimes.OutlierFeatures().reader_mask(shapes["params"],
+                                                             cfg.model_config().d_model)
+
     def init_fn() -> TrainState:
         ref = init_params(cfg) if params is None else params
+        if reader_mask is not None:
+            ref = jax.tree.map(lambda x, m: x * m, ref, reader_mask)
         p = jax.tree.map(lambda x, s: x.astype(s.dtype), ref, shapes["params"])
         fp8_state = (jax.jit(lambda k: model.init(k, dummy)["fp8_state"])(key)
                      if "fp8_state" in shapes else {})
@@ -158,6 +166,8 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
         scale = optim.loss_scale(state.opt_state) if scaled else jnp.ones([], F32)
         (_, loss), (grads, obs) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
             state.params, state.fp8_state, tokens, scale, state.rng)
+        if reader_mask is not None:
+            grads = jax.tree.map(lambda g, m: g * m.astype(g.dtype), grads, reader_mask)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes f32 schedules and bf16
             updates, opt_state = opt.update(grads, state.opt_state, state.params)
             new_params = optax.apply_updates(state.params, updates)

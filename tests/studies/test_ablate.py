@@ -201,3 +201,20 @@ def test_setups_trained_two_at_a_time_give_the_same_numbers():
 def test_parallel_must_be_a_count():
     with pytest.raises(ValueError, match="parallel must be an int >= 0"):
         ablate.Config(parallel=-1)
+
+
+def test_per_tensor_against_finer_tiles_is_paired_per_seed():
+    """Per seed, fp8-current is 0.01 above fp8-blockwise while the seeds spread by 0.1: the
+    paired gap is 0.01 with a tiny SE (significant); fp8-delayed equals rowwise (gap 0)."""
+    rows = [{"setup": "bf16-mixed", "final_loss": [1.0, 1.1, 1.2]},
+            {"setup": "fp8-current", "final_loss": [1.01, 1.111, 1.209]},
+            {"setup": "fp8-delayed", "final_loss": [1.0, 1.1, 1.2]},
+            {"setup": "fp8-rowwise", "final_loss": [1.0, 1.1, 1.2]},
+            {"setup": "fp8-blockwise", "final_loss": [1.0, 1.1, 1.2]}]
+    got = {(c["per_tensor"], c["fine"]): c["gap"] for c in ablate._per_tensor_vs_fine(rows)}
+    assert set(got) == {(a, b) for a in ("fp8-current", "fp8-delayed")
+                        for b in ("fp8-rowwise", "fp8-blockwise")}
+    g = got[("fp8-current", "fp8-blockwise")]
+    assert g["gap"] == pytest.approx(0.01) and g["significant"] and g["paired"]
+    assert g["se"] == pytest.approx(np.std([0.01, 0.011, 0.009], ddof=1) / math.sqrt(3))
+    assert got[("fp8-delayed", "fp8-rowwise")]["gap"] == 0.0

@@ -199,6 +199,39 @@ def test_outlier_features_in_what_the_gemms_read(tiny):
     assert float(regimes.channel_amax_ratio(base[mlp])) < 20
 
 
+def test_outlier_readers_held_at_zero_leave_only_the_quantizers_to_see_the_outliers(tiny):
+    """With the outlier channel's rows of the reading kernels at zero, the model in the
+    regime computes bit for bit what the model without it computes (the channel times 0
+    adds exact zeros), and training keeps those rows at exactly zero."""
+    params, tokens, _ = tiny
+    reg = regimes.OutlierFeatures()
+    ch = reg.outlier_channels(CFG.d_model)[0]
+    mask = reg.reader_mask(params, CFG.d_model)
+    masked = jax.tree.map(lambda x, m: x * m, params, mask)
+    readers = {"Block_0/attn/query/kernel", "Block_0/attn/key/kernel",
+               "Block_0/attn/value/kernel", "Block_0/MlpBlock_0/Dense_0/kernel"}
+    for path, m in jax.tree_util.tree_leaves_with_path(mask):
+        key = "/".join(k.key for k in path)
+        assert np.all(m[ch] == 0) if key in readers else np.all(m == 1), key
+        if key in readers:
+            assert np.sum(m == 0) == m[ch].size  # that row only
+    hot = TransformerLM(reg.apply(CFG)).apply({"params": masked}, tokens)
+    cold = TransformerLM(CFG).apply({"params": masked}, tokens)
+    np.testing.assert_array_equal(np.asarray(hot), np.asarray(cold))
+
+    from studies.train import TrainConfig, batch_at, load_data, make_train_step
+
+    cfg = TrainConfig(model=CFG, regime="outlier-features", steps=2, batch=4, seq_len=16,
+                      corpus_bytes=4096, warmup=1)
+    init_fn, step_fn = make_train_step("fp8-current", cfg)
+    state = init_fn()
+    data = load_data(cfg)
+    for i in range(2):
+        state, _ = step_fn(state, batch_at(data, cfg, i))
+    q = np.asarray(state.params["Block_0"]["attn"]["query"]["kernel"])
+    assert np.all(q[ch] == 0) and np.all(np.any(q != 0, axis=(1, 2)) | (np.arange(32) == ch))
+
+
 def test_outlier_scale_is_off_by_default_and_exact_at_one(tiny):
     params, tokens, _ = tiny
     assert CFG.outlier_scale is None
