@@ -63,13 +63,17 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from fmtkit import fp8, qdq
+from fmtkit.telemetry import compare
 from studies import corpus, regimes, stats
 from studies import seeds as seeds_lib
 from studies._common import format_table, no_progress
+from studies.models import TransformerLM
 from studies.train import SETUPS, TrainConfig, batch_at, load_data
-from studies.training import distributed, multiseed
+from studies.training import distributed, mesh, multiseed
 
 __all__ = ["CONTRASTS", "Config", "main", "plot", "run", "summarize"]
 
@@ -242,14 +246,8 @@ def _gemm_input_sqnr(cfg: TrainConfig, params: Any, data: np.ndarray,
     least the current one). Shows whether the recipes differ where the regime acts, whatever
     the loss does.
     """
-    import jax.numpy as jnp
-
-    from fmtkit import fp8, qdq
-    from fmtkit.telemetry import compare
-    from studies.models import TransformerLM
-
     mcfg = cfg.model_config()
-    tokens = jnp.asarray(batch_at(data, cfg, cfg.steps))
+    tokens = mesh.replicate(batch_at(data, cfg, cfg.steps), cfg.data_parallel)  # as params
     _, inter = TransformerLM(mcfg).apply({"params": params}, tokens, mutable=["intermediates"],
                                          capture_intermediates=True)
     (y,) = inter["intermediates"]["Block_0"]["ln_1"]["__call__"]
