@@ -695,6 +695,18 @@ def _core_fwd(recipe, x, w, hist):
                amax_x, amax_w, jnp.zeros((0, k), x.dtype), jnp.zeros((0,), w.dtype))
 
 
+def _backward_operand(res: jax.Array | ScaledArray, fmt: str, tile: _Tile,
+                      recipe: FP8Recipe, hist_row: jax.Array, amax: jax.Array, k: int,
+                      c_to: int) -> ScaledArray:
+    """A forward operand ([F, K], saved by ``_core_fwd``) as a backward GEMM reads it,
+    contracting F: its quantized forward value transposed where the tile allows, else the
+    saved input re-quantized along the new contraction (padded to ``c_to`` columns)."""
+    if tile.transposable:
+        return _transpose(res, _round_up(k, tile.f), c_to)
+    return _operand(res.T, fmt, tile, recipe, _tensor_amax(recipe, tile, hist_row, amax),
+                    c_to)
+
+
 def _core_bwd(recipe, res, g):
     x_res, w_res, hist, amax_x, amax_w, x_meta, w_meta = res
     m, n = g.shape
@@ -705,11 +717,7 @@ def _core_bwd(recipe, res, g):
     # dgrad: dx [M, K] = g [M, N] · w [N, K], contracting N.
     np_ = _c_to(n, tg, tw)
     gq_n = _operand(g, recipe.grad_format, tg, recipe, d_g, np_)
-    if tw.transposable:
-        wq_n = _transpose(w_res, _round_up(k, tw.f), np_)
-    else:
-        wq_n = _operand(w_res.T, recipe.w_format, tw, recipe,
-                        _tensor_amax(recipe, tw, hist[1], amax_w), np_)
+    wq_n = _backward_operand(w_res, recipe.w_format, tw, recipe, hist[1], amax_w, k, np_)
     dx = _gemm(gq_n, wq_n, recipe)[:m, :k].astype(x_dtype)
     # wgrad: dw [N, K] = gᵀ [N, M] · x [M, K], contracting the tokens M.
     mp = _c_to(m, tg, tx)
@@ -719,11 +727,7 @@ def _core_bwd(recipe, res, g):
         gq_m = _transpose(gq_n, _round_up(n, tg.f), mp)
     else:
         gq_m = _operand(g.T, recipe.grad_format, tg, recipe, d_g, mp)
-    if tx.transposable:
-        xq_m = _transpose(x_res, _round_up(k, tx.f), mp)
-    else:
-        xq_m = _operand(x_res.T, recipe.x_format, tx, recipe,
-                        _tensor_amax(recipe, tx, hist[0], amax_x), mp)
+    xq_m = _backward_operand(x_res, recipe.x_format, tx, recipe, hist[0], amax_x, k, mp)
     dw = _gemm(gq_m, xq_m, recipe)[:n, :k].astype(w_dtype)
     observed = jnp.zeros_like(hist).at[:, 0].set(jnp.stack([amax_x, amax_w, amax_g]))
     return dx, dw, observed
