@@ -315,10 +315,11 @@ def late_training(cfg: TrainConfig, progress: Progress = no_progress, *,
     def loss(q, tokens):
         return lm_loss(model.apply({"params": q}, tokens), tokens)
 
+    grad_fn = jax.jit(jax.grad(loss))  # one compile for every seed
     for s, p in zip(cfg.seed_list, params):
         tokens = mesh.replicate(batch_at(data, cfg.with_seed(s), cfg.steps),
                                 cfg.data_parallel)
-        grads = jax.jit(jax.grad(loss))(p, tokens)
+        grads = grad_fn(p, tokens)
         adam = optax.adam(1.0, b1=0.9, b2=0.95, eps=1e-8)
         with jax.numpy_dtype_promotion("standard"):  # optax's f32 lr times int32 counts
             direction, _ = adam.update(grads, adam.init(p), p)
