@@ -658,12 +658,14 @@ def _amax(t: jax.Array, recipe: FP8Recipe) -> jax.Array:
     return amax
 
 
-def _tensor_amax(recipe: FP8Recipe, tile: _Tile, hist_row: jax.Array, current: jax.Array
-                 ) -> jax.Array | None:
-    """The amax a per-tensor operand is quantized with (history for delayed recipes, else the
-    current, possibly mesh-reduced, amax); None for other tilings (they use their blocks)."""
+def _tensor_amax(recipe: FP8Recipe, tile: _Tile, hist_row: jax.Array, t: jax.Array,
+                 current: jax.Array) -> jax.Array | None:
+    """The amax a per-tensor operand ``t`` is quantized with: for delayed recipes its
+    history's (``t``'s own amax only before the first recorded step, computed under
+    ``lax.cond``: see ``delayed_amax``), else ``current`` (possibly mesh-reduced); None for
+    other tilings (they use their blocks)."""
     if recipe.delayed:
-        return delayed_amax(hist_row, current, recipe.amax_algo)
+        return delayed_amax(hist_row, lambda: _amax(t, recipe), recipe.amax_algo)
     return current if tile.kind == "tensor" else None
 
 
@@ -686,8 +688,10 @@ def _core_fwd(recipe, x, w, hist):
     n = w.shape[0]
     amax_x, amax_w = _amax(x, recipe), _amax(w, recipe)
     kp = _c_to(k, tx, tw)
-    xq = _operand(x, recipe.x_format, tx, recipe, _tensor_amax(recipe, tx, hist[0], amax_x), kp)
-    wq = _operand(w, recipe.w_format, tw, recipe, _tensor_amax(recipe, tw, hist[1], amax_w), kp)
+    xq = _operand(x, recipe.x_format, tx, recipe,
+                  _tensor_amax(recipe, tx, hist[0], x, amax_x), kp)
+    wq = _operand(w, recipe.w_format, tw, recipe,
+                  _tensor_amax(recipe, tw, hist[1], w, amax_w), kp)
     y = _gemm(xq, wq, recipe)[:m, :n]
     # Residuals: the quantized operand where the backward GEMMs can reuse it, else the input.
     # (Empty arrays carry K and the input dtypes: residuals must be arrays.)
@@ -703,7 +707,7 @@ def _backward_operand(res: jax.Array | ScaledArray, fmt: str, tile: _Tile,
     saved input re-quantized along the new contraction (padded to ``c_to`` columns)."""
     if tile.transposable:
         return _transpose(res, _round_up(k, tile.f), c_to)
-    return _operand(res.T, fmt, tile, recipe, _tensor_amax(recipe, tile, hist_row, amax),
+    return _operand(res.T, fmt, tile, recipe, _tensor_amax(recipe, tile, hist_row, res, amax),
                     c_to)
 
 
@@ -713,7 +717,7 @@ def _core_bwd(recipe, res, g):
     k, x_dtype, w_dtype = x_meta.shape[1], x_meta.dtype, w_meta.dtype
     tx, tw, tg = _tiles(recipe)
     amax_g = _amax(g, recipe)
-    d_g = _tensor_amax(recipe, tg, hist[2], amax_g)
+    d_g = _tensor_amax(recipe, tg, hist[2], g, amax_g)
     # dgrad: dx [M, K] = g [M, N] · w [N, K], contracting N.
     np_ = _c_to(n, tg, tw)
     gq_n = _operand(g, recipe.grad_format, tg, recipe, d_g, np_)

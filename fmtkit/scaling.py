@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -183,7 +184,8 @@ class DelayedScalingState(NamedTuple):
     count: jax.Array | None = None
 
 
-def delayed_amax(amax_history: jax.Array, current: jax.typing.ArrayLike,
+def delayed_amax(amax_history: jax.Array,
+                 current: jax.typing.ArrayLike | Callable[[], jax.typing.ArrayLike],
                  algo: Literal["max", "most_recent"] = "max") -> jax.Array:
     """The amax a delayed recipe quantizes with: the history's, or ``current`` before the
     first recorded step (the bootstrap Flax's recipe lacks: its scale starts at 1).
@@ -194,10 +196,23 @@ def delayed_amax(amax_history: jax.Array, current: jax.typing.ArrayLike,
         past   = max(history) if algo == "max" else history[0]
         amax   = current  where every entry of the history is 0 (nothing recorded yet)
                  past     otherwise
+
+    ``current`` is the current amax, or a function of no arguments that computes it. A
+    function is called under ``lax.cond`` only while some history is empty, so once every
+    history has recorded a step the quantization does not wait for the current amax: on a
+    mesh that amax is a cross-device max, and without the dependency XLA combines every
+    dot's observation into one all-reduce at the end of the step. (Under ``vmap`` with
+    per-member histories the condition is batched and JAX evaluates both branches: same
+    values, no saving.)
     """
     hist = jnp.asarray(amax_history)
     past = jnp.max(hist, axis=-1) if algo == "max" else hist[..., 0]
-    return jnp.where(jnp.all(hist == 0, axis=-1), jnp.asarray(current, jnp.float32), past)
+    empty = jnp.all(hist == 0, axis=-1)
+    if not callable(current):
+        return jnp.where(empty, jnp.asarray(current, jnp.float32), past)
+    return jax.lax.cond(jnp.any(empty),
+                        lambda: jnp.where(empty, jnp.asarray(current(), jnp.float32), past),
+                        lambda: past)
 
 
 def record_amax(amax_history: jax.Array, amax: jax.typing.ArrayLike, *,

@@ -1,23 +1,26 @@
-"""Benchmark: 2 processes (``jax.distributed``, gloo on 127.0.0.1) vs 1 process with 2
-devices, the same global batch and partitioning, per setup (``fmtkit bench multiprocess``).
+"""Benchmark: what keeping precision state global costs, 2 processes (``jax.distributed``,
+gloo on 127.0.0.1) vs 1 process with 2 devices, the same global batch and partitioning
+(``fmtkit bench multiprocess``).
 
-What keeping precision state global costs: in the step, the gradient is all-reduced once
-(every setup pays that), and then the skip decision of dynamic loss scaling is computed from
-the already-reduced gradient (no extra communication), while delayed FP8 adds one max
-all-reduce per amax observation. So the overhead shows as how much more a setup with precision
-state slows down going from 1 to 2 processes than a setup without any (bf16-mixed)::
+Each setup with precision state runs side by side, steps interleaved in one run, with its
+*twin*: the same step without that state::
 
-    slowdown(setup) = step_ms(2 processes) / step_ms(1 process)
-    overhead(setup) = slowdown(setup) / slowdown(bf16-mixed) - 1
+    fp16-dynamic   twin fp16: the loss scale fixed (no skip decision, no scale update)
+    fp8-delayed    twin: the same step with the amax histories frozen after the first step
+                   (no amax observation leaves the step)
 
-Timing two runs of separate processes on a shared machine is noisy (about ±20% here), so
-the bench also counts what the step communicates, exactly: the all-reduces of the compiled
-step (from its HLO; the same partitioning for 1 process with 2 devices as for 2 processes)
-and their bytes per step. The extra all-reduces of a setup over bf16-mixed are what keeping
-its precision state global costs.
+    overhead(P processes) = step_ms(setup) / step_ms(twin) - 1      (measured in one run)
+    cost of global state  = overhead(2 processes) - overhead(1 process)
+
+The overhead in 1 process is the state's arithmetic; what 2 processes add to it is the
+communication that keeps the state identical everywhere. The bench also counts what each
+step communicates, exactly: the all-reduces the compiled step runs every step (from its HLO;
+the same partitioning for 1 process with 2 devices as for 2 processes) and their bytes.
+bf16-mixed (no state) is the reference row: its 2p / 1p is what a second process costs a
+stateless step on this machine.
 
 Prints a table and writes ``runs/bench-multiprocess/results.json``. Not a test: the timings
-depend on the machine (on a loaded 2-core CPU box both processes share the cores).
+depend on the machine (on a 2-core CPU box the two processes share the cores).
 """
 
 from __future__ import annotations
@@ -36,18 +39,33 @@ __all__ = ["main"]
 SETUPS = ("bf16-mixed", "fp16-dynamic", "fp8-delayed")
 """No precision state; loss scale + skip decision; delayed-FP8 amax histories."""
 
+TWINS = {"fp16-dynamic": "fp16", "fp8-delayed": "frozen histories"}
+"""Each stateful setup's twin without the state (see the module docstring)."""
+
 
 _ALL_REDUCE = re.compile(r"=\s*(.*?)\s+all-reduce(?:-start)?\(")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s")
+_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|"
+                       r"(?:true|false)_computation=(%[\w.\-]+))")
 
 
 def all_reduces(hlo_text: str) -> tuple[int, int]:
-    """(count, bytes) of the all-reduce instructions in compiled HLO text (a combined
-    all-reduce of a tuple counts once, with all its operands' bytes)."""
+    """(count, bytes) of the all-reduce instructions that compiled HLO text runs every step: a
+    combined all-reduce of a tuple counts once, with all its operands' bytes; all-reduces in
+    the branches of a conditional are left out (delayed FP8's bootstrap computes its current
+    amax in one, taken only before the first recorded step)."""
+    branches = {name.strip() for m in _BRANCHES.finditer(hlo_text)
+                for name in (m.group(1) or m.group(2)).split(",")}
     count = nbytes = 0
+    computation = None
     for line in hlo_text.splitlines():
+        if not line.startswith(" "):
+            top = _COMPUTATION.match(line)
+            computation = top.group(1) if top else computation
+            continue
         m = _ALL_REDUCE.search(line)
-        if not m:
+        if not m or computation in branches:
             continue
         count += 1
         for dtype, dims in _SHAPE.findall(m.group(1)):
@@ -59,25 +77,119 @@ def all_reduces(hlo_text: str) -> tuple[int, int]:
     return count, nbytes
 
 
+class _Stepper:
+    """A step function with its own state, one call = one step on the next batch."""
+
+    def __init__(self, step_fn, state, batches):
+        self.step_fn, self.state, self.batches, self.i = step_fn, state, batches, 0
+
+    def __call__(self):
+        self.state, metrics = self.step_fn(self.state, self.batches[self.i % len(self.batches)])
+        self.i += 1
+        return self.state, metrics
+
+    def all_reduces(self) -> tuple[int, int]:
+        return all_reduces(self.step_fn.lower(self.state, self.batches[0]).compile().as_text())
+
+
+def _frozen_fp8(step_fn, cfg):
+    """``step_fn`` with the FP8 amax histories kept as they came in: the observations leave
+    nothing behind, so XLA drops them and their all-reduce."""
+    import jax
+
+    from studies.training import mesh
+
+    def frozen(state, tokens):
+        new, metrics = step_fn.__wrapped__(state, tokens)
+        return new._replace(fp8_state=state.fp8_state), metrics
+
+    sharding = mesh.state_sharding(cfg.data_parallel)
+    return jax.jit(frozen, in_shardings=(sharding, mesh.batch_sharding(cfg.data_parallel)),
+                   out_shardings=(sharding, sharding))
+
+
+def _time_paired(runs: dict, repeats: int) -> dict[str, list[float]]:
+    """Wall-time samples (s) of each zero-argument callable, one of each per repeat, the
+    order alternating, so that the ratio of neighbours cancels the machine's drift."""
+    import time
+
+    import jax
+
+    samples: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(repeats):
+        for k in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            t0 = time.perf_counter()
+            jax.block_until_ready(runs[k]())
+            samples[k].append(time.perf_counter() - t0)
+    return samples
+
+
+ALL_REDUCE_CHAIN = 50
+"""Dependent all-reduces in one call when timing one (dispatch and process skew cancel)."""
+
+
+def _all_reduce_calls(n: int, cfg) -> dict:
+    """Two jitted calls on ``n`` f32 amaxes per device: one global max (the one all-reduce
+    that delayed FP8's state adds to a step), and ``1 + ALL_REDUCE_CHAIN`` dependent ones;
+    the difference of their times / ALL_REDUCE_CHAIN is what one more all-reduce costs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from studies.training import mesh
+
+    x = mesh.put_batch(np.ones((cfg.data_parallel, n), np.float32), cfg.data_parallel)
+
+    def chain(v, k):  # each max waits for the previous one (XLA cannot combine them)
+        return jax.lax.fori_loop(0, k, lambda i, v: v + 0.0 * jnp.max(v, axis=0)[None], v)
+
+    one = jax.jit(lambda v: chain(v, 1))
+    many = jax.jit(lambda v: chain(v, 1 + ALL_REDUCE_CHAIN))
+    return {"all_reduce_x1": lambda: one(x), "all_reduce_chain": lambda: many(x)}
+
+
 def _worker(setup: str, steps: int, out: str) -> None:
+    import statistics
+
     from studies.training import distributed
 
     distributed.initialize_from_env()
-    from studies.train import TrainConfig, batch_at, load_data, make_train_step, train
+    from studies.train import TrainConfig, batch_at, load_data, make_train_step
     from studies.training.mesh import put_batch
 
     # The tiny LM, batch 8 of 64 bytes (the default TrainConfig sizes): small enough for a
     # shared CPU, big enough that a step is not only dispatch overhead.
     cfg = TrainConfig(steps=steps, batch=8, seq_len=64, warmup=1, corpus_bytes=1 << 16,
                       data_parallel=2)
-    res = train(setup, cfg)
+    data = load_data(cfg)
+    batches = [put_batch(batch_at(data, cfg, i), cfg.data_parallel) for i in range(8)]
     init_fn, step_fn = make_train_step(setup, cfg)
-    tokens = put_batch(batch_at(load_data(cfg), cfg, 0), cfg.data_parallel)
-    count, nbytes = all_reduces(step_fn.lower(init_fn(), tokens).compile().as_text())
+    main = _Stepper(step_fn, init_fn(), batches)
+    main()  # compiles; and records the histories a frozen twin keeps
+    runs = {"setup": main}
+    twin = TWINS.get(setup)
+    if twin == "frozen histories":
+        runs["twin"] = _Stepper(_frozen_fp8(step_fn, cfg), main.state, batches)
+    elif twin is not None:
+        twin_init, twin_step = make_train_step(twin, cfg)
+        runs["twin"] = _Stepper(twin_step, twin_init(), batches)
+    res = {k: {"all_reduces": r.all_reduces()} for k, r in runs.items()}
+    if twin == "frozen histories":  # the f32 amaxes the state adds to the step's all-reduces
+        extra = (res["setup"]["all_reduces"][1] - res["twin"]["all_reduces"][1]) // 4
+        runs.update(_all_reduce_calls(extra, cfg))
+    _time_paired(runs, 3)  # warm-up (and the twins' compiles)
+    t = _time_paired(runs, steps)
+    for k in runs:
+        res.setdefault(k, {})["step_ms"] = 1e3 * statistics.median(t[k])
+    if "twin" in t:
+        res["setup"]["ratio_to_twin"] = statistics.median(
+            a / b for a, b in zip(t["setup"], t["twin"]))
+    if "all_reduce_chain" in t:
+        res["amax_all_reduce"] = {"amaxes": extra, "ms": (
+            res["all_reduce_chain"]["step_ms"] - res["all_reduce_x1"]["step_ms"])
+            / ALL_REDUCE_CHAIN}
     if distributed.is_primary():
-        Path(out).write_text(json.dumps({"step_ms": res.step_ms,
-                                         "compile_seconds": res.compile_seconds,
-                                         "all_reduces": count, "all_reduce_bytes": nbytes}))
+        Path(out).write_text(json.dumps(res))
 
 
 def _run(setup: str, steps: int, processes: int) -> dict:
@@ -101,37 +213,63 @@ def _run(setup: str, steps: int, processes: int) -> dict:
         return json.loads(Path(out).read_text())
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--worker":
         _worker(argv[1], int(argv[2]), argv[3])
         return 0
-    p = argparse.ArgumentParser(prog="fmtkit bench multiprocess", description=__doc__)
-    p.add_argument("--steps", type=int, default=12, help="steps per run (median of 2..)")
-    p.add_argument("--setups", nargs="+", default=list(SETUPS))
+    p = argparse.ArgumentParser(prog="fmtkit bench multiprocess", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30,
+                   help="timed steps of each step function (interleaved; median)")
+    p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from studies._bench import write_results
 
     rows = {}
     for s in args.setups:
-        one = _run(s, args.steps, 1)
-        two = _run(s, args.steps, 2)
-        rows[s] = {"one_process_ms": one["step_ms"], "two_processes_ms": two["step_ms"],
-                   "slowdown": two["step_ms"] / one["step_ms"],
-                   "all_reduces": two["all_reduces"],
-                   "all_reduce_bytes": two["all_reduce_bytes"]}
-    base = rows.get("bf16-mixed", {}).get("slowdown")
-    print(f"{'setup':14} {'1 proc ms':>10} {'2 procs ms':>11} {'2p/1p':>7} {'overhead':>9} "
-          f"{'all-reduces':>12} {'bytes/step':>11}")
+        one, two = _run(s, args.steps, 1), _run(s, args.steps, 2)
+        row = {"twin": TWINS.get(s), "one_process_ms": one["setup"]["step_ms"],
+               "two_processes_ms": two["setup"]["step_ms"],
+               "slowdown": two["setup"]["step_ms"] / one["setup"]["step_ms"],
+               "all_reduces": two["setup"]["all_reduces"]}
+        if "twin" in two:
+            row.update(twin_all_reduces=two["twin"]["all_reduces"],
+                       overhead_one_process=one["setup"]["ratio_to_twin"] - 1,
+                       overhead_two_processes=two["setup"]["ratio_to_twin"] - 1)
+            row["global_state_cost"] = (row["overhead_two_processes"]
+                                        - row["overhead_one_process"])
+        if "amax_all_reduce" in two:
+            ar = two["amax_all_reduce"]
+            row.update(amax_all_reduce_ms=ar["ms"], amaxes_reduced=ar["amaxes"],
+                       amax_all_reduce_share=ar["ms"] / row["two_processes_ms"])
+        rows[s] = row
+    print(f"{'setup':13} {'1p ms':>6} {'2p ms':>6} {'2p/1p':>6}  {'twin':16} "
+          f"{'ovh 1p':>7} {'ovh 2p':>7} {'global':>7}  {'all-reduces (twin)':>18} "
+          f"{'bytes (twin)':>17}")
     for s, r in rows.items():
-        r["overhead"] = None if base is None else r["slowdown"] / base - 1
-        ov = "-" if r["overhead"] is None else f"{100 * r['overhead']:+.1f}%"
-        print(f"{s:14} {r['one_process_ms']:10.1f} {r['two_processes_ms']:11.1f} "
-              f"{r['slowdown']:7.2f} {ov:>9} {r['all_reduces']:12d} "
-              f"{r['all_reduce_bytes']:11d}")
-    print("overhead: (2p/1p of the setup) / (2p/1p of bf16-mixed) - 1; all-reduces and bytes "
-          "per step from the compiled step's HLO (2 processes).")
+        count, nbytes = r["all_reduces"]
+        tc, tb = r.get("twin_all_reduces", ("-", "-"))
+        print(f"{s:13} {r['one_process_ms']:6.1f} {r['two_processes_ms']:6.1f} "
+              f"{r['slowdown']:6.2f}  {r['twin'] or '-':16} "
+              f"{_pct(r.get('overhead_one_process')):>7} "
+              f"{_pct(r.get('overhead_two_processes')):>7} "
+              f"{_pct(r.get('global_state_cost')):>7}  {f'{count} ({tc})':>18} "
+              f"{f'{nbytes} ({tb})':>17}")
+    print("ovh: median over interleaved pairs of step_ms(setup) / step_ms(twin), - 1; global: "
+          "ovh 2p - ovh 1p, what keeping the state identical on every process costs. "
+          "All-reduces and bytes per step from the compiled step's HLO.")
+    for s, r in rows.items():
+        if "amax_all_reduce_ms" in r:
+            print(f"{s}: the all-reduce its state adds ({r['amaxes_reduced']} f32 amaxes) "
+                  f"takes {r['amax_all_reduce_ms']:.3f} ms between 2 processes (timed in a "
+                  f"chain of {ALL_REDUCE_CHAIN}) = {100 * r['amax_all_reduce_share']:.1f}% of "
+                  "its step.")
     print(f"wrote {write_results('multiprocess', {'steps': args.steps, 'rows': rows}, args.out)}")
     return 0
 

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import Phase, given, settings
+from jax.experimental import io_callback
 
 from fmtkit.scaling import (
     AxisScaling,
@@ -850,6 +851,33 @@ def test_delayed_amax_bootstraps_per_tensor_from_an_empty_history():
     sa = quantize(jnp.asarray(x), "e4m3", recipe, state=state)
     _, want_s = ref_quantize(x, "float8_e4m3fn", x.shape)
     np.testing.assert_array_equal(np.asarray(sa.scale).view(np.uint32), want_s.view(np.uint32))
+
+
+def test_delayed_amax_calls_a_current_function_only_while_a_history_is_empty():
+    """A function for ``current`` gives the same amaxes as the array, and runs (under
+    ``lax.cond``) only while some history is empty: a full history quantizes without
+    waiting for the current amax (on a mesh, a cross-device max)."""
+    calls = []
+
+    def current():
+        def host():
+            calls.append(1)
+            return np.asarray([5.0, 6.0, 7.0], np.float32)
+        return io_callback(host, jax.ShapeDtypeStruct((3,), jnp.float32))
+
+    amax = jax.jit(lambda h, algo: delayed_amax(h, current, algo), static_argnums=1)
+    partial = jnp.asarray([[0.0, 0.0, 0.0], [1.0, 4.0, 2.0], [0.0, 0.0, 0.0]])
+    full = jnp.asarray([[3.0, 0.0, 0.0], [1.0, 4.0, 2.0], [0.5, 8.0, 0.0]])
+    for hist, algo, want, want_calls in ((partial, "max", [5.0, 4.0, 7.0], 1),
+                                         (partial, "most_recent", [5.0, 1.0, 7.0], 1),
+                                         (full, "max", [3.0, 4.0, 8.0], 0),
+                                         (full, "most_recent", [3.0, 1.0, 0.5], 0)):
+        calls.clear()
+        got = amax(hist, algo)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        np.testing.assert_array_equal(np.asarray(got),
+                                      np.asarray(delayed_amax(hist, current(), algo)))
+        assert len(calls) == want_calls + 1  # + the direct call just above
 
 
 def test_quantize_with_a_given_amax():

@@ -9,6 +9,8 @@ import os
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
                            "--xla_allow_excess_precision=false")
 
+import dataclasses
+import functools
 import json
 import warnings
 
@@ -21,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from fmtkit import fp8, optim, with_policy
 from fmtkit.distributed import reduce_gradients
+from studies.bench_multiprocess import all_reduces
 
 warnings.simplefilter("error")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -159,12 +162,65 @@ def check_fp8_delayed():
         return fp8.update_state(st, g)
 
     f = jax.jit(obs)
+    sharded = (jax.device_put(v["params"], REPL), jax.device_put(x, BATCH),
+               jax.device_put(y, BATCH))
+    # Step 1 bootstraps from the current amaxes; step 2 quantizes with the history.
     h1 = f(v["params"], v["fp8_state"], x, y)
-    h8 = f(jax.device_put(v["params"], REPL), jax.device_put(v["fp8_state"], REPL),
-           jax.device_put(x, BATCH), jax.device_put(y, BATCH))
+    h8 = f(sharded[0], jax.device_put(v["fp8_state"], REPL), *sharded[1:])
+    h1b = f(v["params"], h1, x, y)
+    h8b = f(sharded[0], h8, *sharded[1:])
+    hlo = f.lower(sharded[0], h8, *sharded[1:]).compile().as_text()
     return {"fp8_history_equal": all(bool(jnp.array_equal(a, b)) for a, b in
-                                     zip(jax.tree.leaves(h1), jax.tree.leaves(h8))),
-            "fp8_history_nonzero": all(float(a[:, 0].min()) > 0 for a in jax.tree.leaves(h1))}
+                                     zip(jax.tree.leaves((h1, h1b)), jax.tree.leaves((h8, h8b)))),
+            "fp8_history_nonzero": all(float(a[:, 0].min()) > 0 for a in jax.tree.leaves(h1)),
+            "fp8_observations": sum(a[:, 0].size for a in jax.tree.leaves(h1)),
+            "fp8_step_all_reduces": all_reduces(hlo)}
+
+
+def _fp8_vjp(recipe, x, w, ct, hist):
+    """y, dx, dw (summed over the mesh when the recipe reduces amaxes: inside shard_map) and
+    the observed amaxes of one FP8 dot."""
+    dg = fp8.dot_general(recipe)
+    y, back = jax.vjp(lambda x, w, s: dg(x, w, (((1,), (0,)), ((), ())),
+                                         fp8_state=s if recipe.delayed else None),
+                      x, w, fp8.Fp8DotState(hist))
+    dx, dw, ds = back(ct)
+    if recipe.amax_reduce_axes:
+        dw = jax.lax.psum(dw, recipe.amax_reduce_axes)
+    return y, dx, dw, ds.amax_history
+
+
+def check_fp8_amax_reduce_axes():
+    """A delayed and a current per-tensor FP8 dot inside ``shard_map`` on a batch shard, with
+    ``amax_reduce_axes``: every device quantizes with the global amax (the bootstrap's is
+    taken inside a ``lax.cond`` branch), so the observed amaxes equal the single-device
+    dot's exactly and y, dx, dw agree to f32 rounding (XLA's GEMM summation order changes
+    with the shard's shape; dw sums 8 partial products)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((64, 96)) * np.exp(rng.uniform(-4, 4, (64, 1))),
+                    jnp.float32)  # rows of very different sizes: local amaxes differ
+    w = jnp.asarray(rng.standard_normal((96, 40)), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((64, 40)), jnp.float32)
+    out = {}
+    for name in ("delayed", "current"):
+        base = fp8.get_recipe(name)
+        recipes = {"single": base,
+                   "sharded": dataclasses.replace(base, amax_reduce_axes=("data",))}
+        hist0 = fp8.init_state(base).amax_history
+        # an empty history (bootstrap) and one recorded step (the history's amax)
+        for hist_name, hist in (("empty", hist0), ("recorded", hist0.at[:, 0].set(
+                jnp.asarray([50.0, 3.0, 9.0])))):
+            want = jax.jit(functools.partial(_fp8_vjp, recipes["single"]))(x, w, ct, hist)
+            got = jax.jit(jax.shard_map(functools.partial(_fp8_vjp, recipes["sharded"]),
+                                        mesh=MESH, in_specs=(P("data"), P(), P("data"), P()),
+                                        out_specs=(P("data"), P("data"), P(), P()),
+                                        check_vma=False))(x, w, ct, hist)
+            key = f"fp8_reduce_axes_{name}_{hist_name}"
+            out[key + "_obs_exact"] = bool(jnp.array_equal(want[3], got[3]))
+            for i, part in ((0, "y"), (1, "dx"), (2, "dw")):
+                out[f"{key}_{part}_rel"] = float(jnp.max(jnp.abs(got[i] - want[i]))
+                                                 / jnp.max(jnp.abs(want[i])))
+    return out
 
 
 def check_fsdp():
@@ -211,6 +267,7 @@ if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     results = {}
     for check in (check_data_parallel, check_bf16_mixed_gradients, check_shard_map,
-                  check_fp8_delayed, check_fsdp, check_reduction_precision):
+                  check_fp8_delayed, check_fp8_amax_reduce_axes, check_fsdp,
+                  check_reduction_precision):
         results.update(check())
     print(json.dumps(results))

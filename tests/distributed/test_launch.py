@@ -70,14 +70,25 @@ def test_no_environment_means_a_single_process():
 
 def test_bench_counts_all_reduces_and_their_bytes():
     """``fmtkit bench multiprocess`` reads what a step communicates from its HLO: a combined
-    all-reduce counts once with all its operands; other instructions are not counted."""
+    all-reduce counts once with all its operands; other instructions, and all-reduces inside
+    a conditional's branches (run only when taken), are not counted."""
     from studies.bench_multiprocess import all_reduces
 
     hlo = """
+%boot_spmd (p: (f32[])) -> (f32[]) {
+  %all-reduce.7 = f32[] all-reduce(%m), channel_id=9, to_apply=%r
+}
+
+%other_spmd (p: (f32[])) -> (f32[]) {
+  %all-reduce.8 = f32[] all-reduce(%m), channel_id=10, to_apply=%r
+}
+
+ENTRY %main.1 (p0: f32[8]) -> f32[] {
   %all-reduce.41 = (f32[], f32[], f32[]) all-reduce(%a, %b, %c), channel_id=2, to_apply=%r
   %all-reduce.35 = (f32[64,128]{1,0}, bf16[128]{0}) all-reduce(%x, %y), channel_id=1
   %ars = f32[8]{0} all-reduce-start(%z), channel_id=3
   %add.1 = f32[2]{0} add(%a, %b)
+  %c.1 = (f32[]) conditional(%p, %t, %t), branch_computations={%boot_spmd, %other_spmd}
+}
 """
-    # 3 scalars x 4 bytes; 64 * 128 f32 + 128 bf16; 8 f32.
     assert all_reduces(hlo) == (3, 3 * 4 + 64 * 128 * 4 + 128 * 2 + 8 * 4)

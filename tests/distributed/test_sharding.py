@@ -53,6 +53,24 @@ def test_fp8_delayed_history_equals_single_device():
     assert r["fp8_history_equal"] and r["fp8_history_nonzero"]
 
 
+def test_fp8_delayed_observations_travel_in_one_all_reduce_per_step():
+    # Once the histories hold a step, the quantization reads only the history, so XLA can
+    # combine every dot's amax observation into one all-reduce at the end of the step: the
+    # Mlp's two dots observe x and grad on batch shards (4 f32 maxima; w is replicated).
+    r = results()
+    assert r["fp8_observations"] == 6
+    assert r["fp8_step_all_reduces"] == [1, 4 * 4]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("history", ["empty", "recorded"])
+def test_fp8_amax_reduce_axes_inside_shard_map_uses_the_global_amax(recipe, history):
+    r, key = results(), f"fp8_reduce_axes_{recipe}_{history}"
+    assert r[key + "_obs_exact"]
+    # f32 summation order only; a shard-local amax would change the FP8 grid (about 2^-4).
+    assert max(r[f"{key}_{part}_rel"] for part in ("y", "dx", "dw")) < 1e-6
+
+
 def test_fsdp_sharding_survives_policy_cast_and_master_update():
     r = results()
     assert r["fsdp_param_sharding_kept"] and r["fsdp_master_sharding_matches"]
