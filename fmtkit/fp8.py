@@ -53,7 +53,7 @@ from fmtkit.scaling import (
     Recipe,
     ScaledArray,
     TensorScaling,
-    delayed_amax,
+    delayed_amax_of,
     quantize,
     record_amax,
 )
@@ -662,10 +662,11 @@ def _tensor_amax(recipe: FP8Recipe, tile: _Tile, hist_row: jax.Array, t: jax.Arr
                  current: jax.Array) -> jax.Array | None:
     """The amax a per-tensor operand ``t`` is quantized with: for delayed recipes its
     history's (``t``'s own amax only before the first recorded step, computed under
-    ``lax.cond``: see ``delayed_amax``), else ``current`` (possibly mesh-reduced); None for
+    ``lax.cond``: see ``delayed_amax_of``), else ``current`` (possibly mesh-reduced); None for
     other tilings (they use their blocks)."""
     if recipe.delayed:
-        return delayed_amax(hist_row, lambda: _amax(t, recipe), recipe.amax_algo)
+        return delayed_amax_of(hist_row, t, functools.partial(_amax, recipe=recipe),
+                               recipe.amax_algo)
     return current if tile.kind == "tensor" else None
 
 

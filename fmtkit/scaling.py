@@ -53,6 +53,7 @@ __all__ = [
     "TensorScaling",
     "compute_scale",
     "delayed_amax",
+    "delayed_amax_of",
     "dequantize",
     "qdq",
     "quantize",
@@ -184,8 +185,7 @@ class DelayedScalingState(NamedTuple):
     count: jax.Array | None = None
 
 
-def delayed_amax(amax_history: jax.Array,
-                 current: jax.typing.ArrayLike | Callable[[], jax.typing.ArrayLike],
+def delayed_amax(amax_history: jax.Array, current: jax.typing.ArrayLike,
                  algo: Literal["max", "most_recent"] = "max") -> jax.Array:
     """The amax a delayed recipe quantizes with: the history's, or ``current`` before the
     first recorded step (the bootstrap Flax's recipe lacks: its scale starts at 1).
@@ -197,22 +197,52 @@ def delayed_amax(amax_history: jax.Array,
         amax   = current  where every entry of the history is 0 (nothing recorded yet)
                  past     otherwise
 
-    ``current`` is the current amax, or a function of no arguments that computes it. A
-    function is called under ``lax.cond`` only while some history is empty, so once every
-    history has recorded a step the quantization does not wait for the current amax: on a
-    mesh that amax is a cross-device max, and without the dependency XLA combines every
-    dot's observation into one all-reduce at the end of the step. (Under ``vmap`` with
-    per-member histories the condition is batched and JAX evaluates both branches: same
-    values, no saving.)
+    ``delayed_amax_of`` applies the same rule without waiting for ``current``.
     """
     hist = jnp.asarray(amax_history)
     past = jnp.max(hist, axis=-1) if algo == "max" else hist[..., 0]
-    empty = jnp.all(hist == 0, axis=-1)
-    if not callable(current):
-        return jnp.where(empty, jnp.asarray(current, jnp.float32), past)
-    return jax.lax.cond(jnp.any(empty),
-                        lambda: jnp.where(empty, jnp.asarray(current(), jnp.float32), past),
-                        lambda: past)
+    return jnp.where(jnp.all(hist == 0, axis=-1), jnp.asarray(current, jnp.float32), past)
+
+
+def delayed_amax_of(amax_history: jax.Array, operand: jax.Array,
+                    amax_fn: Callable[[jax.Array], jax.Array],
+                    algo: Literal["max", "most_recent"] = "max") -> jax.Array:
+    """``delayed_amax(amax_history, amax_fn(operand), algo)``, with ``amax_fn`` called only
+    while some history is empty (under ``lax.cond``).
+
+    Once every history has recorded a step, the quantization then does not wait for the
+    current amax: on a mesh that amax is a cross-device max, and without the dependency XLA
+    combines every dot's observation into one all-reduce at the end of the step. Under
+    ``vmap`` (one history per member, e.g. per seed) the condition becomes "some member's
+    history is empty", so it stays one branch instead of JAX's select of both (a
+    ``custom_vmap`` rule); members with a history still read it.
+
+    Args:
+      amax_history: f32[..., history].
+      operand: the tensor whose amax bootstraps an empty history.
+      amax_fn: ``operand -> f32 amax`` of the history's leading shape (e.g. a max that
+        ``lax.pmax``-reduces over a mesh axis).
+      algo: as in ``delayed_amax``.
+    """
+    def rule(hist, operand, amax_fn):
+        past = jnp.max(hist, axis=-1) if algo == "max" else hist[..., 0]
+        empty = jnp.all(hist == 0, axis=-1)
+        return jax.lax.cond(
+            jnp.any(empty),
+            lambda: jnp.where(empty, jnp.asarray(amax_fn(operand), jnp.float32), past),
+            lambda: past)
+
+    @jax.custom_batching.custom_vmap
+    def bootstrapped(hist, operand):
+        return rule(hist, operand, amax_fn)
+
+    @bootstrapped.def_vmap
+    def _batched(axis_size, in_batched, hist, operand):
+        hist, operand = (x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                         for x, batched in zip((hist, operand), in_batched))
+        return rule(hist, operand, jax.vmap(amax_fn)), True
+
+    return bootstrapped(jnp.asarray(amax_history, jnp.float32), operand)
 
 
 def record_amax(amax_history: jax.Array, amax: jax.typing.ArrayLike, *,

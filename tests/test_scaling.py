@@ -27,6 +27,7 @@ from fmtkit.scaling import (
     TensorScaling,
     compute_scale,
     delayed_amax,
+    delayed_amax_of,
     dequantize,
     qdq,
     quantize,
@@ -853,19 +854,20 @@ def test_delayed_amax_bootstraps_per_tensor_from_an_empty_history():
     np.testing.assert_array_equal(np.asarray(sa.scale).view(np.uint32), want_s.view(np.uint32))
 
 
-def test_delayed_amax_calls_a_current_function_only_while_a_history_is_empty():
-    """A function for ``current`` gives the same amaxes as the array, and runs (under
+def test_delayed_amax_of_calls_amax_fn_only_while_a_history_is_empty():
+    """``delayed_amax_of`` gives ``delayed_amax``'s amaxes, and runs ``amax_fn`` (under
     ``lax.cond``) only while some history is empty: a full history quantizes without
     waiting for the current amax (on a mesh, a cross-device max)."""
     calls = []
 
-    def current():
-        def host():
+    def amax_fn(t):
+        def host(t):
             calls.append(1)
-            return np.asarray([5.0, 6.0, 7.0], np.float32)
-        return io_callback(host, jax.ShapeDtypeStruct((3,), jnp.float32))
+            return np.max(np.abs(t), axis=-1)
+        return io_callback(host, jax.ShapeDtypeStruct((3,), jnp.float32), t)
 
-    amax = jax.jit(lambda h, algo: delayed_amax(h, current, algo), static_argnums=1)
+    t = jnp.asarray([[5.0, -1.0], [6.0, 0.0], [-7.0, 2.0]])
+    amax = jax.jit(lambda h, algo: delayed_amax_of(h, t, amax_fn, algo), static_argnums=1)
     partial = jnp.asarray([[0.0, 0.0, 0.0], [1.0, 4.0, 2.0], [0.0, 0.0, 0.0]])
     full = jnp.asarray([[3.0, 0.0, 0.0], [1.0, 4.0, 2.0], [0.5, 8.0, 0.0]])
     for hist, algo, want, want_calls in ((partial, "max", [5.0, 4.0, 7.0], 1),
@@ -873,11 +875,32 @@ def test_delayed_amax_calls_a_current_function_only_while_a_history_is_empty():
                                          (full, "max", [3.0, 4.0, 8.0], 0),
                                          (full, "most_recent", [3.0, 1.0, 0.5], 0)):
         calls.clear()
-        got = amax(hist, algo)
-        np.testing.assert_array_equal(np.asarray(got), want)
-        np.testing.assert_array_equal(np.asarray(got),
-                                      np.asarray(delayed_amax(hist, current(), algo)))
-        assert len(calls) == want_calls + 1  # + the direct call just above
+        got = np.asarray(amax(hist, algo))
+        assert len(calls) == want_calls
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, np.asarray(delayed_amax(
+            hist, jnp.max(jnp.abs(t), axis=-1), algo)))
+
+
+def test_delayed_amax_of_under_vmap_stays_one_branch_per_step():
+    """Vmapped over members (seeds) with their own histories, the bootstrap stays a
+    ``lax.cond`` on "some member is empty" (not JAX's select of both branches, which would
+    make every quantization wait for the current amax); each member gets its own rule."""
+    hist = jnp.asarray([[0.0, 0.0], [2.0, 1.0], [0.0, 0.0]])  # members 0 and 2 empty
+    t = jnp.asarray([[1.0, -9.0], [3.0, 4.0], [0.5, 0.25]])
+
+    def f(h, x):
+        return delayed_amax_of(h, x, lambda v: jnp.max(jnp.abs(v)))
+
+    got = jax.jit(jax.vmap(f))(hist, t)
+    np.testing.assert_array_equal(np.asarray(got), [9.0, 2.0, 0.5])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(
+        delayed_amax(hist, jnp.max(jnp.abs(t), axis=-1))))
+    # one shared t (unbatched operand), per-member histories
+    np.testing.assert_array_equal(np.asarray(jax.vmap(f, in_axes=(0, None))(hist, t[0])),
+                                  [9.0, 2.0, 9.0])
+    prims = {e.primitive.name for e in jax.make_jaxpr(jax.vmap(f))(hist, t).jaxpr.eqns}
+    assert "cond" in prims, prims
 
 
 def test_quantize_with_a_given_amax():

@@ -170,11 +170,21 @@ def check_fp8_delayed():
     h1b = f(v["params"], h1, x, y)
     h8b = f(sharded[0], h8, *sharded[1:])
     hlo = f.lower(sharded[0], h8, *sharded[1:]).compile().as_text()
+    # Two members (seeds) vmapped, one recorded and one empty history: each member's own
+    # update, and still one all-reduce for all their observations.
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), h8, v["fp8_state"])
+    fv = jax.jit(jax.vmap(obs, in_axes=(None, 0, None, None)))
+    hv = fv(sharded[0], jax.device_put(stacked, REPL), *sharded[1:])
+    hv_hlo = fv.lower(sharded[0], jax.device_put(stacked, REPL), *sharded[1:]).compile()
     return {"fp8_history_equal": all(bool(jnp.array_equal(a, b)) for a, b in
                                      zip(jax.tree.leaves((h1, h1b)), jax.tree.leaves((h8, h8b)))),
             "fp8_history_nonzero": all(float(a[:, 0].min()) > 0 for a in jax.tree.leaves(h1)),
             "fp8_observations": sum(a[:, 0].size for a in jax.tree.leaves(h1)),
-            "fp8_step_all_reduces": all_reduces(hlo)}
+            "fp8_step_all_reduces": all_reduces(hlo),
+            "fp8_vmapped_equal": all(bool(jnp.array_equal(a, b)) for a, b in zip(
+                jax.tree.leaves(hv), jax.tree.leaves(jax.tree.map(
+                    lambda a, b: jnp.stack([a, b]), h8b, h8)))),
+            "fp8_vmapped_all_reduces": all_reduces(hv_hlo.as_text())}
 
 
 def _fp8_vjp(recipe, x, w, ct, hist):

@@ -60,6 +60,11 @@ def test_fp8_delayed_observations_travel_in_one_all_reduce_per_step():
     r = results()
     assert r["fp8_observations"] == 6
     assert r["fp8_step_all_reduces"] == [1, 4 * 4]
+    # vmapped over two members (seeds), one empty history: the members' maxima in one
+    # all-reduce (the bootstrap stays a branch, not a select of both), each member updated
+    # as on its own. 7 maxima: the input x is shared by the members, so its amax is too.
+    assert r["fp8_vmapped_equal"]
+    assert r["fp8_vmapped_all_reduces"] == [1, 7 * 4]
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
