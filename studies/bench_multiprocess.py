@@ -17,7 +17,9 @@ communication that keeps the state identical everywhere. The bench also counts w
 step communicates, exactly: the all-reduces the compiled step runs every step (from its HLO;
 the same partitioning for 1 process with 2 devices as for 2 processes) and their bytes.
 bf16-mixed (no state) is the reference row: its 2p / 1p is what a second process costs a
-stateless step on this machine.
+stateless step on this machine. Paired ratios of two processes sharing a few cores scatter
+by several percent between runs: ``--runs N`` repeats everything and shows the medians and
+the range of the global cost.
 
 Prints a table and writes ``runs/bench-multiprocess/results.json``. Not a test: the timings
 depend on the machine (on a 2-core CPU box the two processes share the cores).
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,8 +152,6 @@ def _all_reduce_calls(n: int, cfg) -> dict:
 
 
 def _worker(setup: str, steps: int, out: str) -> None:
-    import statistics
-
     from studies.training import distributed
 
     distributed.initialize_from_env()
@@ -217,6 +218,24 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
 
+def _row(setup: str, one: dict, two: dict) -> dict:
+    """One table row from a setup's 1-process and 2-process worker results."""
+    row = {"twin": TWINS.get(setup), "one_process_ms": one["setup"]["step_ms"],
+           "two_processes_ms": two["setup"]["step_ms"],
+           "slowdown": two["setup"]["step_ms"] / one["setup"]["step_ms"],
+           "all_reduces": two["setup"]["all_reduces"]}
+    if "twin" in two:
+        row.update(twin_all_reduces=two["twin"]["all_reduces"],
+                   overhead_one_process=one["setup"]["ratio_to_twin"] - 1,
+                   overhead_two_processes=two["setup"]["ratio_to_twin"] - 1)
+        row["global_state_cost"] = row["overhead_two_processes"] - row["overhead_one_process"]
+    if "amax_all_reduce" in two:
+        ar = two["amax_all_reduce"]
+        row.update(amax_all_reduce_ms=ar["ms"], amaxes_reduced=ar["amaxes"],
+                   amax_all_reduce_share=ar["ms"] / row["two_processes_ms"])
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--worker":
@@ -224,31 +243,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="fmtkit bench multiprocess", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=30,
+    p.add_argument("--steps", type=int, default=100,
                    help="timed steps of each step function (interleaved; median)")
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    p.add_argument("--runs", type=int, default=1,
+                   help="repeat each 1- and 2-process run; the table shows medians over runs "
+                        "and the range of the global cost")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from studies._bench import write_results
 
     rows = {}
     for s in args.setups:
-        one, two = _run(s, args.steps, 1), _run(s, args.steps, 2)
-        row = {"twin": TWINS.get(s), "one_process_ms": one["setup"]["step_ms"],
-               "two_processes_ms": two["setup"]["step_ms"],
-               "slowdown": two["setup"]["step_ms"] / one["setup"]["step_ms"],
-               "all_reduces": two["setup"]["all_reduces"]}
-        if "twin" in two:
-            row.update(twin_all_reduces=two["twin"]["all_reduces"],
-                       overhead_one_process=one["setup"]["ratio_to_twin"] - 1,
-                       overhead_two_processes=two["setup"]["ratio_to_twin"] - 1)
-            row["global_state_cost"] = (row["overhead_two_processes"]
-                                        - row["overhead_one_process"])
-        if "amax_all_reduce" in two:
-            ar = two["amax_all_reduce"]
-            row.update(amax_all_reduce_ms=ar["ms"], amaxes_reduced=ar["amaxes"],
-                       amax_all_reduce_share=ar["ms"] / row["two_processes_ms"])
-        rows[s] = row
+        runs = [_row(s, _run(s, args.steps, 1), _run(s, args.steps, 2))
+                for _ in range(args.runs)]
+        rows[s] = {k: (statistics.median(r[k] for r in runs)
+                       if isinstance(v, float) else v) for k, v in runs[0].items()}
+        if args.runs > 1:
+            rows[s]["runs"] = runs
     print(f"{'setup':13} {'1p ms':>6} {'2p ms':>6} {'2p/1p':>6}  {'twin':16} "
           f"{'ovh 1p':>7} {'ovh 2p':>7} {'global':>7}  {'all-reduces (twin)':>18} "
           f"{'bytes (twin)':>17}")
@@ -261,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{_pct(r.get('overhead_two_processes')):>7} "
               f"{_pct(r.get('global_state_cost')):>7}  {f'{count} ({tc})':>18} "
               f"{f'{nbytes} ({tb})':>17}")
+        if "runs" in r and "global_state_cost" in r:
+            costs = [x["global_state_cost"] for x in r["runs"]]
+            print(f"{'':13} global over {len(costs)} runs: {_pct(min(costs))} .. "
+                  f"{_pct(max(costs))}")
     print("ovh: median over interleaved pairs of step_ms(setup) / step_ms(twin), - 1; global: "
           "ovh 2p - ovh 1p, what keeping the state identical on every process costs. "
           "All-reduces and bytes per step from the compiled step's HLO.")
