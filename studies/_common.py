@@ -21,6 +21,7 @@ import dataclasses
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -117,6 +118,16 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+EXACT_LOW_PRECISION_FLAG = "--xla_allow_excess_precision=false"
+"""Keeps XLA from holding bf16/fp16 intermediates in f32 inside ``jit`` (on CPU it does by
+default), which would skip the very roundings the studies measure."""
+
+
+def excess_precision_allowed() -> bool:
+    """Whether ``XLA_FLAGS`` lacks ``EXACT_LOW_PRECISION_FLAG`` (the CLI always sets it)."""
+    return EXACT_LOW_PRECISION_FLAG not in os.environ.get("XLA_FLAGS", "")
+
+
 def environment() -> dict[str, Any]:
     """Versions, device and machine, recorded in every ``results.json``."""
     import jax
@@ -129,6 +140,7 @@ def environment() -> dict[str, Any]:
         "device_count": jax.device_count(),
         "machine": platform.machine(),
         "git_commit": _git_commit(),
+        "xla_allow_excess_precision": excess_precision_allowed(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

@@ -16,6 +16,7 @@ import pkgutil
 import sys
 
 from fmtkit.formats import ALIASES, FORMATS, decompose, get_format
+from studies._common import EXACT_LOW_PRECISION_FLAG
 
 _DEFAULT_INSPECT = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
@@ -118,10 +119,9 @@ def exact_low_precision_flags() -> None:
     update ``(p + u).astype(f32)`` is not rounded to bf16: the very effect the studies
     measure would vanish. Entry points call this; library code never touches XLA_FLAGS.
     """
-    flag = "--xla_allow_excess_precision=false"
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_allow_excess_precision" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+        os.environ["XLA_FLAGS"] = f"{flags} {EXACT_LOW_PRECISION_FLAG}".strip()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import inspect
 import sys
 import time
 import types
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,9 +26,11 @@ from typing import Annotated, Any
 import tyro
 
 from studies._common import (
+    EXACT_LOW_PRECISION_FLAG,
     Progress,
     StudyError,
     environment,
+    excess_precision_allowed,
     make_progress,
     run_dir,
     write_results,
@@ -184,6 +187,13 @@ def run_study(name: str, config: Any = None, *, out_root: str | Path = "runs",
     if not isinstance(config, module.Config):
         raise TypeError(f"config must be a {module.__name__}.Config, got "
                         f"{type(config).__name__}.")
+    if excess_precision_allowed():
+        warnings.warn(
+            f"XLA_FLAGS lacks {EXACT_LOW_PRECISION_FLAG}: XLA may keep bf16/fp16 "
+            "intermediates in f32 inside jit, skipping roundings the study measures, and the "
+            "numbers differ from the fmtkit CLI's. Call studies.cli.exact_low_precision_flags() "
+            "before JAX starts (results.json records env.xla_allow_excess_precision).",
+            stacklevel=2)
     progress = progress or make_progress()
     run_kwargs = {}
     if "progress" in inspect.signature(module.run).parameters:

@@ -127,6 +127,17 @@ def test_no_plot(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["results.json"]
 
 
+def test_run_study_warns_when_excess_precision_is_allowed(monkeypatch, tmp_path):
+    """From Python without the CLI's XLA flag, a study says so and records it."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    with pytest.warns(UserWarning, match="xla_allow_excess_precision=false"):
+        _, record = runner.run_study("formats", out_root=tmp_path, plot=False)
+    assert record["env"]["xla_allow_excess_precision"] is True
+    monkeypatch.setenv("XLA_FLAGS", "--xla_allow_excess_precision=false")
+    _, record = runner.run_study("formats", out_root=tmp_path, plot=False)  # no warning
+    assert record["env"]["xla_allow_excess_precision"] is False
+
+
 def test_run_dirs_are_unique(tmp_path):
     a, b = _common.run_dir(tmp_path, "x"), _common.run_dir(tmp_path, "x")
     assert a != b and a.is_dir() and b.is_dir()
