@@ -148,15 +148,31 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
         return out, new_state
 
     traced = _interpret.trace(pure, (params, rest, a_tree, k_tree), {}, is_param=_is_param)
-    shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
-    n_main = len(jax.tree.leaves(shapes[0]))
-    main = [i < n_main for i in range(len(traced.out_avals))]
-    (out, new_state), _ = _interpret.run(traced, rules, main=main,
+    (out, new_state), _ = _interpret.run(traced, rules, main=_main_outputs(traced),
                                          fp8_state=_fp8_state(model, traced, rules))
     before = {path: var.get_value() for state in (params, rest)
               for path, var in nnx.to_flat_state(state)}
     _write_back((model, *nodes_in), before, new_state)
     return out
+
+
+def _main_outputs(traced) -> list[bool | str]:
+    """Per output leaf of ``pure``: True for the method's output, the sowing module's path
+    for a value the model sowed (``nnx.Intermediate``: read as that module sees it, as linen
+    does), False for other state (BatchNorm statistics, RNG counts)."""
+    out_shapes, state = jax.tree.unflatten(traced.out_tree, traced.out_avals)
+    kinds = {tuple(path): type(var) for path, var in nnx.to_flat_state(state)}
+    main: list[bool | str] = [True] * len(jax.tree.leaves(out_shapes))
+    for path, _ in jax.tree_util.tree_leaves_with_path(state):
+        keys = []
+        for k in path:  # (node index, *module path, name) then the Variable's own keys
+            if not isinstance(k, jax.tree_util.DictKey):
+                break
+            keys.append(k.key)
+        sown = keys and keys[0] == 0 and issubclass(kinds.get(tuple(keys), object),
+                                                    nnx.Intermediate)
+        main.append("/".join(str(k) for k in keys[1:-1]) if sown else False)
+    return main
 
 
 def _fp8_state(model: nnx.Module, traced, rules: Rules) -> dict | None:

@@ -2,12 +2,13 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
 from policy_testlib import X_MOE, build, dot_dtypes
 
-from fmtkit.policy import inspect_policy, with_policy
+from fmtkit.policy import Rules, inspect_policy, with_policy
 from studies import models
 
 BF16, F32 = "bfloat16", "float32"
@@ -69,6 +70,37 @@ def test_sow_inside_a_policied_module_reaches_the_model():
     assert logits.dtype == jnp.float32  # router logits stay f32 under bf16-mixed
     assert logits.shape == (2, 4, 4)
     assert jax.tree.leaves(sown["aux_loss"])[0].dtype == jnp.float32
+
+
+def test_a_sown_value_is_what_the_sowing_module_reads():
+    """As in linen: a module sows its child's output and gets the value its own ops read
+    (the child's result cast to the child's output dtype), not the child's internal value."""
+
+    class Outer(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 4, use_bias=False, rngs=rngs)
+            self.b = nnx.Linear(4, 3, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            y = self.a(x)
+            self.sow(nnx.Intermediate, "y", y)
+            return self.b(y)
+
+    model = Outer(nnx.Rngs(0))
+    rules = Rules([("^a$", "p=f32,c=f32,o=bf16")], default="p=f32,c=bf16,o=bf16")
+    wrapped = with_policy(model, rules)
+    x = jax.random.normal(jax.random.key(0), (5, 8), jnp.float32)
+    out, sown = nnx.capture(wrapped, nnx.Intermediate)(x)
+    (y,) = jax.tree.leaves(nnx.to_pure_dict(sown)["y"])
+    assert y.dtype == jnp.bfloat16
+    # Independent: "a" in float64 (f32 operands, f32 compute), rounded to bf16 by ml_dtypes.
+    ka = np.asarray(model.a.kernel[...], np.float64)
+    want = (np.asarray(x, np.float64) @ ka).astype(np.float32).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y), want)
+    # "b" reads the same values (bf16 x bf16 under bf16-mixed).
+    kb = np.asarray(model.b.kernel[...]).astype(ml_dtypes.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float64),
+                               np.asarray(y, np.float64) @ kb.astype(np.float64), rtol=2e-2)
 
 
 def test_pure_bf16_casts_the_shared_params_in_place():
