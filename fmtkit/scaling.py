@@ -185,6 +185,11 @@ class DelayedScalingState(NamedTuple):
     count: jax.Array | None = None
 
 
+def _past_amax(hist: jax.Array, algo: str) -> jax.Array:
+    """A history's amax: its max (algo "max") or its newest entry ("most_recent")."""
+    return jnp.max(hist, axis=-1) if algo == "max" else hist[..., 0]
+
+
 def delayed_amax(amax_history: jax.Array, current: jax.typing.ArrayLike,
                  algo: Literal["max", "most_recent"] = "max") -> jax.Array:
     """The amax a delayed recipe quantizes with: the history's, or ``current`` before the
@@ -200,7 +205,7 @@ def delayed_amax(amax_history: jax.Array, current: jax.typing.ArrayLike,
     ``delayed_amax_of`` applies the same rule without waiting for ``current``.
     """
     hist = jnp.asarray(amax_history)
-    past = jnp.max(hist, axis=-1) if algo == "max" else hist[..., 0]
+    past = _past_amax(hist, algo)
     return jnp.where(jnp.all(hist == 0, axis=-1), jnp.asarray(current, jnp.float32), past)
 
 
@@ -225,7 +230,7 @@ def delayed_amax_of(amax_history: jax.Array, operand: jax.Array,
       algo: as in ``delayed_amax``.
     """
     def rule(hist, operand, amax_fn):
-        past = jnp.max(hist, axis=-1) if algo == "max" else hist[..., 0]
+        past = _past_amax(hist, algo)
         empty = jnp.all(hist == 0, axis=-1)
         return jax.lax.cond(
             jnp.any(empty),
@@ -313,9 +318,7 @@ class DelayedScaling:
 
     def history_amax(self, state: DelayedScalingState) -> jax.Array:
         """The amax the next quantization uses (before bootstrapping)."""
-        if self.algo == "max":
-            return jnp.max(state.amax_history, axis=-1)
-        return state.amax_history[..., 0]
+        return _past_amax(state.amax_history, self.algo)
 
     def update(self, state: DelayedScalingState, x_or_amax: jax.typing.ArrayLike
                ) -> DelayedScalingState:
