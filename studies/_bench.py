@@ -25,6 +25,20 @@ def time_fn(fn: Callable[..., Any], *args: Any, repeats: int = 20, warmup: int =
     return statistics.median(times)
 
 
+def time_samples(fns: dict[str, Callable[[], Any]], repeats: int, *, alternate: bool = False
+                 ) -> dict[str, list[float]]:
+    """Wall-time samples (s) of several zero-argument callables, one of each per repeat, in
+    alternation (``alternate``: the order reversed every other repeat, so that the ratio of
+    neighbouring samples cancels the machine's drift)."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(repeats):
+        for k in (list(fns)[::-1] if alternate and i % 2 else list(fns)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[k]())
+            samples[k].append(time.perf_counter() - t0)
+    return samples
+
+
 def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int = 20, warmup: int = 3
                      ) -> dict[str, float]:
     """Median times of several zero-argument callables, run in alternation so that machine
@@ -32,13 +46,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int = 20, warmu
     for fn in fns.values():
         for _ in range(warmup):
             jax.block_until_ready(fn())
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            samples[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return {k: statistics.median(v) for k, v in time_samples(fns, repeats).items()}
 
 
 def environment() -> dict[str, Any]:

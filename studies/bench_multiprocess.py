@@ -111,22 +111,6 @@ def _frozen_fp8(step_fn, cfg):
                    out_shardings=(sharding, sharding))
 
 
-def _time_paired(runs: dict, repeats: int) -> dict[str, list[float]]:
-    """Wall-time samples (s) of each zero-argument callable, one of each per repeat, the
-    order alternating, so that the ratio of neighbours cancels the machine's drift."""
-    import time
-
-    import jax
-
-    samples: dict[str, list[float]] = {k: [] for k in runs}
-    for i in range(repeats):
-        for k in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
-            t0 = time.perf_counter()
-            jax.block_until_ready(runs[k]())
-            samples[k].append(time.perf_counter() - t0)
-    return samples
-
-
 ALL_REDUCE_CHAIN = 50
 """Dependent all-reduces in one call when timing one (dispatch and process skew cancel)."""
 
@@ -155,6 +139,7 @@ def _worker(setup: str, steps: int, out: str) -> None:
     from studies.training import distributed
 
     distributed.initialize_from_env()
+    from studies._bench import time_samples
     from studies.train import TrainConfig, batch_at, load_data, make_train_step
     from studies.training.mesh import put_batch
 
@@ -178,8 +163,8 @@ def _worker(setup: str, steps: int, out: str) -> None:
     if twin == "frozen histories":  # the f32 amaxes the state adds to the step's all-reduces
         extra = (res["setup"]["all_reduces"][1] - res["twin"]["all_reduces"][1]) // 4
         runs.update(_all_reduce_calls(extra, cfg))
-    _time_paired(runs, 3)  # warm-up (and the twins' compiles)
-    t = _time_paired(runs, steps)
+    time_samples(runs, 3)  # warm-up (and the twins' compiles)
+    t = time_samples(runs, steps, alternate=True)
     for k in runs:
         res.setdefault(k, {})["step_ms"] = 1e3 * statistics.median(t[k])
     if "twin" in t:
