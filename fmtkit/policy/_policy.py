@@ -5,7 +5,9 @@ Nothing here imports Flax: the adapters in ``_linen.py`` and ``_nnx.py`` read th
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
 import functools
 import re
 import warnings
@@ -95,23 +97,28 @@ class Policy:
       on their compute-dtype operands. Other modules ignore it.
 
     Defaults follow jmp: params default to float32, compute follows params, output follows
-    compute, and grad follows compute. Fields hold canonical names ("float32", "bfloat16",
-    "float16"), so a Policy is hashable and can be a static argument. Only formats XLA can
-    compute in are accepted; FP8 formats belong to FP8 recipes.
+    compute, and grad follows compute. The dtype fields hold ``numpy.dtype`` values, as jmp's
+    do (``Policy.parse("c=bf16").compute_dtype == jnp.bfloat16``; a dtype also compares equal
+    to its name, ``== "bfloat16"``), so a Policy is hashable and can be a static argument.
+    Only formats XLA can compute in are accepted; FP8 formats belong to FP8 recipes.
+
+    ``str(policy)`` round-trips through ``Policy.parse``, a customised FP8 recipe included
+    (``fp8=delayed(history=16, margin=2)``: the recipe's name plus the fields that differ from
+    the named recipe).
 
     Example:
       >>> p = Policy.parse("p=f32,c=bf16,o=f32")
-      >>> p.grad_dtype, str(p)
-      ('bfloat16', 'p=f32,c=bf16,o=f32,g=bf16')
+      >>> p.grad_dtype == jnp.bfloat16, str(p)
+      (True, 'p=f32,c=bf16,o=f32,g=bf16')
       >>> Policy.parse(str(p)) == p
       True
     """
 
-    param_dtype: str = "float32"
-    compute_dtype: str | None = None
-    output_dtype: str | None = None
-    grad_dtype: str | None = None
-    reduce_dtype: str | None = None
+    param_dtype: np.dtype = np.dtype("float32")
+    compute_dtype: np.dtype | None = None
+    output_dtype: np.dtype | None = None
+    grad_dtype: np.dtype | None = None
+    reduce_dtype: np.dtype | None = None
     fp8: Any = None
 
     def __post_init__(self):
@@ -119,16 +126,12 @@ class Policy:
         c = p if self.compute_dtype is None else _dtype_name(self.compute_dtype, "compute_dtype")
         o = c if self.output_dtype is None else _dtype_name(self.output_dtype, "output_dtype")
         g = c if self.grad_dtype is None else _dtype_name(self.grad_dtype, "grad_dtype")
-        object.__setattr__(self, "param_dtype", p)
-        object.__setattr__(self, "compute_dtype", c)
-        object.__setattr__(self, "output_dtype", o)
-        object.__setattr__(self, "grad_dtype", g)
         r = p if self.reduce_dtype is None else _dtype_name(self.reduce_dtype, "reduce_dtype")
-        object.__setattr__(self, "reduce_dtype", r)
+        for field, name in (("param_dtype", p), ("compute_dtype", c), ("output_dtype", o),
+                            ("grad_dtype", g), ("reduce_dtype", r)):
+            object.__setattr__(self, field, np.dtype(name))
         if self.fp8 is not None:
-            from fmtkit import fp8 as _fp8  # no flax, no cycle: fp8 imports only the core
-
-            object.__setattr__(self, "fp8", _fp8.get_recipe(self.fp8))
+            object.__setattr__(self, "fp8", _recipe(self.fp8))
 
     @classmethod
     def parse(cls, spec: str) -> Policy:
@@ -151,7 +154,7 @@ class Policy:
             name = _dtype_name(text, "policy")
             return cls(name, name, name, name)
         fields: dict[str, str] = {}
-        for part in text.split(","):
+        for part in _split_top_level(text):
             key, sep, value = part.partition("=")
             key = key.strip().lower()
             if not sep or key not in _KEYS:
@@ -166,13 +169,17 @@ class Policy:
         return cls(**fields)
 
     def __str__(self) -> str:
-        """``p=..,c=..,o=..,g=..`` plus ``r=..`` / ``fp8=NAME`` when they are not defaults."""
-        text = (f"p={_SHORT[self.param_dtype]},c={_SHORT[self.compute_dtype]},"
-                f"o={_SHORT[self.output_dtype]},g={_SHORT[self.grad_dtype]}")
+        """``p=..,c=..,o=..,g=..`` plus ``r=..`` / ``fp8=RECIPE`` when they are not defaults.
+
+        The recipe is written as ``str(recipe)``: its name, plus the fields that differ from
+        the named recipe in parentheses, which ``parse`` reads back.
+        """
+        text = (f"p={_short(self.param_dtype)},c={_short(self.compute_dtype)},"
+                f"o={_short(self.output_dtype)},g={_short(self.grad_dtype)}")
         if self.reduce_dtype != self.param_dtype:
-            text += f",r={_SHORT[self.reduce_dtype]}"
+            text += f",r={_short(self.reduce_dtype)}"
         if self.fp8 is not None:
-            text += f",fp8={self.fp8.name}"
+            text += f",fp8={self.fp8}"
         return text
 
     # jmp-style helpers for code outside a module.
@@ -187,6 +194,61 @@ class Policy:
     def cast_to_output(self, tree: Any) -> Any:
         """Casts the floating leaves of ``tree`` to ``output_dtype`` (others untouched)."""
         return cast_floating(tree, self.output_dtype)
+
+
+def _short(dtype: np.dtype) -> str:
+    return _SHORT[np.dtype(dtype).name]
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Splits ``text`` on the commas outside parentheses (a recipe's fields are inside)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+_RECIPE_TEXT = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*\((.*)\)\s*$", re.S)
+
+
+def _recipe(value: Any) -> Any:
+    """An FP8 recipe from a recipe, a name, or ``str(recipe)``'s form ``NAME(field=value,
+    ...)`` (fields as Python literals, applied to the named recipe, or to the default recipe
+    for a name ``fmtkit.fp8.RECIPES`` lacks, as ``str`` writes them)."""
+    from fmtkit import fp8 as _fp8  # no flax, no cycle: fp8 imports only the core
+
+    match = _RECIPE_TEXT.match(value) if isinstance(value, str) else None
+    if match is None:
+        return _fp8.get_recipe(value.strip() if isinstance(value, str) else value)
+    name, body = match.group(1), match.group(2)
+    base = _fp8.RECIPES.get(name) or _fp8.FP8Recipe(name=name)
+    try:
+        call = ast.parse(f"f({body})", mode="eval").body
+        if not isinstance(call, ast.Call) or call.args:
+            raise ValueError("expected field=value pairs")
+        fields = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(f"Cannot parse the FP8 recipe {value!r}: expected NAME or "
+                         f"NAME(field=value, ...) with Python literal values ({err}).") from None
+    known = {f.name for f in dataclasses.fields(base)} - {"name"}
+    unknown = sorted(set(fields) - known)
+    if None in fields or unknown:
+        raise ValueError(f"Cannot parse the FP8 recipe {value!r}: unknown field(s) {unknown}; "
+                         f"fields: {', '.join(sorted(known))}.")
+    return dataclasses.replace(base, **fields)
+
+
+def _did_you_mean(name: str, names: Iterable[str]) -> str:
+    """`` Did you mean 'x'?`` for a near miss (difflib; case, '_' and '-' ignored), else ''."""
+    names = list(names)
+    norm = {n.lower().replace("_", "-"): n for n in names}
+    close = difflib.get_close_matches(name.strip().lower().replace("_", "-"), list(norm), n=1,
+                                      cutoff=0.6)
+    return f" Did you mean {norm[close[0]]!r}?" if close else ""
 
 
 def cast_floating(tree: Any, dtype: Any, is_leaf: Any = None) -> Any:
@@ -315,7 +377,7 @@ class Rules:
         if self.head is not None:
             lines.append(f"  {'(output head, by role)':<60} {self.head}")
         if self.output_dtype is not None:
-            lines.append(f"  {'(model outputs)':<60} {_SHORT[self.output_dtype]}")
+            lines.append(f"  {'(model outputs)':<60} {_short(self.output_dtype)}")
         return "\n".join(lines)
 
 
@@ -363,6 +425,10 @@ def as_rules(policy_or_rules: Any) -> Rules:
                 "'bf16-mixed' (f32 params, bf16 compute, f32 softmax/norms/logits), or say it "
                 f"in full: Policy.parse('p={policy_or_rules}') for everything in "
                 f"{policy_or_rules} ('pure-bf16' is that preset for bf16).")
+        hint = _did_you_mean(policy_or_rules, _PRESETS) if "=" not in policy_or_rules else ""
+        if hint:  # a near miss of a preset name (bf16_mixed), not a malformed policy string
+            raise ValueError(f"Unknown policy preset {policy_or_rules!r}.{hint} Presets: "
+                             f"{', '.join(_PRESETS)}.")
         try:
             return Rules((), default=Policy.parse(policy_or_rules))
         except ValueError as err:
@@ -464,7 +530,9 @@ def get_preset(name: str) -> Rules:
       'p=f32,c=bf16,o=bf16,g=bf16'
     """
     if not isinstance(name, str) or name not in _PRESETS:
-        raise ValueError(f"Unknown policy preset {name!r}. Presets: {', '.join(_PRESETS)}.")
+        hint = _did_you_mean(name, _PRESETS) if isinstance(name, str) else ""
+        raise ValueError(f"Unknown policy preset {name!r}.{hint} Presets: "
+                         f"{', '.join(_PRESETS)}.")
     return _PRESETS[name][1]
 
 

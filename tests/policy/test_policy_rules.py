@@ -225,7 +225,9 @@ def test_as_rules_normalizes_inputs():
     assert as_rules("p=f32,c=bf16").default == Policy.parse("c=bf16")
     assert as_rules(Policy()).default == Policy()
     assert as_rules([("Dense", "f32")]).default is None
-    with pytest.raises(ValueError, match=re.escape("preset (fp32")):
+    with pytest.raises(ValueError, match=re.escape("Did you mean 'bf16-mixed'? Presets: fp32")):
         as_rules("bf17-mixed")
+    with pytest.raises(ValueError, match=re.escape("preset (fp32")):
+        as_rules("p=f32,q=bf16")
     with pytest.raises(TypeError, match="policy_or_rules"):
         as_rules(3.0)
