@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from fmtkit.policy import _interpret
 from fmtkit.policy._policy import Policy, Rules, as_rules
@@ -33,7 +37,7 @@ def flax_kind(model: Any, argname: str = "model") -> str:
 
 
 def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
-                strict: bool = False) -> Any:
+                strict: bool = False, params_argnums: Any = "auto") -> Any:
     """Applies a precision policy to an unmodified Flax linen or NNX model or a JAX function.
 
     The policy decides per *operation*, wherever the model writes it (inside Flax layers, in
@@ -89,6 +93,9 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
     kind = flax_kind(model)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}.")
+    if kind != "function" and not (isinstance(params_argnums, str) and params_argnums == _AUTO):
+        raise TypeError(f"params_argnums is for plain functions; a {kind} model knows its "
+                        "parameters (linen: variables['params']; NNX: its nnx.Param).")
     rules = as_rules(policy_or_rules)
     if kind == "linen":
         from fmtkit.policy import _linen
@@ -101,38 +108,119 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
         from fmtkit.policy import _nnx
 
         return _nnx.wrap(model, rules, strict)
-    return _policied_function(model, rules, strict)
+    return _policied_function(model, rules, strict, params_argnums)
 
 
-def _policied_function(fn: Any, rules: Rules, strict: bool) -> Any:
+_AUTO = "auto"
+
+
+def _param_argnums(value: Any) -> tuple[int, ...] | str:
+    """Validates ``params_argnums``: "auto", an int, or a sequence of ints (may be empty)."""
+    if value is None or (isinstance(value, str) and value == _AUTO):
+        return _AUTO
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if (isinstance(value, Sequence) and not isinstance(value, str)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+        return tuple(value)
+    raise TypeError("params_argnums must be 'auto', an int or a sequence of ints (positional "
+                    f"argument indices; () for no parameters), got {value!r}.")
+
+
+def _param_args(argnums: tuple[int, ...] | str, args: tuple) -> tuple[int, ...]:
+    if argnums == _AUTO:
+        return (0,) if len(args) >= 2 else ()
+    for i in argnums:
+        if not -len(args) <= i < len(args):
+            raise ValueError(f"params_argnums={argnums} names argument {i}, but the function "
+                             f"was called with {len(args)} positional argument(s).")
+    return tuple(sorted({i % len(args) for i in argnums}))
+
+
+def _is_linen_variables(x: Any) -> bool:
+    return isinstance(x, Mapping) and "params" in x
+
+
+def _param_leaves(args: tuple, argnums: tuple[int, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    """``(key names, leaf)`` of the parameter leaves (linen variables: their "params")."""
+    out = []
+    for i in argnums:
+        tree = args[i]["params"] if _is_linen_variables(args[i]) else args[i]
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            out.append((tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                              for k in path), leaf))
+    return out
+
+
+def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any) -> Any:
     from fmtkit.policy import _linen
-    from fmtkit.policy._policy import has_delayed_fp8, report_unmatched
+    from fmtkit.policy._policy import check_param_dtypes, has_delayed_fp8, report_unmatched
 
     if getattr(fn, "_fmtkit_rules", None) is not None:
         raise ValueError("This function already has a policy (with_policy was applied to it); "
                          "apply with_policy once, to the plain function, with all rules.")
-    if has_delayed_fp8(rules):
-        raise ValueError(
-            "A delayed FP8 recipe keeps an amax history per matmul, and a plain function has "
-            "nowhere to keep it: apply the policy to the Flax model instead (linen 'init' "
-            "creates its 'fp8_state'; NNX keeps an Fp8State), or use a current-scaling recipe "
-            "(fp8-current, fp8-rowwise, fp8-blockwise, fp8-mxfp8).")
     if isinstance(getattr(fn, "__self__", None), _linen.PolicyModel):
         raise ValueError("This is the apply of a linen model that already has a policy; "
                          "apply with_policy once, to the unwrapped model, with all rules.")
+    argnums_spec = _param_argnums(params_argnums)
+    delayed = has_delayed_fp8(rules)
 
     def call(*args, **kwargs):
         with _linen.scoped():
             return fn(*args, **kwargs)
 
+    def traced_call(args, kwargs):
+        argnums = _param_args(argnums_spec, args)
+
+        def is_param(path, leaf) -> bool:
+            # trace(call, args, kwargs) flattens (args, kwargs): path[0] is args (index 0),
+            # path[1] the argument; of linen variables only the "params" collection counts.
+            if len(path) < 2 or getattr(path[0], "idx", None) != 0:
+                return False
+            i = getattr(path[1], "idx", None)
+            if i not in argnums:
+                return False
+            if _is_linen_variables(args[i]):
+                return len(path) > 2 and getattr(path[2], "key", None) == "params"
+            return True
+
+        traced = _interpret.trace(call, args, kwargs, is_param=is_param)
+        visited = traced.registry.visited()
+        report_unmatched(rules, visited or {"": ()}, strict)
+        check_param_dtypes(rules, visited, _param_leaves(args, argnums),
+                           f"the parameter argument(s) {list(argnums)}")
+        return traced
+
     @functools.wraps(fn)
     def policied(*args, **kwargs):
-        traced = _interpret.trace(call, args, kwargs)
-        report_unmatched(rules, traced.registry.visited() or {"": ()}, strict)
-        out, _ = _interpret.run(traced, rules)
+        fp8_state = kwargs.pop("fp8_state", None) if delayed else None
+        traced = traced_call(args, kwargs)
+        if delayed:
+            if fp8_state is None:
+                raise ValueError(
+                    "This policy has a delayed FP8 recipe, which keeps an amax history per "
+                    "matmul: pass them as the keyword fp8_state "
+                    "(state = policied.init_fp8_state(*args); policied(*args, "
+                    "fp8_state=state)), differentiate the loss with respect to it too, and "
+                    "record the observed amaxes with fmtkit.fp8.update_state(state, "
+                    "grad_of_state) once per step.")
+            if not isinstance(fp8_state, Mapping):
+                raise TypeError("fp8_state must be the dict init_fp8_state returns, got "
+                                f"{type(fp8_state).__name__}.")
+        out, _ = _interpret.run(traced, rules,
+                                fp8_state=dict(fp8_state) if fp8_state is not None else None)
         return out
 
+    def init_fp8_state(*args, **kwargs) -> dict:
+        """The delayed-FP8 amax histories of a call on these arguments: ``{slot: zeros
+        f32[*layers, 3, history]}`` (empty without a delayed recipe); traced, not run."""
+        if not delayed:
+            return {}
+        slots = _interpret.fp8_slots(traced_call(args, kwargs), rules)
+        return {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
+
     policied._fmtkit_rules = rules  # type: ignore[attr-defined]
+    policied.init_fp8_state = init_fp8_state  # type: ignore[attr-defined]
     return policied
 
 

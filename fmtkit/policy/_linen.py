@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from fmtkit.policy import _interpret
-from fmtkit.policy._policy import Rules, cast_floating, has_delayed_fp8, report_unmatched
+from fmtkit.policy._policy import (
+    Rules,
+    cast_floating,
+    check_param_dtypes,
+    has_delayed_fp8,
+    report_unmatched,
+)
 
 FP8_COLLECTION = "fp8_state"
 
@@ -125,6 +131,9 @@ class PolicyModel:
         fp8_state = variables.pop(FP8_COLLECTION, None)
         traced = self._trace(variables, rngs, args, kwargs, method, mutable)
         report_unmatched(self.rules, traced.registry.visited(), self.strict)
+        leaves = [(tuple(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf
+                  in jax.tree_util.tree_leaves_with_path(variables.get("params", {}))]
+        check_param_dtypes(self.rules, traced.registry.visited(), leaves, "variables['params']")
         out, _ = _interpret.run(traced, self.rules, main=_main_outputs(traced, mutable),
                                 fp8_state=None if fp8_state is None else dict(fp8_state))
         return out

@@ -2,8 +2,12 @@
 
 ``wrap(model, rules)`` returns ``nnx.clone(model, variables=False)`` (new Module objects, the
 same Variables: training the copy trains the original; the state layout is unchanged) whose
-root class is swapped for a subclass (``isinstance`` holds) carrying the rules. Each public
-method of the root (``__call__``, ``attend``, ...):
+root class is swapped for a subclass (``isinstance`` holds) carrying the rules. The user's
+model is never changed: a Param its rule stores narrower (f32 under pure-bf16) is a converted
+copy held by the policied model only (tied Params stay tied), so trying a preset and going
+back leaves the original's weights bit-identical; a Param narrower than its rule's
+``param_dtype`` (a bf16 model under a mixed preset) raises, as linen and functions do. Each
+public method of the root (``__call__``, ``attend``, ...):
 
 1. splits the model and any graph nodes among the arguments (an ``nnx.Rngs``) into
    parameters and other state;
@@ -18,7 +22,10 @@ unchanged. Module paths are the model's own (``blocks/0/mlp/linear1``); layers s
 leading layer axis.
 
 Delayed FP8 state: an ``Fp8State`` Variable ``fp8_state`` on the policied root holding one
-amax history per FP8 matmul (created zero at the first call). Limitation: ``pickle`` of a
+amax history per FP8 matmul (created zero at the first call). It works in the functional
+style too (``nnx.split(model, nnx.Param, Fp8State, ...)``, ``nnx.merge`` inside the loss):
+differentiated with the params, its gradient holds the observed amaxes; not differentiated,
+the histories are read and simply not updated that step. Limitation: ``pickle`` of a
 graphdef holding the swapped root class fails (it is created at run time).
 """
 
@@ -30,10 +37,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from fmtkit.policy import _interpret
-from fmtkit.policy._policy import Rules, has_delayed_fp8, is_floating, report_unmatched
+from fmtkit.policy._policy import (
+    Rules,
+    check_param_dtypes,
+    has_delayed_fp8,
+    is_floating,
+    report_unmatched,
+)
 
 
 class Fp8State(nnx.Variable):
@@ -110,17 +124,34 @@ def collect_paths(model: nnx.Module) -> dict[str, tuple[str, ...]]:
     return dict(sorted(out.items(), key=lambda kv: (kv[0] != "", kv[0].split("/"))))
 
 
-def store_params(model: nnx.Module, rules: Rules) -> None:
-    """Stores each module's own Params in its rule's ``param_dtype`` (in place)."""
-    for parts, module in nnx.iter_modules(model):
+def _store_params(copy: nnx.Module, rules: Rules) -> None:
+    """Gives the policied copy its own Params where its rule stores a narrower dtype.
+
+    A Param wider than its module's ``param_dtype`` (f32 under pure-bf16) is replaced, in the
+    copy only, by a converted Variable (one per Variable, so tied parameters stay tied); every
+    other Param stays shared with the user's model, which is never changed.
+    """
+    memo: dict[int, nnx.Variable] = {}
+    for parts, module in list(nnx.iter_modules(copy)):
         policy = rules.resolve("/".join(str(p) for p in parts), type_names(type(module)))
         if policy is None:
             continue
-        for value in list(vars(module).values()):
-            if isinstance(value, nnx.Param):
-                raw = value.get_value()
-                if is_floating(raw) and raw.dtype != jnp.dtype(policy.param_dtype):
-                    value.set_value(raw.astype(policy.param_dtype))
+        want = np.dtype(policy.param_dtype)
+        for name, value in list(vars(module).items()):
+            if not isinstance(value, nnx.Param):
+                continue
+            raw = value.get_value()
+            if is_floating(raw) and raw.dtype != want and raw.dtype.itemsize > want.itemsize:
+                if id(value) not in memo:
+                    memo[id(value)] = value.replace(raw.astype(want))
+                setattr(module, name, memo[id(value)])
+
+
+def _check_params(model: nnx.Module, params: Any, rules: Rules) -> None:
+    """``check_param_dtypes`` on the model's Params (node 0 of the split state)."""
+    leaves = [(path[1:], var.get_value()) for path, var in nnx.to_flat_state(params)
+              if path and path[0] == 0]
+    check_param_dtypes(rules, collect_paths(model), leaves, "the model's nnx.Param")
 
 
 def _is_param(path, leaf) -> bool:
@@ -134,6 +165,7 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
     nodes_in = [x for x in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)
                 if nnx.graph.is_graph_node(x)]
     graphdef, params, rest = nnx.split((model, *nodes_in), nnx.Param, ...)
+    _check_params(model, params, rules)
     a_tree, k_tree = jax.tree.map(lambda x: _Slot() if nnx.graph.is_graph_node(x) else x,
                                   (args, kwargs), is_leaf=nnx.graph.is_graph_node)
 
@@ -199,13 +231,21 @@ def _write_back(nodes: tuple, before: dict, new_state) -> None:
     graph = dict(nnx.iter_graph(nodes))
     for path, var in nnx.to_flat_state(new_state):
         value = var.get_value()
-        if path in before and before[path] is value:
+        if path in before and _same(before[path], value):
             continue
         target = graph.get(path)
         if isinstance(target, nnx.Variable):
             target.set_value(value)
         else:
             setattr(graph[path[:-1]], path[-1], type(var)(value))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two Variable values hold the same leaf objects (an ``Fp8State`` value is a
+    dict, rebuilt by the trace even when no history changed)."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(x is y for x, y in zip(la, lb))
 
 
 class _Slot:
@@ -240,13 +280,16 @@ def is_wrapped(obj: Any) -> bool:
 
 
 def wrap(model: nnx.Module, rules: Rules, strict: bool) -> nnx.Module:
-    """A copy of ``model``'s module graph sharing its Variables, whose root runs under
-    ``rules``; parameters stored per rule, in place (the original sees them too)."""
+    """A copy of ``model``'s module graph whose root runs under ``rules``; it shares the
+    model's Variables except the Params its rules store narrower (converted copies), so the
+    user's model is never changed. Params narrower than their rule's ``param_dtype`` raise
+    (``check_param_dtypes``)."""
     if is_wrapped(model):
         raise ValueError("This NNX model already has a policy (with_policy was applied to it); "
                          "apply with_policy once, to the unwrapped model, with all rules.")
     report_unmatched(rules, collect_paths(model), strict)
-    store_params(model, rules)
+    _check_params(model, nnx.split((model,), nnx.Param, ...)[1], rules)
     copy = nnx.clone(model, variables=False)
+    _store_params(copy, rules)
     copy.__class__ = _policied_class(type(model), rules)
     return copy

@@ -550,6 +550,56 @@ def has_delayed_fp8(rules: Rules) -> bool:
     return any(p is not None and p.fp8 is not None and p.fp8.delayed for p in policies)
 
 
+def check_param_dtypes(rules: Rules, modules: Mapping[str, Sequence[str]],
+                       params: Iterable[tuple[Sequence[str], Any]], what: str) -> None:
+    """Raises when a parameter is stored narrower than its module's ``param_dtype``.
+
+    One rule for every frontend (linen ``apply``, NNX, functions): a policy never converts the
+    parameters it is given. A parameter narrower than the policy's ``param_dtype`` (a bf16
+    checkpoint under a mixed preset's f32) would otherwise train in bf16 without the master
+    copy the preset promises (JAX returns gradients in each parameter's own dtype); one of the
+    same width but another format (f16 under ``p=bf16``) is refused too. Wider parameters
+    (f32 under pure-bf16) are used as given and cast to the compute dtype at use.
+
+    Args:
+      modules: ``{module path: class names}`` of the modules the call ran.
+      params: ``(key names, leaf)`` per parameter leaf; the leaf belongs to the longest
+        module path its keys start with (the root ``""`` when none), after a leading
+        ``"params"`` collection name.
+      what: how the error names the parameters (``"variables['params']"``).
+    """
+    bad = []
+    for keys, leaf in params:
+        if not is_floating(leaf):
+            continue
+        names = [str(k) for k in keys]
+        if names and names[0] == "params" and "params" not in modules:
+            names = names[1:]
+        module = ""
+        for n in range(len(names) - 1, 0, -1):
+            if "/".join(names[:n]) in modules:
+                module = "/".join(names[:n])
+                break
+        policy = rules.resolve(module, tuple(modules.get(module, ())))
+        if policy is None:
+            continue
+        want, got = np.dtype(policy.param_dtype), np.dtype(leaf.dtype)
+        if got != want and got.itemsize <= want.itemsize:
+            bad.append(f"{'/'.join(str(k) for k in keys)}: {got.name} (module "
+                       f"{module or '<root>'!r} stores {want.name})")
+    if not bad:
+        return
+    shown = "\n  ".join(bad[:12]) + (f"\n  ... and {len(bad) - 12} more" if len(bad) > 12 else "")
+    raise ValueError(
+        f"{len(bad)} parameter(s) in {what} are narrower than the policy's param_dtype:\n  "
+        f"{shown}\nA policy never converts the parameters it is given (training them would "
+        "skip the f32 master copy the policy promises: gradients come back in each "
+        "parameter's own dtype). Cast them to the param dtype first (e.g. "
+        "jax.tree.map(lambda x: x.astype(jnp.float32), params)), or choose a policy that "
+        "stores them as they are (p=bf16, e.g. 'pure-bf16', with fmtkit.optim.master_weights "
+        "for an f32 master copy in the optimizer).")
+
+
 def report_unmatched(rules: Rules, modules: dict[str, tuple[str, ...]], strict: bool) -> None:
     """Warns (or raises with ``strict``) about user patterns that matched no module."""
     if not rules.check_unmatched or not rules.rules:

@@ -103,15 +103,17 @@ def test_a_sown_value_is_what_the_sowing_module_reads():
                                np.asarray(y, np.float64) @ kb.astype(np.float64), rtol=2e-2)
 
 
-def test_pure_bf16_casts_the_shared_params_in_place():
+def test_pure_bf16_converts_a_copy_and_leaves_the_original_alone():
     case = build("nnx", "mlp")
-    kernel = case.model.layers[0].kernel[...]
+    kernel = np.asarray(case.model.layers[0].kernel[...])
     wrapped = with_policy(case.model, "pure-bf16")
     assert wrapped.layers[0].kernel[...].dtype == jnp.bfloat16
-    # Documented: the Variables are shared, so the original now stores bf16 too.
-    assert case.model.layers[0].kernel[...].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(case.model.layers[0].kernel[...]),
-                                  np.asarray(kernel).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(wrapped.layers[0].kernel[...]),
+                                  kernel.astype(ml_dtypes.bfloat16))
+    # The original keeps its f32 Variables, bit for bit; only the copy holds bf16 ones.
+    assert case.model.layers[0].kernel is not wrapped.layers[0].kernel
+    assert case.model.layers[0].kernel[...].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(case.model.layers[0].kernel[...]), kernel)
 
 
 def test_graphdef_is_not_picklable_as_documented():
