@@ -304,9 +304,10 @@ def test_bf16_policy_is_a_rounding_not_a_new_model():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
-def test_delayed_fp8_on_a_plain_function_is_refused():
-    with pytest.raises(ValueError, match="nowhere to keep it"):
-        with_policy(_mlp, "fp8-delayed")
+def test_delayed_fp8_on_a_plain_function_needs_its_state_passed():
+    policied = with_policy(_mlp, "fp8-delayed")
+    with pytest.raises(ValueError, match="keyword fp8_state"):
+        policied(PARAMS, X[0])
 
 
 class BatchNormNet(nn.Module):

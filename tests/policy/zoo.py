@@ -864,10 +864,16 @@ def functional(case: Case, model: Any, *, key: int = 0, warmup: bool = False):
 
         return forward, {"params": params, "fp8_state": fp8}, aux
 
-    def forward(diff, aux, batch):
-        return model(diff["params"], *batch["inputs"]), aux
+    params = case.init_params(jax.random.key(key))
+    # A policied function under a delayed FP8 recipe takes its amax histories explicitly.
+    init_fp8 = getattr(model, "init_fp8_state", lambda *a: {})
+    fp8 = init_fp8(params, *case.inputs)
 
-    return forward, {"params": case.init_params(jax.random.key(key)), "fp8_state": {}}, {}
+    def forward(diff, aux, batch):
+        kw = {"fp8_state": diff["fp8_state"]} if fp8 else {}
+        return model(diff["params"], *batch["inputs"], **kw), aux
+
+    return forward, {"params": params, "fp8_state": fp8}, {}
 
 
 def training_loss(forward: Callable) -> Callable:
