@@ -114,11 +114,11 @@ class Policy:
       True
     """
 
-    param_dtype: np.dtype = np.dtype("float32")
-    compute_dtype: np.dtype | None = None
-    output_dtype: np.dtype | None = None
-    grad_dtype: np.dtype | None = None
-    reduce_dtype: np.dtype | None = None
+    param_dtype: Any = "float32"  # a numpy dtype after __post_init__ (any name is accepted)
+    compute_dtype: Any = None
+    output_dtype: Any = None
+    grad_dtype: Any = None
+    reduce_dtype: Any = None
     fp8: Any = None
 
     def __post_init__(self):
