@@ -58,29 +58,55 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
       ``param_dtype``, floating outputs leaving the module are cast to ``output_dtype``, and
       their cotangents rounded through ``grad_dtype``.
 
+    Parameters, the same in every frontend: a policy never converts the parameters it is
+    given. Where it creates them (linen ``init``) they are stored in ``param_dtype``; an NNX
+    model's Params that the rules store narrower (f32 under pure-bf16) are converted copies
+    held by the policied model, so the user's model is never changed. A parameter *narrower*
+    than its module's ``param_dtype`` (a bf16 checkpoint under a mixed preset) raises a
+    ``ValueError`` naming the leaves: JAX returns gradients in each parameter's own dtype, so
+    it would train in bf16 without the f32 master copy the preset promises. Wider ones are
+    used as given and cast to the compute dtype at use.
+
+    A plain function: only the parameter argument(s) count as parameters (cast to the compute
+    dtype at use, the projection test of FP8 recipes); data arguments follow the ops, as a
+    model's inputs do. Linen variables among them count by their ``"params"`` collection.
+    Under a delayed FP8 recipe the function takes its amax histories explicitly: ``state =
+    policied.init_fp8_state(*args)`` (zeros, by tracing), ``policied(*args,
+    fp8_state=state)``; differentiate the loss with respect to the state too and record the
+    "gradient" with ``fmtkit.fp8.update_state(state, observed)`` once per step (the linen
+    protocol, for plain functions and Equinox-style models alike).
+
     ``fmtkit.policy`` documents the op table and the mechanism (the model is traced once and
     its jaxpr re-interpreted under the rules); it works under ``jax.jit``, ``jax.grad``,
     ``jax.vmap``, linen ``nn.scan``/``nn.remat`` and NNX ``nnx.scan``/``nnx.vmap``/``nnx.remat``.
 
     Args:
       model: a ``flax.linen.Module`` or ``flax.nnx.Module`` instance, unmodified, or a plain
-        JAX function of pytrees (e.g. ``apply(params, x)`` or a loss function; module paths
-        inside it come from linen modules it applies; every array argument counts as a
-        parameter for the FP8 projection test).
+        JAX function of pytrees (e.g. ``apply(params, x)``, ``loss(params, batch)``, ``lambda
+        m, x: m(x)`` for an Equinox-style model; module paths inside it come from linen
+        modules it applies).
       policy_or_rules: a preset name (``list_presets()``), ``Rules``, a ``Policy`` (every
         module; no head or output rule), a policy string ("p=f32,c=bf16"), or a list of
         ``(pattern, policy)`` pairs (modules no pattern matches run untouched).
       strict: raise ``ValueError`` instead of warning when a user pattern matches no module.
+      params_argnums: functions only: the positional argument(s) holding parameters, an int
+        or a sequence (``()``: none). "auto" (default): the first argument when the function
+        is called with two or more positional arguments (``apply(params, x)``), none when
+        called with one (``f(x)``: data); say ``params_argnums=0`` for ``f(params)``.
 
     Returns:
       linen: a ``PolicyModel`` with ``init``/``apply`` as the module's (same variables, plus
-      ``"fp8_state"`` under a delayed FP8 recipe). NNX: a ``PolicyModel`` module holding the
-      model (same Variables). A function: a function with the same signature.
+      ``"fp8_state"`` under a delayed FP8 recipe). NNX: a copy of the module graph sharing
+      the model's Variables (but for the converted Params above). A function: a function with
+      the same signature (plus the keyword ``fp8_state`` and the attribute
+      ``init_fp8_state`` under a delayed FP8 recipe).
 
     Raises:
       TypeError: ``model`` is not a Flax module or a function; a rule is malformed.
-      ValueError: unknown preset, a bare dtype name ("bf16": say "bf16-mixed" or
-        ``Policy.parse("p=bf16")``), FP8 dtype, invalid regex, already-wrapped model.
+      ValueError: unknown preset (a near miss gets "did you mean"), a bare dtype name
+        ("bf16": say "bf16-mixed" or ``Policy.parse("p=bf16")``), FP8 dtype, invalid regex,
+        already-wrapped model, parameters narrower than their ``param_dtype`` (at wrap for
+        NNX, at the call otherwise).
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -75,6 +75,15 @@ class PolicyModel:
     ``"fp8_state"`` (amax histories, f32[..., 3, history]) when a delayed FP8 recipe applies:
     pass it to ``apply`` with the rest, differentiate the loss with respect to it as well,
     and record the observed amaxes with ``fmtkit.fp8.update_state(state, grads_of_state)``.
+    ``apply`` raises when a parameter is narrower than its module's ``param_dtype`` (a bf16
+    checkpoint under a mixed preset): it never converts the parameters it is given.
+
+    Not an ``nn.Module``: the policy transforms the whole traced computation (the jaxpr of
+    ``inner.apply`` as a pure function of its variables: the head is found by role over all
+    of it, every op re-bound), as ``jax.jit`` transforms a function; a module runs as a method
+    inside its parent's scope, where that function does not exist. Nest the unwrapped module
+    and put the policy on the outermost model (rules address sub-modules by path); use
+    ``nn.tabulate(policied.inner, ...)`` and ``policied.apply(v, ..., method=...)``.
 
     Attributes:
       inner: the unmodified model.
