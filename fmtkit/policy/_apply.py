@@ -119,7 +119,7 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
     kind = flax_kind(model)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}.")
-    if kind != "function" and not (isinstance(params_argnums, str) and params_argnums == _AUTO):
+    if kind != "function" and _param_argnums(params_argnums) != _AUTO:
         raise TypeError(f"params_argnums is for plain functions; a {kind} model knows its "
                         "parameters (linen: variables['params']; NNX: its nnx.Param).")
     rules = as_rules(policy_or_rules)
@@ -220,7 +220,6 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any)
     @functools.wraps(fn)
     def policied(*args, **kwargs):
         fp8_state = kwargs.pop("fp8_state", None) if delayed else None
-        traced = traced_call(args, kwargs)
         if delayed:
             if fp8_state is None:
                 raise ValueError(
@@ -233,6 +232,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any)
             if not isinstance(fp8_state, Mapping):
                 raise TypeError("fp8_state must be the dict init_fp8_state returns, got "
                                 f"{type(fp8_state).__name__}.")
+        traced = traced_call(args, kwargs)
         out, _ = _interpret.run(traced, rules,
                                 fp8_state=dict(fp8_state) if fp8_state is not None else None)
         return out

@@ -123,6 +123,9 @@ def test_narrow_parameters_raise_in_every_frontend(centered):
     after = nnx.state(nnx_model, nnx.Param)  # the user's model is not upcast in place
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(after))
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, after))
+    eqx_narrow = EqxStyleLinear(jnp.ones((4, 8), jnp.bfloat16), jnp.zeros(4, jnp.float32))
+    with pytest.raises(ValueError, match=r"1 parameter.*\n  weight: bfloat16 \(module '<root>'"):
+        with_policy(lambda m, x: m(x), "bf16-mixed")(eqx_narrow, X)
     # Same width, another format: refused too (f16 cannot hold bf16's range).
     with pytest.raises(ValueError, match=r"float16 .module 'Dense_0' stores bfloat16"):
         with_policy(model, "pure-bf16").apply(
