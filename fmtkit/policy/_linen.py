@@ -78,12 +78,9 @@ class PolicyModel:
     ``apply`` raises when a parameter is narrower than its module's ``param_dtype`` (a bf16
     checkpoint under a mixed preset): it never converts the parameters it is given.
 
-    Not an ``nn.Module``: the policy transforms the whole traced computation (the jaxpr of
-    ``inner.apply`` as a pure function of its variables: the head is found by role over all
-    of it, every op re-bound), as ``jax.jit`` transforms a function; a module runs as a method
-    inside its parent's scope, where that function does not exist. Nest the unwrapped module
-    and put the policy on the outermost model (rules address sub-modules by path); use
-    ``nn.tabulate(policied.inner, ...)`` and ``policied.apply(v, ..., method=...)``.
+    Not itself an ``nn.Module`` (the policy transforms the whole traced ``inner.apply`` as a
+    pure function of its variables, as ``jax.jit`` transforms a function); ``as_module()``
+    gives the ``nn.Module`` that runs it inside a parent (nested, ``nn.tabulate``, ``bind``).
 
     Attributes:
       inner: the unmodified model.
@@ -133,6 +130,24 @@ class PolicyModel:
 
         return _interpret.trace(fn, (variables, rngs, args, kwargs), {}, is_param=_is_param)
 
+    def as_module(self, **module_kwargs: Any) -> nn.Module:
+        """This policied model as an ``nn.Module`` (``PolicyModule``; ``name=`` etc. go to
+        it): nested in a parent module, ``nn.tabulate``-d or ``bind``-ed.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn
+          >>> from fmtkit.policy import with_policy
+          >>> class Parent(nn.Module):
+          ...     @nn.compact
+          ...     def __call__(self, x):
+          ...         mlp = with_policy(nn.Dense(4), "bf16-mixed").as_module(name="mlp")
+          ...         return mlp(nn.Dense(3)(x))
+          >>> v = Parent().init(jax.random.key(0), jnp.ones((2, 5)))
+          >>> jax.tree.map(jnp.shape, v["params"]["mlp"])
+          {'bias': (4,), 'kernel': (3, 4)}
+        """
+        return PolicyModule(self, **module_kwargs)
+
     def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
               mutable: Any = False, **kwargs: Any) -> Any:
         """``inner.apply`` under the rules (same arguments and results)."""
@@ -145,6 +160,45 @@ class PolicyModel:
         check_param_dtypes(self.rules, traced.registry.visited(), leaves, "variables['params']")
         out, _ = _interpret.run(traced, self.rules, main=_main_outputs(traced, mutable),
                                 fp8_state=None if fp8_state is None else dict(fp8_state))
+        return out
+
+
+class PolicyModule(nn.Module):
+    """A ``PolicyModel`` as an ``nn.Module``: nest it in a parent, ``nn.tabulate`` it, ``bind``.
+
+    Its variables live in its own scope, laid out as the policied model's (``params`` as the
+    inner model's tree, ``fp8_state`` under a delayed FP8 recipe); ``__call__`` runs
+    ``PolicyModel.apply`` on them as a pure function, so the sub-model computes exactly what
+    it computes on its own (its outputs are the "model outputs" its head is found from).
+    Streams the parent was given (``rngs``) and its mutable collections reach the sub-model.
+
+    Attributes:
+      policied: the ``PolicyModel`` (``with_policy(model, ...)``).
+    """
+
+    policied: PolicyModel
+
+    @nn.compact
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The inner model may have been built inside the parent's compact method, which then
+        # adopted it: run an unbound copy, as a standalone PolicyModel would.
+        pm = dataclasses.replace(self.policied, inner=self.policied.inner.clone(parent=None))
+        streams = list(self.scope.rngs)
+        if self.is_initializing():
+            created = pm.init({n: self.make_rng(n) for n in streams}, *args, **kwargs)
+            for col, tree in created.items():
+                for name, value in tree.items():
+                    self.put_variable(col, name, value)
+        variables = {col: dict(tree) for col, tree in self.variables.items()}
+        mutable = [c for c in variables if c not in ("params", FP8_COLLECTION)
+                   and self.is_mutable_collection(c)]
+        rngs = {n: self.make_rng(n) for n in streams if n != "params"} or None
+        out = pm.apply(variables, *args, rngs=rngs, mutable=mutable or False, **kwargs)
+        if mutable:
+            out, updates = out
+            for col, tree in updates.items():
+                for name, value in tree.items():
+                    self.put_variable(col, name, value)
         return out
 
 

@@ -285,3 +285,53 @@ def test_near_miss_preset_names_get_a_suggestion(name):
         with_policy(lambda x: x, name)
     with pytest.raises(ValueError, match=f"Did you mean '{want}'"):
         get_preset(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The linen policied model as an nn.Module
+
+
+class Parent(nn.Module):
+    preset: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8)(x)  # the parent's own layer: no policy
+        return with_policy(Centered(), self.preset).as_module(name="sub")(h)
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-delayed"])
+def test_a_policied_model_nests_in_a_parent_module(preset):
+    parent = Parent(preset)
+    v = parent.init(jax.random.key(0), X)
+    alone = with_policy(Centered(), preset)
+    ref_v = alone.init(jax.random.key(1), X)
+    assert jax.tree.structure(v["params"]["sub"]) == jax.tree.structure(ref_v["params"])
+    assert ("fp8_state" in v) == (preset == "fp8-delayed")
+    y = parent.apply(v, X)
+    # The sub-model computes exactly what the policied model computes on its own.
+    h = nn.Dense(8).apply({"params": v["params"]["Dense_0"]}, X)
+    sub = {"params": v["params"]["sub"]}
+    if "fp8_state" in v:
+        sub["fp8_state"] = v["fp8_state"]["sub"]
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(alone.apply(sub, h)))
+    np.testing.assert_array_equal(np.asarray(parent.bind(v)(X)), np.asarray(y))
+    dots = dot_operand_dtypes(jax.make_jaxpr(lambda v: parent.apply(v, X))(v))
+    assert dots[0] == (jnp.float32, jnp.float32)  # the parent's Dense, untouched
+    low = (jnp.float8_e4m3fn,) * 2 if preset == "fp8-delayed" else (jnp.bfloat16,) * 2
+    assert low in dots[1:] and (jnp.float32, jnp.float32) not in dots[1:]
+
+
+def test_a_nested_policied_model_tabulates_and_trains_its_fp8_state():
+    parent = Parent("fp8-delayed")
+    table = nn.tabulate(parent, jax.random.key(0))(X)
+    assert "PolicyModu" in table and "sub" in table  # (rich truncates the class name)
+    v = parent.init(jax.random.key(0), X)
+
+    def loss(params, state):
+        return jnp.mean(parent.apply({"params": params, "fp8_state": state}, X) ** 2)
+
+    g, observed = jax.grad(loss, argnums=(0, 1))(v["params"], v["fp8_state"])
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(g))
+    new = fp8.update_state(v["fp8_state"], observed)
+    assert all(float(h[..., 0].min()) > 0 for h in jax.tree.leaves(new))
