@@ -180,9 +180,7 @@ class PolicyModule(nn.Module):
 
     @nn.compact
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The inner model may have been built inside the parent's compact method, which then
-        # adopted it: run an unbound copy, as a standalone PolicyModel would.
-        pm = dataclasses.replace(self.policied, inner=self.policied.inner.clone(parent=None))
+        pm = self.policied  # init/apply run the inner model unbound, as on its own
         streams = list(self.scope.rngs)
         if self.is_initializing():
             created = pm.init({n: self.make_rng(n) for n in streams}, *args, **kwargs)
