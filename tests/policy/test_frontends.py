@@ -335,3 +335,19 @@ def test_a_nested_policied_model_tabulates_and_trains_its_fp8_state():
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(g))
     new = fp8.update_state(v["fp8_state"], observed)
     assert all(float(h[..., 0].min()) > 0 for h in jax.tree.leaves(new))
+
+
+def test_nnx_converted_copies_keep_tied_params_tied():
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 8, rngs=rngs)
+            self.b = nnx.Linear(8, 8, rngs=rngs)
+            self.b.kernel = self.a.kernel  # one Variable, two modules
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    model = Tied(nnx.Rngs(0))
+    wrapped = with_policy(model, "pure-bf16")
+    assert wrapped.a.kernel is wrapped.b.kernel and wrapped.a.kernel is not model.a.kernel
+    assert wrapped.a.kernel[...].dtype == jnp.bfloat16 and model.a.kernel[...].dtype == jnp.float32
