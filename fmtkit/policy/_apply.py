@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 
 from fmtkit.policy import _interpret
@@ -178,6 +180,17 @@ def _param_leaves(args: tuple, argnums: tuple[int, ...]) -> list[tuple[tuple[str
     return out
 
 
+def _has_matmul(traced: Any) -> bool:
+    """Whether the trace holds a ``dot_general`` (at any depth)."""
+    def walk(jaxpr) -> bool:
+        return any(e.primitive.name == "dot_general"
+                   or any(walk(j.jaxpr if hasattr(j, "jaxpr") else j)
+                          for j in jax.extend.core.jaxprs_in_params(e.params))
+                   for e in jaxpr.eqns)
+
+    return walk(traced.closed.jaxpr)
+
+
 def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any) -> Any:
     from fmtkit.policy import _linen
     from fmtkit.policy._policy import check_param_dtypes, has_delayed_fp8, report_unmatched
@@ -190,6 +203,8 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any)
                          "apply with_policy once, to the unwrapped model, with all rules.")
     argnums_spec = _param_argnums(params_argnums)
     delayed = has_delayed_fp8(rules)
+    has_fp8 = any(p is not None and p.fp8 is not None
+                  for p in (rules.default, *(p for _, p in rules.rules)))
 
     def call(*args, **kwargs):
         with _linen.scoped():
@@ -211,6 +226,13 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any)
             return True
 
         traced = _interpret.trace(call, args, kwargs, is_param=is_param)
+        if has_fp8 and not argnums and argnums_spec == _AUTO and _has_matmul(traced):
+            warnings.warn(
+                "with_policy: this function was called with one positional argument, which "
+                "params_argnums='auto' counts as data, so no matmul has a parameter operand "
+                "and the policy's FP8 recipe runs on none of them. If the argument holds "
+                "parameters (f(params)), pass params_argnums=0; to silence this for data, "
+                "params_argnums=().", UserWarning, stacklevel=3)
         visited = traced.registry.visited()
         report_unmatched(rules, visited or {"": ()}, strict)
         check_param_dtypes(rules, visited, _param_leaves(args, argnums),

@@ -351,3 +351,13 @@ def test_nnx_converted_copies_keep_tied_params_tied():
     wrapped = with_policy(model, "pure-bf16")
     assert wrapped.a.kernel is wrapped.b.kernel and wrapped.a.kernel is not model.a.kernel
     assert wrapped.a.kernel[...].dtype == jnp.bfloat16 and model.a.kernel[...].dtype == jnp.float32
+
+
+def test_a_one_argument_function_under_fp8_says_what_counts_as_parameters():
+    def loss(params):  # the data is closed over: f(params)
+        return jnp.sum(jnp.tanh(X @ params["w1"]) @ params["w2"])
+
+    with pytest.warns(UserWarning, match="pass params_argnums=0"):
+        with_policy(loss, "fp8-current")(MLP_PARAMS)
+    closed = jax.make_jaxpr(with_policy(loss, "fp8-current", params_argnums=0))(MLP_PARAMS)
+    assert (jnp.float8_e4m3fn, jnp.float8_e4m3fn) in dot_operand_dtypes(closed)
