@@ -94,7 +94,8 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
       params_argnums: functions only: the positional argument(s) holding parameters, an int
         or a sequence (``()``: none). "auto" (default): the first argument when the function
         is called with two or more positional arguments (``apply(params, x)``), none when
-        called with one (``f(x)``: data); say ``params_argnums=0`` for ``f(params)``.
+        called with one (``f(x)``: data; under an FP8 policy that warns, since no matmul
+        then has a parameter operand); say ``params_argnums=0`` for ``f(params)``.
 
     Returns:
       linen: a ``PolicyModel`` with ``init``/``apply`` as the module's (same variables, plus
