@@ -203,7 +203,7 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
                 """The (64, pass_n) scale of pass ``p``, formed after the wgmma wait (so
                 it is not live beside the in-flight accumulator: 64 registers a thread)."""
                 a_s, b_s = scales
-                pr, pc = config.passes[p]
+                _, pc = config.passes[p]
                 b = b_s[pass_cols.index(pc)]
                 if b_rows:
                     return (lax.broadcast_in_dim(a_s[p], (64, pass_n), [0])
