@@ -481,18 +481,19 @@ def blockwise_fp8_matmul(
     if mp != m:  # zero rows: their products are zero, any finite scale will do
         a2 = jnp.pad(a2, ((0, mp - m), (0, 0)))
         as2 = jnp.pad(as2, ((0, mp - m), (0, 0)), constant_values=1.0)
-    if np_ != n:
-        b2 = jnp.pad(b2, ((0, np_ - n), (0, 0)))
+    # B and the output are not padded along N: the last column tile's TMA loads read zeros
+    # past B's last row and its TMA stores drop the columns past N (the hardware clips
+    # both at the tensor's bounds). Only the scale rows are padded to whole tiles.
     # Scales transposed, one contiguous row per K block (what the kernel reads per step):
-    # A's per row; B's per row or per 128-row block, padded to the padded N (padding
-    # scales are 1; they only meet zero padding).
+    # A's per row; B's per row or per 128-row block (padding scales are 1; they only meet
+    # the zeros past B's end).
     as_t = as2.T  # [KB, Mp]
     width = np_ if b_rows else pl.cdiv(np_, BLOCK_K)
     bs_t = jnp.pad(bs2.T, ((0, 0), (0, width - bs2.shape[0])), constant_values=1.0)
     out = _kernel_call(a2, as_t, b2, bs_t, config=config, out_dtype=out_dtype, impl=impl,
                        b_rows=b_rows)
-    if (mp, np_) != (m, n):
-        out = out[:m, :n]
+    if mp != m:
+        out = out[:m]
     return out.reshape(*lead, n)
 
 
