@@ -306,9 +306,16 @@ def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Imp
         num_threads=3,
         thread_name="wg",
         interpret=_backend.interpret_params(impl),
-        kernel_name=KERNEL_NAME,
+        kernel_name=kernel_name(config, out_dtype, b_rows),
     )
     return kernel(a, as_t, b, bs_t)
+
+
+def kernel_name(config: TuningConfig, out_dtype, b_rows: bool) -> str:
+    """The compiled kernel's name, unique per variant (tiles, stages, output dtype, B's
+    scale layout), so that ptxas's report and profiles say which variant they are about."""
+    form = "_brows" if b_rows else ""
+    return f"{KERNEL_NAME}_{config}_{jnp.dtype(out_dtype).name}{form}"
 
 
 # --------------------------------------------------------------------------------------
