@@ -88,9 +88,10 @@ STARTUP_TIMEOUT_S = 120.0  # a worker that has not started its first item by the
 MIN_PHASE_S = 20.0  # starting a worker (imports, backend) costs ~5-10 s: not worth it below
 MAX_RESTARTS = 4  # per phase; each restart skips the item that hung or crashed
 # Share of the time left that a phase may use (the rest stays for the later phases). With
-# the default 480 s and phases that use their budget: compile ~100 s, correctness ~110,
-# bench ~110, train ~100, tune ~50, pytest the rest.
-PHASE_SHARE = {"compile": 0.21, "correctness": 0.29, "bench": 0.4, "train": 0.6,
+# the default 480 s and phases that use their budget: compile ~95 s, correctness ~95,
+# bench ~115, train ~130, tune ~35, pytest the rest (phases that finish early leave
+# their time to the next).
+PHASE_SHARE = {"compile": 0.2, "correctness": 0.25, "bench": 0.4, "train": 0.75,
                "tune": 0.8}
 _POLL_S = 0.5
 _SUMMARY_EVERY_S = 2.0
