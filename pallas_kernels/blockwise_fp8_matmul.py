@@ -113,10 +113,11 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
       the TMA transaction bytes of both tiles have landed (``emit_pipeline`` waits).
     * Scales: plain global loads of read-only inputs, no hazard. They are issued one K
       block ahead (carried) so their latency hides behind a whole step.
-    * Output staging: each warpgroup owns two 8 KiB slots of ``out_smem``. Before writing
-      slot j it waits until at most one of its own TMA stores is still reading shared
-      memory (``wait_smem_to_gmem(1, wait_read_only=True)``): stores complete in order, so
-      the older one, the last reader of slot j, has finished. ``commit_smem`` (a
+    * Output staging: each warpgroup owns two 8 KiB slots of ``out_smem``, used in turn
+      over all of the CTA's output chunks (across tiles). Before writing slot j it waits
+      until at most one of its own TMA stores is still reading shared memory
+      (``wait_smem_to_gmem(1, wait_read_only=True)``): stores complete in order, so the
+      older one, the last reader of slot j, has finished. ``commit_smem`` (a
       ``fence.proxy.async``) makes the generic-proxy writes visible to the TMA store. The
       warpgroups never share a slot; the kernel's last ``wait_smem_to_gmem(0)`` keeps the
       CTA alive until its stores have read shared memory.
@@ -135,6 +136,7 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
     # Distinct column offsets of the passes: the row-scaled B's scale vector is loaded once
     # per column offset (256x128: both 64-row passes share it).
     pass_cols = tuple(sorted({pc for _, pc in config.passes}))
+    chunks_per_tile = len(config.passes) * (pass_n // epi_n)
 
     def make_pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
@@ -214,11 +216,14 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
                 sums = tuple(plgpu.layout_cast(jnp.zeros((64, pass_n), jnp.float32),
                                                plgpu.Layout.WGMMA) for _ in config.passes)
                 sums, _ = run_pipeline((sums, load_scales(0)))
-                chunk = 0
+                # The slots alternate over the CTA's whole sequence of chunks, across
+                # tiles: with an odd count per tile (64x128: one), restarting at slot 0 on
+                # every tile would overwrite a slot whose store may still be reading it.
+                chunk = info.local_index * chunks_per_tile
                 for (pr, pc), acc in zip(config.passes, sums):
                     for e in range(0, pass_n, epi_n):
-                        slot = chunk % 2
-                        chunk += 1
+                        slot = lax.rem(chunk, 2)
+                        chunk = chunk + 1
                         # At most one store in flight: the one from the other slot.
                         if hazard != "no_store_wait":
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)

@@ -206,25 +206,30 @@ def test_wgrad_pads_tokens():
     # drain per tile (7 K blocks, 4 stages: the ring wraps), two 64-row passes, one tile a
     # program plus a program with two
     (768, 128, 896, "256x128"),
-], ids=["persistent-128x128", "drain-256x128"])
+    # one output staging chunk per tile (64x64 warpgroup tiles, bf16): the staging slot
+    # must alternate across tiles, not restart at slot 0 on every tile
+    (192, 256, 256, "64x128"),
+], ids=["persistent-128x128", "drain-256x128", "one-chunk-per-tile-64x128"])
 def test_no_races_in_interpret_mode(m, n, k, cfg_name):
     """The kernel under the race detector: the slot release after the wgmma wait, the
     plain accesses of the ring, the pipeline handed from tile to tile and the
     double-buffered output staging. What an empty report is worth, hazard by hazard, is
     shown by ``test_injected_hazard_is_caught`` (the detector is blind to the wgmma's own
     shared-memory reads)."""
+    out_dtype = jnp.bfloat16 if cfg_name == "64x128" else jnp.float32
     x, w = _data(m, n, k, seed=7)
     xq, xs, wq, ws = _quantized(x, w)
     out_buf = io.StringIO()
     with contextlib.redirect_stdout(out_buf):
         out = blockwise_fp8_matmul(
-            xq, xs, wq, ws, out_dtype=jnp.float32,
+            xq, xs, wq, ws, out_dtype=out_dtype,
             impl=plgpu.InterpretGPUParams(detect_races=True),
             config=SHIPPED_CONFIGS[cfg_name])
         out.block_until_ready()
     assert "RACE DETECTED" not in out_buf.getvalue()
     ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
-    assert _rel_fro(out, ref) < F32_RTOL["interpret"]
+    assert _rel_fro(out, ref) < (F32_RTOL["interpret"] if out_dtype == jnp.float32
+                                 else BF16_RTOL)
 
 
 _WGMMA_BLIND = ("jax 0.11.2's GPU interpreter executes wgmma synchronously at issue and "
