@@ -1,6 +1,7 @@
 """The kernel as ``fmtkit.fp8``'s GEMM backend: the output dtype each training GEMM asks
 for, and the training path's numerics (interpret-mode kernel vs the XLA fallback)."""
 
+import contextlib
 import dataclasses
 
 import jax
@@ -16,8 +17,8 @@ BLOCKWISE_INTERPRET = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="
 BLOCKWISE_XLA = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="never")
 
 
-@pytest.fixture
-def spy():
+@contextlib.contextmanager
+def _spy():
     """Records the ``out_dtype`` of every call of the registered Pallas backend."""
     name = "pallas_blockwise_fp8"
     saved = fp8._GEMM_BACKENDS[name]
@@ -48,17 +49,30 @@ def _data(dtype):
     return x, w, dy
 
 
-@pytest.mark.parametrize("dtype,want", [
-    (jnp.bfloat16, ["bfloat16", "bfloat16", "float32"]),  # forward, dgrad, wgrad
-    (jnp.float32, ["float32", "float32", "float32"]),
-], ids=["bf16-model", "f32-model"])
-def test_kernel_writes_what_the_consumer_reads(spy, dtype, want):
-    """A bf16 model's forward and data gradient get bf16 straight from the kernel; the
-    weight gradient stays f32 (it is accumulated into f32 master weights)."""
+def _kernel_run(dtype):
+    """Forward and both gradients of a dot through the interpret-mode kernel, with the
+    output dtypes the three GEMMs asked the kernel for."""
     x, w, dy = _data(dtype)
-    y, dx, dw = _fwd_bwd(BLOCKWISE_INTERPRET, x, w, dy)
-    assert spy == want
-    assert y.dtype == dx.dtype == dw.dtype == dtype
+    with _spy() as calls:
+        out = jax.jit(lambda a, b, g: _fwd_bwd(BLOCKWISE_INTERPRET, a, b, g))(x, w, dy)
+    return out, calls
+
+
+@pytest.fixture(scope="module")
+def bf16_run():
+    return _kernel_run(jnp.bfloat16)
+
+
+def test_kernel_writes_what_the_consumer_reads(bf16_run):
+    """A bf16 model's forward and data gradient get bf16 straight from the kernel; the
+    weight gradient stays f32 (it is accumulated into f32 master weights). An f32 model
+    gets f32 everywhere."""
+    (y, dx, dw), calls = bf16_run
+    assert calls == ["bfloat16", "bfloat16", "float32"]  # forward, dgrad, wgrad
+    assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+    (y, dx, dw), calls = _kernel_run(jnp.float32)
+    assert calls == ["float32"] * 3
+    assert y.dtype == dx.dtype == dw.dtype == jnp.float32
 
 
 def _bf16_ulps(a, b):
@@ -70,14 +84,14 @@ def _bf16_ulps(a, b):
     return np.where(sa == sb, np.abs(mag(ia) - mag(ib)), mag(ia) + mag(ib))
 
 
-def test_bf16_training_path_matches_the_xla_fallback():
+def test_bf16_training_path_matches_the_xla_fallback(bf16_run):
     """The interpret-mode kernel against the XLA fallback (``use_kernel="never"``) for a
     bf16 model. Both accumulate exact FP8 products in f32 block by block; only the order
     inside a 128-wide K block differs (a few f32 ulps), so the single rounding to bf16
     agrees bit for bit except where an f32 value sits at a rounding tie: at most one bf16
     ulp, on a small fraction of elements. The f32 weight gradient: f32 round-off."""
     x, w, dy = _data(jnp.bfloat16)
-    got = jax.jit(lambda a, b, g: _fwd_bwd(BLOCKWISE_INTERPRET, a, b, g))(x, w, dy)
+    got, _ = bf16_run
     ref = jax.jit(lambda a, b, g: _fwd_bwd(BLOCKWISE_XLA, a, b, g))(x, w, dy)
     for g_, r_ in zip(got[:2], ref[:2]):  # y, dx: bf16 from the kernel
         ulps = _bf16_ulps(g_, r_)
