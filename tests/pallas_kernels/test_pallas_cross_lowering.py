@@ -157,6 +157,13 @@ def test_scale_product_is_formed_after_the_wgmma_wait(name, b_rows):
     windows = list(_wgmma_windows(traced.jaxpr.jaxpr))
     # one window per pass of a K step, in each of the persistent loop's four pipelines
     assert windows and len(windows) % len(config.passes) == 0
+    # The next K block's scale vectors are loaded inside the last pass's window (one step
+    # early, while the wgmmas run).
+    loads = [sum(e.primitive.name == "load" for e in w.eqns) for w in windows]
+    # one A row-scale vector per pass; with b_rows, one B column-scale vector per column
+    # offset of the passes
+    b_vectors = len({pc for _, pc in config.passes}) if b_rows else 0
+    assert max(loads) == len(config.passes) + b_vectors
     full = (64, config.pass_n)
     for window in windows:
         formed = [e.primitive.name for e in window.eqns
