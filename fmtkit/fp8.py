@@ -303,9 +303,12 @@ def register_gemm_backend(name: str, fn: Callable[..., jax.Array], *,
 
     Args:
       name: the backend's name (registering a name again replaces it).
-      fn: ``fn(a_values, a_scale, b_values, b_scale, *, impl) -> f32 [F1, F2]``, the
-        product ``a [F1, C] · b [F2, C]ᵀ`` with the scales applied per block of C, exactly
-        ``scaled_matmul``'s semantics; ``impl`` is "kernel" or "interpret".
+      fn: ``fn(a_values, a_scale, b_values, b_scale, *, impl, out_dtype) -> [F1, F2]``,
+        the product ``a [F1, C] · b [F2, C]ᵀ`` with the scales applied per block of C,
+        exactly ``scaled_matmul``'s semantics, accumulated in f32 and rounded once to
+        ``out_dtype`` (float32, or bfloat16 where the GEMM's consumer is bf16: the forward
+        and data-gradient GEMMs of a bf16 model; a kernel that writes bf16 moves half the
+        output bytes); ``impl`` is "kernel" or "interpret".
       applies: whether the kernel takes these two (padded) ``ScaledArray`` operands.
       available: whether the compiled kernel runs here (e.g. on a Hopper GPU); evaluated at
         trace time, so an abstract mesh's device counts.
@@ -610,12 +613,12 @@ def _fits_block_scaled_dot(a: ScaledArray, b: ScaledArray) -> bool:
                and t.scale.dtype == jnp.float8_e8m0fnu for t in (a, b))
 
 
-def _block_scaled_dot(a_values, a_scale, b_values, b_scale, *, impl):
+def _block_scaled_dot(a_values, a_scale, b_values, b_scale, *, impl, out_dtype):
     """JAX's native block-scaled dot (``jax.nn.scaled_matmul``): XLA's ``block_scaled_dot``,
     run by cuDNN on Blackwell; elsewhere (``impl="interpret"``) JAX's own decomposition."""
     del impl
     return jax.nn.scaled_matmul(a_values[None], b_values[None], a_scale[None], b_scale[None],
-                                preferred_element_type=jnp.float32)[0]
+                                preferred_element_type=jnp.float32)[0].astype(out_dtype)
 
 
 register_gemm_backend("jax_block_scaled_dot", _block_scaled_dot,
@@ -630,12 +633,20 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _gemm(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe) -> jax.Array:
+def _gemm(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe, out_dtype=jnp.float32
+          ) -> jax.Array:
     found = _kernel_backend(recipe, a, b)
     if found is not None:
         backend, impl = found
-        return backend.fn(a.values, a.scale, b.values, b.scale, impl=impl)
-    return scaled_matmul(a, b, recipe)
+        return backend.fn(a.values, a.scale, b.values, b.scale, impl=impl,
+                          out_dtype=out_dtype)
+    return scaled_matmul(a, b, recipe).astype(out_dtype)
+
+
+def _gemm_dtype(consumer_dtype) -> jnp.dtype:
+    """A GEMM's output dtype: bf16 where its consumer is bf16 (one rounding of the f32
+    accumulation either way), else f32."""
+    return jnp.dtype(jnp.bfloat16 if consumer_dtype == jnp.bfloat16 else jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -678,12 +689,13 @@ def _tiles(recipe: FP8Recipe) -> tuple[_Tile, _Tile, _Tile]:
     return _tile(recipe.x_tile), _tile(recipe.w_tile), _tile(recipe.grad_tile)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(recipe: FP8Recipe, x: jax.Array, w: jax.Array, hist: jax.Array) -> jax.Array:
-    return _core_fwd(recipe, x, w, hist)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _core(recipe: FP8Recipe, out_dtype, x: jax.Array, w: jax.Array, hist: jax.Array
+          ) -> jax.Array:
+    return _core_fwd(recipe, out_dtype, x, w, hist)[0]
 
 
-def _core_fwd(recipe, x, w, hist):
+def _core_fwd(recipe, out_dtype, x, w, hist):
     tx, tw, _ = _tiles(recipe)
     m, k = x.shape
     n = w.shape[0]
@@ -693,7 +705,7 @@ def _core_fwd(recipe, x, w, hist):
                   _tensor_amax(recipe, tx, hist[0], x, amax_x), kp)
     wq = _operand(w, recipe.w_format, tw, recipe,
                   _tensor_amax(recipe, tw, hist[1], w, amax_w), kp)
-    y = _gemm(xq, wq, recipe)[:m, :n]
+    y = _gemm(xq, wq, recipe, _gemm_dtype(out_dtype))[:m, :n]
     # Residuals: the quantized operand where the backward GEMMs can reuse it, else the input.
     # (Empty arrays carry K and the input dtypes: residuals must be arrays.)
     return y, (xq if tx.transposable else x, wq if tw.transposable else w, hist,
@@ -712,7 +724,9 @@ def _backward_operand(res: jax.Array | ScaledArray, fmt: str, tile: _Tile,
                     c_to)
 
 
-def _core_bwd(recipe, res, g):
+def _core_bwd(recipe, out_dtype, res, g):
+    del out_dtype
+    g = g.astype(jnp.float32)  # as when the forward GEMM returned f32 (exact from bf16)
     x_res, w_res, hist, amax_x, amax_w, x_meta, w_meta = res
     m, n = g.shape
     k, x_dtype, w_dtype = x_meta.shape[1], x_meta.dtype, w_meta.dtype
@@ -723,7 +737,7 @@ def _core_bwd(recipe, res, g):
     np_ = _c_to(n, tg, tw)
     gq_n = _operand(g, recipe.grad_format, tg, recipe, d_g, np_)
     wq_n = _backward_operand(w_res, recipe.w_format, tw, recipe, hist[1], amax_w, k, np_)
-    dx = _gemm(gq_n, wq_n, recipe)[:m, :k].astype(x_dtype)
+    dx = _gemm(gq_n, wq_n, recipe, _gemm_dtype(x_dtype))[:m, :k].astype(x_dtype)
     # wgrad: dw [N, K] = gᵀ [N, M] · x [M, K], contracting the tokens M.
     mp = _c_to(m, tg, tx)
     if tg.transposable and tg.kind != "block":
@@ -832,7 +846,7 @@ def dot_general(recipe: str | FP8Recipe = "blockwise", *, name: str | None = Non
             raise ValueError(f"{where}: delayed scaling supports dots without batch dims "
                              "(Dense, DenseGeneral); use a current-scaling recipe for batched "
                              "einsums.")
-        core = functools.partial(_core, recipe)
+        core = functools.partial(_core, recipe, _gemm_dtype(out_dtype))
         for _ in range(nbatch):
             core = jax.vmap(core, in_axes=(0, 0, None))
         y = core(x, w, hist)

@@ -45,8 +45,11 @@ def _fits_kernel(a, b) -> bool:
             and a.fmt.name == "float8_e4m3fn" and b.fmt.name == "float8_e4m3fn")
 
 
-def _gemm(a_values, a_scale, b_values, b_scale, *, impl):
-    return blockwise_fp8_matmul(a_values, a_scale, b_values, b_scale, out_dtype=jnp.float32,
+def _gemm(a_values, a_scale, b_values, b_scale, *, impl, out_dtype=jnp.float32):
+    """``fmtkit.fp8``'s GEMM backend contract: the kernel writes ``out_dtype`` itself (bf16
+    for the forward and data gradient of a bf16 model: half the output bytes, no XLA
+    convert after it; f32 for the weight gradient)."""
+    return blockwise_fp8_matmul(a_values, a_scale, b_values, b_scale, out_dtype=out_dtype,
                                 impl=impl)
 
 

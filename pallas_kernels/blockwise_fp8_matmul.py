@@ -22,16 +22,18 @@ of its tile, a compute warpgroup
 
 1. issues a ``plgpu.wgmma`` of FP8 operands (both K-major: FP8 ``wgmma`` cannot transpose)
    into a fresh f32 accumulator,
-2. loads the block's A row scales and B scale(s) from global memory while it runs (plain
-   loads, L2-resident; nothing in shared memory, so no proxy fence before the TMA warpgroup
-   refills the slot),
+2. loads the *next* K block's A row scales and B scale(s) from global memory while it
+   runs (plain loads, L2-resident, carried to the next step; nothing in shared memory, so
+   no proxy fence before the TMA warpgroup refills the slot),
 3. waits for the wgmma and, after its last pass, releases the slot
-   (``manual_consumed_barriers``), before
-4. the promotion ``sum += fresh * (a_scale ⊗ b_scale)`` into the register-resident sum.
+   (``manual_consumed_barriers``), then
+4. forms this block's scale product (after the wait: not live beside the in-flight
+   accumulator) and promotes ``sum += fresh * (a_scale ⊗ b_scale)`` into the
+   register-resident sum.
 
 When the stages divide the K blocks (``config.pipeline_stages``), one pipeline runs through
 all of a CTA's tiles (``pipeline_state``), so the ring is not drained and refilled between
-tiles. The epilogue casts and stores each 64-row pass through a 16 KiB shared-memory chunk
+tiles. The epilogue casts and stores each 64-row pass through two 8 KiB shared-memory slots
 per warpgroup with TMA.
 """
 
@@ -77,9 +79,15 @@ def _swizzled(dtype) -> tuple:
 # Kernel body (refs).
 
 
+# Private fault injection for the race-detector tests (``tests/pallas_kernels``): each
+# breaks one step of the synchronization protocol below. Never set outside tests.
+_HAZARDS = ("release_before_wgmma", "release_before_wait", "read_after_release",
+            "no_store_wait", "shared_output_slot")
+
+
 def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfig,
                    m_tiles: int, n_tiles: int, k_blocks: int, b_rows: bool, stages: int,
-                   persistent: bool):
+                   persistent: bool, hazard: str | None = None):
     """One persistent CTA: ``a_ref`` [Mp, K] e4m3, ``as_ref`` [K/128, Mp] f32 (A scales,
     transposed so a K block's scales are one contiguous row), ``b_ref`` [Np, K] e4m3,
     ``bs_ref`` f32 B scales, transposed: [K/128, Np] per row (``b_rows``) or
@@ -89,12 +97,46 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
     warpgroup fetches the next tile's first K blocks while the compute warpgroups finish
     the current one (``pipeline_state``: START on the CTA's first tile, STEADY, STOP on
     its last; a CTA with one tile runs a self-contained pipeline).
+
+    Synchronization protocol (why each wait and release is safe):
+
+    * Ring slot s (A and B tiles of one K block): the TMA warpgroup waits on s's two
+      *consumed* barriers before refilling it; each has ``2 x 128`` expected arrivals
+      (two compute warpgroups; Mosaic GPU's Lane semantics counts every thread, see
+      below). A compute warpgroup arrives only after ``acc_ref[...]`` of its last pass
+      has returned, and reading a ``plgpu.ACC`` accumulator is a ``wgmma.wait_group 0``:
+      every ``wgmma`` of this K block, the only readers of s, has completed. The
+      ``mbarrier.arrive`` has release semantics, the TMA's wait acquire, so the async
+      proxy's overwrite is ordered after the tensor core's reads. Nothing else reads the
+      ring (the scales come from global memory), so no proxy fence is needed.
+    * *Produced* barriers (the pipeline's): a compute warpgroup reads slot s only after
+      the TMA transaction bytes of both tiles have landed (``emit_pipeline`` waits).
+    * Scales: plain global loads of read-only inputs, no hazard. They are issued one K
+      block ahead (carried) so their latency hides behind a whole step.
+    * Output staging: each warpgroup owns two 8 KiB slots of ``out_smem``, used in turn
+      over all of the CTA's output chunks (across tiles). Before writing slot j it waits
+      until at most one of its own TMA stores is still reading shared memory
+      (``wait_smem_to_gmem(1, wait_read_only=True)``): stores complete in order, so the
+      older one, the last reader of slot j, has finished. ``commit_smem`` (a
+      ``fence.proxy.async``) makes the generic-proxy writes visible to the TMA store. The
+      warpgroups never share a slot; the kernel's last ``wait_smem_to_gmem(0)`` keeps the
+      CTA alive until its stores have read shared memory.
+
+    One arrival per warpgroup instead of per thread would need barriers with a single
+    arrival: Mosaic GPU (0.11.2) multiplies the expected arrivals of every barrier that
+    ``emit_pipeline_warp_specialized`` allocates by 128 in Lane semantics
+    (``lowering.arrival_multiplier``) and arrives from one lane only for
+    ``orders_tensor_core`` barriers (Blackwell's tcgen05), so 128 arrivals it is.
     """
     bm, bn, wg_m, wg_n = config.block_m, config.block_n, config.wg_m, config.wg_n
     pass_n = config.pass_n
     out_dtype = out_ref.dtype
     epi_n = epilogue_n(config, out_dtype)
     fp8_transforms = _swizzled(_FP8)
+    # Distinct column offsets of the passes: the row-scaled B's scale vector is loaded once
+    # per column offset (256x128: both 64-row passes share it).
+    pass_cols = tuple(sorted({pc for _, pc in config.passes}))
+    chunks_per_tile = len(config.passes) * (pass_n // epi_n)
 
     def make_pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
@@ -121,12 +163,14 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
     @functools.partial(
         pl.run_scoped,
         allocs=make_pipeline(ignore, ignore).get_allocations(a_ref, b_ref),
-        out_smem=plgpu.SMEM((2, 64, epi_n), out_dtype, transforms=_swizzled(out_dtype)),
+        # [warpgroup, slot]: two 8 KiB slots per warpgroup (double-buffered stores).
+        out_smem=plgpu.SMEM((2, 2, 64, epi_n), out_dtype, transforms=_swizzled(out_dtype)),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
         minor = 0 if config.grid_minor_dim == "m" else 1
+        my_smem = out_smem.at[0 if hazard == "shared_output_slot" else wg]
 
         @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
         def _tile(info):
@@ -141,51 +185,91 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
                 r0, c0 = 0, wg * wg_n
             row0, col0 = mi * bm + r0, ni * bn + c0
 
+            def load_scales(kb):
+                """K block ``kb``'s scales, straight from global memory (L2): per pass the
+                A row scales (a 64-vector), and per distinct pass column either the B
+                scale (one 128x128 block; passes are aligned to it) or, with ``b_rows``,
+                the pass's column-scale vector. Plain loads: no shared memory to fence."""
+                a_s = tuple(plgpu.load(as_ref.at[kb, pl.ds(row0 + pr, 64)],
+                                       layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                            for pr, _ in config.passes)
+                if b_rows:
+                    b_s = tuple(plgpu.load(bs_ref.at[kb, pl.ds(col0 + pc, pass_n)],
+                                           layout=plgpu.Layout.WGMMA.reduce(0),
+                                           optimized=False) for pc in pass_cols)
+                else:
+                    b_s = tuple(bs_ref[kb, (col0 + pc) // BLOCK_K] for pc in pass_cols)
+                return a_s, b_s
+
+            def scale_product(scales, p):
+                """The (64, pass_n) scale of pass ``p``, formed after the wgmma wait (so
+                it is not live beside the in-flight accumulator: 64 registers a thread)."""
+                a_s, b_s = scales
+                _, pc = config.passes[p]
+                b = b_s[pass_cols.index(pc)]
+                if b_rows:
+                    return (lax.broadcast_in_dim(a_s[p], (64, pass_n), [0])
+                            * lax.broadcast_in_dim(b, (64, pass_n), [1]))
+                return lax.broadcast_in_dim(a_s[p] * b, (64, pass_n), [0])
+
             def compute_context(run_pipeline):
                 sums = tuple(plgpu.layout_cast(jnp.zeros((64, pass_n), jnp.float32),
                                                plgpu.Layout.WGMMA) for _ in config.passes)
-                sums = run_pipeline(sums)
+                sums, _ = run_pipeline((sums, load_scales(0)))
+                # The slots alternate over the CTA's whole sequence of chunks, across
+                # tiles: with an odd count per tile (64x128: one), restarting at slot 0 on
+                # every tile would overwrite a slot whose store may still be reading it.
+                chunk = info.local_index * chunks_per_tile
                 for (pr, pc), acc in zip(config.passes, sums):
                     for e in range(0, pass_n, epi_n):
-                        # The previous chunk's TMA store must have read out_smem first.
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem[wg] = acc[:, e:e + epi_n].astype(out_dtype)
+                        slot = lax.rem(chunk, 2)
+                        chunk = chunk + 1
+                        # At most one store in flight: the one from the other slot.
+                        if hazard != "no_store_wait":
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        my_smem[slot] = acc[:, e:e + epi_n].astype(out_dtype)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg],
+                            my_smem.at[slot],
                             out_ref.at[pl.ds(row0 + pr, 64), pl.ds(col0 + pc + e, epi_n)])
 
-            def load_scales(kb, pr, pc):
-                """The pass's A row scales and B scale(s) for K block ``kb``, straight from
-                global memory (L2): plain loads, so no shared-memory slot to fence."""
-                a_s = plgpu.load(as_ref.at[kb, pl.ds(row0 + pr, 64)],
-                                 layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                if b_rows:
-                    b_s = plgpu.load(bs_ref.at[kb, pl.ds(col0 + pc, pass_n)],
-                                     layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                    return (lax.broadcast_in_dim(a_s, (64, pass_n), [0])
-                            * lax.broadcast_in_dim(b_s, (64, pass_n), [1]))
-                # One 128x128 block of B per pass (pass_n <= 128, passes aligned to it).
-                b_s = bs_ref[kb, (col0 + pc) // BLOCK_K]
-                return lax.broadcast_in_dim(a_s * b_s, (64, pass_n), [0])
+            def release(a_consumed, b_consumed):
+                plgpu.barrier_arrive(a_consumed)
+                plgpu.barrier_arrive(b_consumed)
 
-            def k_step(idxs, a_smem, b_smem, a_consumed, b_consumed, sums):
+            def k_step(idxs, a_smem, b_smem, a_consumed, b_consumed, carry):
                 (kb,) = idxs
+                sums, scales = carry
+                if hazard == "release_before_wgmma":
+                    release(a_consumed, b_consumed)
+                nxt = None
                 out = []
                 for p, ((pr, pc), acc) in enumerate(zip(config.passes, sums)):
-                    def product(acc_ref, pr=pr, pc=pc):
+                    last = p == len(sums) - 1
+
+                    def product(acc_ref, pr=pr, pc=pc, last=last):
                         # B is [N, K] in memory; the transposed view is the K-major RHS.
                         plgpu.wgmma(acc_ref, a_smem.at[pl.ds(r0 + pr, 64)],
                                     b_smem.at[pl.ds(c0 + pc, pass_n)].T)
-                        s = load_scales(kb, pr, pc)  # in flight while the wgmma runs
-                        return acc_ref[...], s  # reading the accumulator waits for it
+                        if last and hazard == "release_before_wait":
+                            release(a_consumed, b_consumed)
+                        # The next K block's scales, in flight while the wgmmas run (the
+                        # last step reloads its own: the index stays in bounds).
+                        nxt_ = (load_scales(jnp.minimum(kb + 1, k_blocks - 1)) if last
+                                else None)
+                        return acc_ref[...], nxt_  # reading the accumulator waits for it
 
-                    fresh, s = pl.run_scoped(product, plgpu.ACC((64, pass_n), jnp.float32))
-                    if p == len(sums) - 1:  # every wgmma of this K block has read the slot
-                        plgpu.barrier_arrive(a_consumed)
-                        plgpu.barrier_arrive(b_consumed)
-                    out.append(acc + fresh * s)
-                return tuple(out)
+                    fresh, got = pl.run_scoped(product, plgpu.ACC((64, pass_n), jnp.float32))
+                    if last:
+                        nxt = got
+                        # Every wgmma of this K block has completed: release the slot.
+                        if hazard not in ("release_before_wgmma", "release_before_wait"):
+                            release(a_consumed, b_consumed)
+                        if hazard == "read_after_release":
+                            # A plain read of the released slot (the TMA may be refilling it).
+                            fresh = fresh + a_smem[0:64, 0:pass_n].astype(jnp.float32) * 0.0
+                    out.append(acc + fresh * scale_product(scales, p))
+                return tuple(out), nxt
 
             def run(state):
                 make_pipeline(k_step, compute_context, state)(
@@ -207,26 +291,36 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
 
 
 def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Impl,
-                 b_rows: bool):
-    """Launches the kernel on padded operands (``M % block_m == N % block_n == 0``)."""
+                 b_rows: bool, n_out: int | None = None, hazard: str | None = None):
+    """Launches the kernel on operands padded to whole tiles (``M % block_m == 0``; B's
+    rows and the output columns may stop short of a whole tile: ``n_out`` columns)."""
+    if hazard is not None and hazard not in _HAZARDS:
+        raise ValueError(f"hazard must be one of {_HAZARDS} or None, got {hazard!r}.")
     m, k = a.shape
-    n = b.shape[0]
-    m_tiles, n_tiles, k_blocks = m // config.block_m, n // config.block_n, k // BLOCK_K
+    n = b.shape[0] if n_out is None else n_out
+    m_tiles, n_tiles, k_blocks = m // config.block_m, pl.cdiv(n, config.block_n), k // BLOCK_K
     stages, persistent = pipeline_stages(config, k_blocks)
     grid = min(_backend.num_sms(impl), m_tiles * n_tiles)
     kernel = plgpu.kernel(
         functools.partial(_matmul_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles,
                           k_blocks=k_blocks, b_rows=b_rows, stages=stages,
-                          persistent=persistent),
+                          persistent=persistent, hazard=hazard),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(grid,),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         interpret=_backend.interpret_params(impl),
-        kernel_name=KERNEL_NAME,
+        kernel_name=kernel_name(config, out_dtype, b_rows),
     )
     return kernel(a, as_t, b, bs_t)
+
+
+def kernel_name(config: TuningConfig, out_dtype, b_rows: bool) -> str:
+    """The compiled kernel's name, unique per variant (tiles, stages, output dtype, B's
+    scale layout), so that ptxas's report and profiles say which variant they are about."""
+    form = "_brows" if b_rows else ""
+    return f"{KERNEL_NAME}_{config}_{jnp.dtype(out_dtype).name}{form}"
 
 
 # --------------------------------------------------------------------------------------
@@ -399,18 +493,19 @@ def blockwise_fp8_matmul(
     if mp != m:  # zero rows: their products are zero, any finite scale will do
         a2 = jnp.pad(a2, ((0, mp - m), (0, 0)))
         as2 = jnp.pad(as2, ((0, mp - m), (0, 0)), constant_values=1.0)
-    if np_ != n:
-        b2 = jnp.pad(b2, ((0, np_ - n), (0, 0)))
+    # B and the output are not padded along N: the last column tile's TMA loads read zeros
+    # past B's last row and its TMA stores drop the columns past N (the hardware clips
+    # both at the tensor's bounds). Only the scale rows are padded to whole tiles.
     # Scales transposed, one contiguous row per K block (what the kernel reads per step):
-    # A's per row; B's per row or per 128-row block, padded to the padded N (padding
-    # scales are 1; they only meet zero padding).
+    # A's per row; B's per row or per 128-row block (padding scales are 1; they only meet
+    # the zeros past B's end).
     as_t = as2.T  # [KB, Mp]
     width = np_ if b_rows else pl.cdiv(np_, BLOCK_K)
     bs_t = jnp.pad(bs2.T, ((0, 0), (0, width - bs2.shape[0])), constant_values=1.0)
     out = _kernel_call(a2, as_t, b2, bs_t, config=config, out_dtype=out_dtype, impl=impl,
                        b_rows=b_rows)
-    if (mp, np_) != (m, n):
-        out = out[:m, :n]
+    if mp != m:
+        out = out[:m]
     return out.reshape(*lead, n)
 
 

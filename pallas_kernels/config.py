@@ -19,8 +19,8 @@ L2/HBM than 128x128 (1.5x the bytes per K block for 2x the FLOPs).
 Shared memory (``smem_bytes`` models Mosaic GPU's allocation exactly;
 ``tests/pallas_kernels/test_pallas_cross_lowering.py`` lowers every shipped config and checks
 the model against Mosaic's own count): the ring of FP8 A and B tiles (the scales are read
-from global memory by the compute warpgroups, so they need no ring and no proxy fence), one
-16 KiB output staging chunk per compute warpgroup, and the barriers. Stages are the most
+from global memory by the compute warpgroups, so they need no ring and no proxy fence), two
+8 KiB output staging slots per compute warpgroup, and the barriers. Stages are the most
 that fit the H200's 227 KiB per block; ``pipeline_stages`` then takes the largest count
 that divides the number of K blocks, so that one pipeline runs across all the output tiles
 of a CTA (``plgpu.emit_pipeline_warp_specialized``'s ``pipeline_state`` needs it).
@@ -42,7 +42,8 @@ BLOCK_K = 128  # DeepSeek-V3 (arXiv 2412.19437) §3.3.2: scales per 128 K, promo
 SMEM_BYTES_H200 = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200 (227 KiB).
 _SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns every shared-memory allocation to 1 KiB
 _BARRIER_BYTES = 8  # one mbarrier
-_EPILOGUE_BYTES = 16384  # output staged per warpgroup in 64 x (16 KiB / 64 rows) chunks
+# Output staged per warpgroup: two 8 KiB slots (double-buffered TMA stores) of 64 rows.
+_EPILOGUE_BYTES = 16384
 # Fewest stages worth keeping a pipeline running across output tiles with: enough K blocks
 # in flight to cover a TMA load's latency (~1 µs) at ~0.3 µs of wgmma per K block.
 _MIN_PERSISTENT_STAGES = 4
@@ -125,17 +126,19 @@ def _align(nbytes: int) -> int:
 
 
 def epilogue_n(config: TuningConfig, out_dtype) -> int:
-    """Columns of one output staging chunk: 16 KiB of 64 rows, at most one pass wide."""
-    return min(config.pass_n, _EPILOGUE_BYTES // (64 * np.dtype(out_dtype).itemsize))
+    """Columns of one output staging slot: 8 KiB of 64 rows (half the warpgroup's
+    staging), at most one pass wide and at least 128 bytes (the 128-byte swizzle's row)."""
+    item = np.dtype(out_dtype).itemsize
+    return min(config.pass_n, max(_EPILOGUE_BYTES // 2 // (64 * item), 128 // item))
 
 
 def smem_bytes(config: TuningConfig, out_dtype, stages: int | None = None) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it, in bytes: the pipeline ring
-    (FP8 A and B tiles, each aligned to 1 KiB), the two warpgroups' output staging chunks,
+    (FP8 A and B tiles, each aligned to 1 KiB), the two warpgroups' two output staging slots,
     and per stage a produced barrier and a consumed barrier per operand."""
     s = config.max_concurrent_steps if stages is None else stages
     ring = _align(s * config.block_m * BLOCK_K) + _align(s * config.block_n * BLOCK_K)
-    out = _align(2 * 64 * epilogue_n(config, out_dtype) * np.dtype(out_dtype).itemsize)
+    out = _align(2 * 2 * 64 * epilogue_n(config, out_dtype) * np.dtype(out_dtype).itemsize)
     return ring + out + 3 * s * _BARRIER_BYTES
 
 
@@ -165,7 +168,7 @@ def pipeline_stages(config: TuningConfig, k_blocks: int) -> tuple[int, bool]:
     return cap, False
 
 
-# Shipped configs: the most stages that fit (both output dtypes stage 16 KiB chunks, so the
+# Shipped configs: the most stages that fit (both output dtypes stage 16 KiB per warpgroup, so the
 # count does not depend on it; ``test_pallas_cross_lowering`` checks that one more does not
 # fit). Names are the CTA tile.
 SHIPPED_CONFIGS: dict[str, TuningConfig] = {

@@ -1,101 +1,192 @@
-"""The one prepared GPU check of the blockwise FP8 kernels: the first command a GPU session runs.
+"""The one prepared GPU check: the first command a GPU session runs, and all it needs to run.
 
-    python -m pallas_kernels.gpu_check --out-dir runs/gpu-check        # ~5-8 min on an H200
-    python -m pallas_kernels.gpu_check --cpu-rehearsal --out-dir /tmp/r  # the same, on CPU
+    python3 -m pallas_kernels.gpu_check OUTDIR                   # <= 8 min on one H200
+    python3 -m pallas_kernels.gpu_check --cpu-rehearsal OUTDIR   # the same code on CPU
 
-Phases, in order of importance; each runs in its own subprocess, watched by this process:
+It leaves two files in OUTDIR: ``gpu_check.json`` (the summary, rewritten as every item
+finishes) and ``gpu_check_logs.tar.gz`` (every worker's log, the per-phase results, ptxas's
+output and the telemetry samples; rebuilt after every phase). Phases, in order:
 
-1. ``smoke``: the device and versions, then every shipped config on a small multi-tile
-   problem (4096x2048x1024: several output tiles per CTA, the shared-memory ring
-   wrapped), the row-scaled (weight-gradient) form, both gradient GEMMs and the
-   quantizers, compiled, against the pure-JAX reference. Compiled with
-   ``MOSAIC_GPU_DUMP_PTXAS=1`` and ``MOSAIC_GPU_DUMP_RESOURCES=1``, so ptxas's
-   register/spill report of each kernel lands in ``smoke.log`` (parsed into the report).
+1. ``compile``: the device, driver and versions; then every shipped config in the
+   forward form (bf16 out) and the weight-gradient form (B scaled per row, f32 out), each
+   under its own kernel name, with lowering, XLA compile (Mosaic GPU's PTX and ptxas) and
+   first-run times taken separately, and ptxas's registers, spill bytes and any wgmma
+   serialization warning attributed to the kernel by name (``MOSAIC_GPU_DUMP_PTXAS=1``).
    Configs that fail here are left out of the later phases.
-2. ``correctness``: the chosen config at the production shapes (f32 output against the
-   reference, bf16 output at two shapes, DeepGEMM's criterion against the unquantized f32
-   product), the gradient GEMMs at DeepSeek-V3's (7168, 2048) projection, and the
-   quantizers bit for bit at 4096x7168.
-3. ``bench``: per production shape the kernel (bf16 out) and XLA's bf16 ``jnp.dot`` timed on
-   the device (CUPTI kernel timestamps, ``pallas_kernels.bench.device_times``), with the
-   chosen config; TFLOP/s and the ratio.
-4. ``tune``: every shipped config (bf16 out) at 8192^3 and 4096x7168x2048 (data for
-   ``choose_config``).
-5. ``pytest``: the compiled-mode kernel tests (``pytest -m gpu tests/pallas_kernels``).
+2. ``correctness``: block-magnitude data (per-block magnitudes spread over 2^-6..2^6, so
+   every scale differs and a misapplied one shows) at the production shapes, bf16 and f32
+   output, against float64 on a sample of rows and columns (128 of each, spread evenly
+   over the 128-blocks):
+   relative Frobenius error, max error, the worst blocks; the gradient GEMMs; the
+   quantizers bit for bit against ``fmtkit.quantize``.
+3. ``bench``: per production shape, interleaved rounds (>= 30) of the kernel with bf16
+   and with f32 output, XLA's bf16 dot, XLA's per-tensor FP8 dot (whether XLA made it a
+   cuBLASLt FP8 GEMM is read from the compiled HLO) and ``torch._scaled_mm`` with
+   blockwise scales when torch is importable; min / median / max and TFLOP/s.
+4. ``train``: the policied training step of a small transformer LM under bf16-mixed,
+   fp8-current and fp8-blockwise (steps/s), through the ``fmtkit bench fp8-step`` CLI
+   (run as a command: this package never imports ``studies``).
+5. ``tune``: every shipped config at 8192^3 and 4096x7168x2048 (data for ``choose_config``).
+6. ``pytest``: the compiled-mode kernel tests, in the time left.
 
-Nothing can hang the window: every item (one config, one shape) runs under a timeout in a
-worker subprocess that is killed with its process group when the item overruns, or when
-its phase's share of the time left (``PHASE_SHARE``) or the global ``--deadline`` runs out
-(checked by the watcher every 0.5 s, not between phases); after a hang or crash the worker
-is restarted on the remaining items. Each item's result is written to
-``<out-dir>/<phase>.json`` as soon as it exists, and ``<out-dir>/gpu_check.json`` collects
-the phases, the ptxas report and a status after each phase. The watcher itself never
-initializes a JAX backend (it would take the GPU's memory from the workers). Exit status 1
-if a check failed or hung, 0 otherwise (also without a Hopper GPU, after saying so).
+Nothing can hang the window: every item runs in a worker subprocess (its own process
+group) that the watcher kills when the item overruns its timeout, when the phase's share
+of the time left (``PHASE_SHARE``) or the global ``--deadline`` runs out (checked every
+0.5 s); the worker is restarted on the remaining items. The watcher itself never
+initializes a JAX backend (it would take the GPU's memory from the workers); it samples
+``nvidia-smi`` (clocks, power, temperature, throttle reasons) before, during and after.
+With ``--cpu-rehearsal`` every phase runs the same functions on CPU at tiny shapes in
+GPU-interpret mode; values only a GPU can give are null. Exit status 1 if a check failed
+or hung, 0 otherwise (also without a Hopper GPU, after saying so).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import math
 import os
 import re
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Compiled kernel vs reference, f32 output. Hopper's FP8 wgmma accumulates a 128-wide K
-# block with fewer bits than f32 (about 14, DeepSeek-V3 §3.3.2) before the f32 promotion;
-# the error budget per block partial is ~2^-14. 1e-3 is a loose first bound: this check
-# records the measured values so the bound can be tightened.
+# Compiled kernel vs float64 of the same quantized operands, f32 output. Hopper's FP8
+# wgmma accumulates a 128-wide K block with fewer bits than f32 (about 14, DeepSeek-V3
+# §3.3.2) before the f32 promotion: ~2^-14 per block partial. 1e-3 is a loose first bound;
+# the check records the measured values so that it can be tightened.
 F32_RTOL_GPU = 1e-3
+F32_RTOL_INTERPRET = 1e-6  # interpret mode: exact products, f32 sums
 BF16_RTOL = 2.0**-8  # the final bf16 rounding is <= 2^-9 per element
 DEEPGEMM_DIFF = 1e-3  # DeepGEMM tests/test_core.py: calc_diff < 0.001
-CHECK_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 2048),
-                (4096, 2112, 7168), (4096, 24576, 1536), (4096, 7168, 16384))
-BF16_SHAPES = ((4096, 7168, 2048), (4096, 2112, 7168))
-# Several tiles per CTA for every config on 132 SMs (256 tiles of 256x128 or 128x256, 512 of
-# 128x128, 1024 of 64x128) and 8 K blocks, which wrap every shipped ring at least once.
-SMOKE_SHAPE = (4096, 2048, 1024)
+# The issue's production shapes: 8192^3 and DeepSeek-V3's projections at M = 4096 tokens.
+PRODUCTION_SHAPES = ((8192, 8192, 8192), (4096, 7168, 16384), (4096, 7168, 2048),
+                     (4096, 24576, 1536), (4096, 2112, 7168))
 TUNE_SHAPES = ((8192, 8192, 8192), (4096, 7168, 2048))
-PHASES = ("smoke", "correctness", "bench", "tune", "pytest")
-# Per-item limits (seconds): a Mosaic GPU compile takes seconds and every item runs one to
-# three compiles and a few GEMMs of at most 1.1 TFLOP; minutes mean a hang.
-ITEM_TIMEOUT_S = {"smoke": 90.0, "correctness": 120.0, "bench": 120.0, "tune": 90.0}
+# Several tiles per CTA for every config on 132 SMs and 8 K blocks (every ring wraps).
+COMPILE_SHAPE = (4096, 2048, 1024)
+BENCH_ROUNDS = 30
+TUNE_ROUNDS = 10
+BATCH_TARGET_S = 2e-3  # calls per timed batch: enough that one dispatch is noise
+SAMPLE_MIN = 128  # rows (and columns) of the float64 sample: spread over the 128-blocks
+PHASES = ("compile", "correctness", "bench", "train", "tune", "pytest")
+# Per-item limits (seconds): a Mosaic GPU compile takes seconds; minutes mean a hang.
+ITEM_TIMEOUT_S = {"compile": 90.0, "correctness": 90.0, "bench": 100.0, "train": 180.0,
+                  "tune": 100.0}
 STARTUP_TIMEOUT_S = 120.0  # a worker that has not started its first item by then is stuck
 MIN_PHASE_S = 20.0  # starting a worker (imports, backend) costs ~5-10 s: not worth it below
 MAX_RESTARTS = 4  # per phase; each restart skips the item that hung or crashed
-# Share of the time left that a phase may use (the rest stays for the later phases), so a
-# slow correctness phase cannot eat the benchmark: with the default 480 s and phases that
-# use their budget, smoke ~145 s, correctness ~135, bench ~140, tune ~35, pytest the rest.
-PHASE_SHARE = {"smoke": 0.3, "correctness": 0.4, "bench": 0.7, "tune": 0.6}
+# Share of the time left that a phase may use (the rest stays for the later phases). With
+# the default 480 s and phases that use their budget: compile ~95 s, correctness ~95,
+# bench ~115, train ~130, tune ~35, pytest the rest (phases that finish early leave
+# their time to the next).
+PHASE_SHARE = {"compile": 0.2, "correctness": 0.25, "bench": 0.4, "train": 0.75,
+               "tune": 0.8}
 _POLL_S = 0.5
+_SUMMARY_EVERY_S = 2.0
 _REPO = Path(__file__).resolve().parents[1]
+_SMI_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.mem", "clocks.max.sm",
+               "power.draw", "power.limit", "temperature.gpu", "utilization.gpu",
+               "clocks_throttle_reasons.active")
+_KERNEL_MARK = "=== gpu_check kernel: "
 
 
 # --------------------------------------------------------------------------------------
-# Checks (run in a worker; they import JAX).
+# Data and error measures (run in a worker; they import JAX).
 
 
-def _rel_fro(x, ref) -> float:
+def block_magnitude_operands(m: int, n: int, k: int, *, b_rows: bool = False, seed: int = 0
+                             ) -> dict[str, Any]:
+    """Gaussian x [m, k] and w [n, k] whose 1x128 tiles (x) and 128x128 blocks (w; 1x128
+    tiles with ``b_rows``) are scaled by 2^e, e uniform in -6..6, so every block scale
+    differs; quantized with the pure-JAX quantizers. Built on the default device."""
+    import jax
     import jax.numpy as jnp
 
-    x = x.astype(jnp.float32)
-    ref = ref.astype(jnp.float32)
-    return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+    from pallas_kernels.quantize import quantize_1x128_reference, quantize_128x128_reference
+
+    kx, kw, ex, ew = jax.random.split(jax.random.key(seed), 4)
+    kb, nb = k // 128, -(-n // 128)
+    x = jax.random.normal(kx, (m, k), jnp.float32) * jnp.repeat(
+        2.0 ** jax.random.randint(ex, (m, kb), -6, 7).astype(jnp.float32), 128, 1)
+    if b_rows:
+        wmag = jnp.repeat(2.0 ** jax.random.randint(ew, (n, kb), -6, 7).astype(jnp.float32),
+                          128, 1)
+    else:
+        e = 2.0 ** jax.random.randint(ew, (nb, kb), -6, 7).astype(jnp.float32)
+        wmag = jnp.repeat(jnp.repeat(e, 128, 0), 128, 1)[:n]
+    w = jax.random.normal(kw, (n, k), jnp.float32) * wmag
+    xq, xs = quantize_1x128_reference(x)
+    if b_rows:
+        wq, ws = quantize_1x128_reference(w)
+    else:
+        wq, ws = quantize_128x128_reference(jnp.pad(w, ((0, -n % 128), (0, 0))))
+        wq = wq[:n]
+    return dict(x=x, w=w, xq=xq, xs=xs, wq=wq, ws=ws)
 
 
-def _deepgemm_diff(x, y) -> float:
-    import jax.numpy as jnp
+def _sample_index(size: int, seed: int):
+    """About ``SAMPLE_MIN`` indices of ``size``, the same number (at least 2) in each
+    128-block, sorted."""
+    import numpy as np
 
-    x = x.astype(jnp.float32)
-    y = y.astype(jnp.float32)
-    return float(jnp.sum((x - y) ** 2) / jnp.sum(x * x + y * y))
+    rng = np.random.default_rng(seed)
+    per_block = max(2, -(-SAMPLE_MIN // -(-size // 128)))
+    idx = []
+    for b0 in range(0, size, 128):
+        span = min(128, size - b0)
+        idx += sorted(b0 + rng.choice(span, min(per_block, span), replace=False))
+    return np.asarray(idx)
+
+
+def float64_errors(out, ops: dict, *, seed: int = 0, worst: int = 5) -> dict[str, Any]:
+    """``out`` [M, N] against float64 on a sample of rows and columns: the exact product
+    of the dequantized operands (the kernel's semantics) and of the unquantized inputs
+    (what the training path approximates)."""
+    import numpy as np
+
+    m, n = out.shape
+    rows, cols = _sample_index(m, seed), _sample_index(n, seed + 1)
+    got = np.asarray(out[rows][:, cols], np.float64)
+    xs = np.repeat(np.asarray(ops["xs"][rows], np.float64), 128, 1)
+    xd = np.asarray(ops["xq"][rows], np.float64) * xs
+    ws = np.asarray(ops["ws"], np.float64)
+    if ws.shape[0] != ops["wq"].shape[0]:  # per 128x128 block
+        ws = np.repeat(ws, 128, 0)[:n]
+    wd = np.asarray(ops["wq"][cols], np.float64) * np.repeat(ws[cols], 128, 1)
+    ref = xd @ wd.T
+    exact = (np.asarray(ops["x"][rows], np.float64)
+             @ np.asarray(ops["w"][cols], np.float64).T)
+    err = got - ref
+    blocks = []
+    for rb in np.unique(rows // 128):
+        for cb in np.unique(cols // 128):
+            r, c = rows // 128 == rb, cols // 128 == cb
+            e, f = err[np.ix_(r, c)], ref[np.ix_(r, c)]
+            blocks.append((float(np.linalg.norm(e) / max(np.linalg.norm(f), 1e-300)),
+                           int(rb), int(cb)))
+    blocks.sort(reverse=True)
+    return {
+        "sampled_rows": len(rows), "sampled_cols": len(cols),
+        "rel_fro_vs_float64": float(np.linalg.norm(err) / np.linalg.norm(ref)),
+        "max_abs_error": float(np.max(np.abs(err))),
+        "max_error_over_max_abs_ref": float(np.max(np.abs(err)) / np.max(np.abs(ref))),
+        "worst_blocks": [{"row_block": rb, "col_block": cb, "rel_fro": e}
+                         for e, rb, cb in blocks[:worst]],
+        "deepgemm_diff_vs_unquantized": float(np.sum((got - exact) ** 2)
+                                              / np.sum(got * got + exact * exact)),
+    }
 
 
 def _bits_equal(a, b) -> tuple[bool, int]:
@@ -151,172 +242,390 @@ def check_quantizers(impl: str = "kernel", shape=(4096, 7168), dtypes=None,
     return out
 
 
-def check_matmul(m: int, n: int, k: int, *, impl: str = "kernel", config=None,
-                 f32: bool = True, bf16: bool = False, b_rows: bool = False) -> dict:
-    """``blockwise_fp8_matmul`` at one shape against its reference (f32 output if ``f32``,
-    bf16 output if ``bf16``) and against the f32 product of the unquantized inputs."""
-    import jax
-    import jax.numpy as jnp
+def _f32_rtol(impl: str) -> float:
+    return F32_RTOL_INTERPRET if impl == "interpret" else F32_RTOL_GPU
 
-    from pallas_kernels import blockwise_fp8_matmul, blockwise_fp8_matmul_reference
-    from pallas_kernels.bench import make_operands
-    from pallas_kernels.quantize import quantize_1x128_reference
 
-    ops = make_operands(m, n, k, seed=1)
-    wq, ws = (quantize_1x128_reference(ops["w"]) if b_rows else (ops["wq"], ops["ws"]))
-    args = (ops["xq"], ops["xs"], wq, ws)
+def check_matmul(m: int, n: int, k: int, *, impl: str, config=None,
+                 out_dtypes=("bfloat16", "float32"), b_rows: bool = False) -> dict:
+    """``blockwise_fp8_matmul`` on block-magnitude data, each output dtype against float64
+    on a sample of rows and columns."""
+    from pallas_kernels import blockwise_fp8_matmul
+
+    ops = block_magnitude_operands(m, n, k, b_rows=b_rows, seed=m + n + k)
     row: dict[str, Any] = {"shape": [m, n, k], "b_rows": b_rows,
                            "config": None if config is None else str(config)}
-    ref = blockwise_fp8_matmul_reference(*args, out_dtype=jnp.float32)
-    exact = jax.jit(lambda x, w: jnp.dot(x, w.T, precision=jax.lax.Precision.HIGHEST))(
-        ops["x"], ops["w"])
-    row["reference_deepgemm_diff_vs_exact"] = _deepgemm_diff(ref, exact)
     ok = True
-    if f32:
-        got = blockwise_fp8_matmul(*args, out_dtype=jnp.float32, impl=impl, config=config)
-        row["rel_fro_f32_vs_reference"] = _rel_fro(got, ref)
-        row["deepgemm_diff_vs_exact"] = _deepgemm_diff(got, exact)
-        ok = (row["rel_fro_f32_vs_reference"] < F32_RTOL_GPU
-              and row["deepgemm_diff_vs_exact"] < DEEPGEMM_DIFF)
-    if bf16:
-        got16 = blockwise_fp8_matmul(*args, out_dtype=jnp.bfloat16, impl=impl, config=config)
-        row["rel_fro_bf16_vs_reference"] = _rel_fro(got16, ref)
-        row["bf16_deepgemm_diff_vs_exact"] = _deepgemm_diff(got16, exact)
-        ok = (ok and row["rel_fro_bf16_vs_reference"] < BF16_RTOL
-              and row["bf16_deepgemm_diff_vs_exact"] < DEEPGEMM_DIFF)
-    row["ok"] = bool(ok)
+    for dt in out_dtypes:
+        out = blockwise_fp8_matmul(ops["xq"], ops["xs"], ops["wq"], ops["ws"], out_dtype=dt,
+                                   impl=impl, config=config)
+        e = float64_errors(out, ops)
+        bound = BF16_RTOL if dt == "bfloat16" else _f32_rtol(impl)
+        e["ok"] = bool(e["rel_fro_vs_float64"] < bound
+                       and e["deepgemm_diff_vs_unquantized"] < DEEPGEMM_DIFF)
+        e["bound"] = bound
+        row[dt] = e
+        ok = ok and e["ok"]
+    row["ok"] = ok
     return row
 
 
-def check_gradients(m: int, n: int, k: int, *, impl: str = "kernel") -> dict:
+def check_gradients(m: int, n: int, k: int, *, impl: str) -> dict:
     """``blockwise_fp8_dgrad`` / ``blockwise_fp8_wgrad`` vs their reference paths and the
-    exact f32 weight gradient."""
+    unquantized weight gradient."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from pallas_kernels import blockwise_fp8_dgrad, blockwise_fp8_wgrad
-    from pallas_kernels.bench import make_operands
 
-    ops = make_operands(m, n, k, seed=2)
+    ops = block_magnitude_operands(m, n, k, seed=2)
     dy = jax.random.normal(jax.random.key(3), (m, n), jnp.float32)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
     dx = blockwise_fp8_dgrad(dy, ops["wq"], ops["ws"], out_dtype=jnp.float32, impl=impl)
     dx_ref = blockwise_fp8_dgrad(dy, ops["wq"], ops["ws"], out_dtype=jnp.float32,
                                  impl="reference")
     dw = blockwise_fp8_wgrad(dy, ops["x"], impl=impl)
     dw_ref = blockwise_fp8_wgrad(dy, ops["x"], impl="reference")
-    dw_exact = jax.jit(lambda g, x: jnp.dot(g.T, x, precision=jax.lax.Precision.HIGHEST))(
-        dy, ops["x"])
-    row = {"shape": [m, n, k], "dgrad_rel_fro_vs_reference": _rel_fro(dx, dx_ref),
-           "wgrad_rel_fro_vs_reference": _rel_fro(dw, dw_ref),
-           "wgrad_deepgemm_diff_vs_exact": _deepgemm_diff(dw, dw_exact)}
-    row["ok"] = bool(row["dgrad_rel_fro_vs_reference"] < F32_RTOL_GPU
-                     and row["wgrad_rel_fro_vs_reference"] < F32_RTOL_GPU
-                     and row["wgrad_deepgemm_diff_vs_exact"] < DEEPGEMM_DIFF)
+    dw_exact = np.asarray(dy, np.float64).T @ np.asarray(ops["x"], np.float64)
+    got = np.asarray(dw, np.float64)
+    row = {"shape": [m, n, k], "dgrad_rel_fro_vs_reference": rel(dx, dx_ref),
+           "wgrad_rel_fro_vs_reference": rel(dw, dw_ref),
+           "wgrad_deepgemm_diff_vs_unquantized": float(
+               np.sum((got - dw_exact) ** 2) / np.sum(got * got + dw_exact * dw_exact))}
+    tol = _f32_rtol(impl)
+    row["ok"] = bool(row["dgrad_rel_fro_vs_reference"] < tol
+                     and row["wgrad_rel_fro_vs_reference"] < tol
+                     and row["wgrad_deepgemm_diff_vs_unquantized"] < DEEPGEMM_DIFF)
     return row
+
+
+def compile_kernel(m: int, n: int, k: int, *, impl: str, config, out_dtype: str,
+                   b_rows: bool) -> dict:
+    """One kernel variant: lowering, compile and first-run times taken separately, a
+    second run, and its output against float64 on a sample. Prints a marker with the
+    kernel's name first, so that ptxas's report in the log can be attributed."""
+    import functools
+
+    import jax
+
+    from pallas_kernels import blockwise_fp8_matmul
+    from pallas_kernels.blockwise_fp8_matmul import kernel_name
+
+    name = kernel_name(config, out_dtype, b_rows)
+    print(f"{_KERNEL_MARK}{name} ===", flush=True)
+    ops = block_magnitude_operands(m, n, k, b_rows=b_rows, seed=5)
+    args = (ops["xq"], ops["xs"], ops["wq"], ops["ws"])
+    jax.block_until_ready(args)
+    fn = jax.jit(functools.partial(blockwise_fp8_matmul, out_dtype=out_dtype, impl=impl,
+                                   config=config))
+    t0 = time.perf_counter()
+    lowered = fn.trace(*args).lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    out = jax.block_until_ready(compiled(*args))
+    t3 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    t4 = time.perf_counter()
+    print(f"{_KERNEL_MARK}end ===", flush=True)
+    e = float64_errors(out, ops)
+    bound = BF16_RTOL if out_dtype == "bfloat16" else _f32_rtol(impl)
+    return {"kernel": name, "config": str(config), "out_dtype": out_dtype,
+            "form": "wgrad (B scaled per row)" if b_rows else "forward (B per 128x128)",
+            "shape": [m, n, k], "lower_s": t1 - t0, "compile_s": t2 - t1,
+            "first_run_s": t3 - t2, "second_run_s": t4 - t3,
+            "rel_fro_vs_float64": e["rel_fro_vs_float64"],
+            "ok": bool(e["rel_fro_vs_float64"] < bound)}
 
 
 def environment() -> dict:
     import jax
+    import jaxlib
 
     from pallas_kernels import _backend
 
     dev = jax.devices()[0]
-    return {"ok": True, "jax": jax.__version__, "backend": jax.default_backend(),
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    return {"ok": True, "python": sys.version.split()[0], "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
             "device": getattr(dev, "device_kind", str(dev)),
-            "compute_capability": str(getattr(dev, "compute_capability", "")),
+            "compute_capability": getattr(dev, "compute_capability", None),
             "num_sms": _backend.num_sms("kernel"), "hopper": _backend.is_hopper(),
-            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d")}
+            "torch": torch_version, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+# --------------------------------------------------------------------------------------
+# Timing (run in a worker).
+
+
+def _batch_size(fn: Callable[[], Any], sync: Callable[[Any], Any], rehearsal: bool) -> int:
+    if rehearsal:
+        return 1
+    t0 = time.perf_counter()
+    sync([fn() for _ in range(3)])
+    per_call = (time.perf_counter() - t0) / 3
+    return max(1, min(50, math.ceil(BATCH_TARGET_S / max(per_call, 1e-7))))
+
+
+def time_interleaved(fns: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]],
+                     rounds: int, rehearsal: bool) -> dict[str, dict]:
+    """Per implementation ``(call, sync)``: after warm-up, ``rounds`` rounds in which every
+    implementation runs one batch of calls in turn (so drifting clocks hit all alike); a
+    batch is timed on the host from its first dispatch to ``sync`` (dispatch overlaps the
+    device's work; the batch is long enough, ``BATCH_TARGET_S``, for one dispatch to be
+    noise). Returns per implementation min / median / max seconds per call."""
+    batch = {}
+    for name, (fn, sync) in fns.items():
+        sync(fn())
+        batch[name] = _batch_size(fn, sync, rehearsal)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, (fn, sync) in fns.items():
+            t0 = time.perf_counter()
+            sync([fn() for _ in range(batch[name])])
+            samples[name].append((time.perf_counter() - t0) / batch[name])
+    return {name: {"min_s": min(v), "median_s": statistics.median(v), "max_s": max(v),
+                   "samples": len(v), "calls_per_sample": batch[name]}
+            for name, v in samples.items()}
+
+
+def _xla_fp8_per_tensor(ops):
+    """XLA's per-tensor FP8 GEMM: e4m3 operands with one f32 scale each, dequantized in
+    the pattern XLA's GEMM rewriter turns into a cuBLASLt FP8 matmul on Hopper; returns
+    (jitted fn, args, whether the compiled HLO calls cuBLASLt's FP8 GEMM, the GEMM
+    custom-call targets found)."""
+    import jax
+    import jax.numpy as jnp
+
+    def quant(t):
+        s = jnp.max(jnp.abs(t)) / 448.0
+        return (t / s).astype(jnp.float8_e4m3fn), s
+
+    xq, xs = quant(ops["x"])
+    wq, ws = quant(ops["w"])
+
+    @jax.jit
+    def fn(a, sa, b, sb):
+        a = a.astype(jnp.bfloat16) * sa.astype(jnp.bfloat16)
+        b = b.astype(jnp.bfloat16) * sb.astype(jnp.bfloat16)
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.bfloat16)
+
+    args = (xq, xs, wq, ws)
+    hlo = fn.lower(*args).compile().as_text()
+    targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+    gpu = jax.default_backend() == "gpu"
+    used = any("f8" in t and "cublas" in t for t in targets) if gpu else None
+    return fn, args, used, targets
+
+
+def _torch_blockwise(m: int, n: int, k: int):
+    """``torch._scaled_mm`` with 1x128 scales on A and 128x128 on B (cuBLAS's blockwise
+    FP8 GEMM), or the reason it is not available."""
+    try:
+        import torch
+    except ImportError as e:
+        return None, f"torch not importable: {e}"
+    if not torch.cuda.is_available():
+        return None, "torch has no CUDA device"
+    try:
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        sa = torch.ones(m, k // 128, device="cuda", dtype=torch.float32)
+        sb = torch.ones(-(-n // 128), k // 128, device="cuda", dtype=torch.float32)
+
+        def call():
+            return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(),
+                                    out_dtype=torch.bfloat16)
+
+        call()
+        torch.cuda.synchronize()
+        return (call, lambda _: torch.cuda.synchronize()), None
+    except Exception as e:  # an older torch, or a shape cuBLAS rejects: say which
+        return None, f"{type(e).__name__}: {e}"[:500]
+
+
+def bench_shape(m: int, n: int, k: int, *, impl: str, config, rounds: int,
+                rehearsal: bool) -> dict:
+    """TFLOP/s of every implementation at one shape, interleaved (see ``time_interleaved``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import blockwise_fp8_matmul
+    from pallas_kernels.bench import make_operands
+
+    ops = make_operands(m, n, k)
+    fp8_args = (ops["xq"], ops["xs"], ops["wq"], ops["ws"])
+    fns: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {}
+    first_call: dict[str, float | None] = {}
+
+    def add(name, fn, args):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        first_call[name] = time.perf_counter() - t0
+        fns[name] = (lambda: fn(*args), jax.block_until_ready)
+
+    for dt in ("bfloat16", "float32"):
+        add(f"pallas_fp8_{dt}", jax.jit(lambda a, sa, b, sb, dt=dt: blockwise_fp8_matmul(
+            a, sa, b, sb, out_dtype=dt, impl=impl, config=config)), fp8_args)
+    add("xla_bf16", jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16)),
+        (ops["x16"], ops["wt16"]))
+    fp8_fn, fp8_args_t, cublaslt, targets = _xla_fp8_per_tensor(ops)
+    add("xla_fp8_per_tensor", fp8_fn, fp8_args_t)
+    torch_fns, torch_error = (None, "CPU rehearsal: no device") if rehearsal else (
+        _torch_blockwise(m, n, k))
+    if torch_fns is not None:
+        fns["torch_scaled_mm_blockwise"] = torch_fns
+    times = time_interleaved(fns, rounds, rehearsal)
+    flops = 2.0 * m * n * k
+    impls: dict[str, Any] = {}
+    for name in ("pallas_fp8_bfloat16", "pallas_fp8_float32", "xla_bf16",
+                 "xla_fp8_per_tensor", "torch_scaled_mm_blockwise"):
+        t = times.get(name)
+        impls[name] = None if t is None else {
+            **t, "tflops_median": flops / t["median_s"] / 1e12,
+            "tflops_best": flops / t["min_s"] / 1e12, "first_call_s": first_call.get(name)}
+
+    def ratio(a, b):
+        return (impls[a]["tflops_median"] / impls[b]["tflops_median"]
+                if impls[a] and impls[b] else None)
+
+    return {"shape": [m, n, k], "config": str(config), "impls": impls,
+            "xla_fp8_uses_cublaslt_fp8": cublaslt, "xla_fp8_custom_calls": targets,
+            "torch_error": torch_error, "timing": "host, interleaved batches",
+            "ratios": {"pallas_bf16_over_xla_bf16": ratio("pallas_fp8_bfloat16", "xla_bf16"),
+                       "pallas_bf16_over_xla_fp8": ratio("pallas_fp8_bfloat16",
+                                                         "xla_fp8_per_tensor"),
+                       "pallas_bf16_over_pallas_f32": ratio("pallas_fp8_bfloat16",
+                                                            "pallas_fp8_float32"),
+                       "pallas_bf16_over_torch": ratio("pallas_fp8_bfloat16",
+                                                       "torch_scaled_mm_blockwise")},
+            "ok": True}
+
+
+def tune_shape(m: int, n: int, k: int, *, impl: str, configs: list, rounds: int,
+               rehearsal: bool) -> dict:
+    """Every config (bf16 out) at one shape, interleaved."""
+    import jax
+
+    from pallas_kernels import blockwise_fp8_matmul
+    from pallas_kernels.bench import make_operands
+
+    ops = make_operands(m, n, k)
+    args = (ops["xq"], ops["xs"], ops["wq"], ops["ws"])
+    fns = {}
+    for cfg in configs:
+        fn = jax.jit(lambda a, sa, b, sb, cfg=cfg: blockwise_fp8_matmul(
+            a, sa, b, sb, impl=impl, config=cfg))
+        fns[str(cfg)] = (lambda fn=fn: fn(*args), jax.block_until_ready)
+    times = time_interleaved(fns, rounds, rehearsal)
+    flops = 2.0 * m * n * k
+    return {"shape": [m, n, k], "ok": True, "configs": {
+        name: {**t, "tflops_median": flops / t["median_s"] / 1e12} for name, t in times.items()}}
+
+
+# Small transformer of the training-step phase: d_model 1024, 4 blocks, 8192 tokens a step
+# (GEMMs of 8192 x 1024 x 4096: big enough that FP8's GEMM speed shows, small enough to
+# compile four variants in about a minute).
+TRAIN_ARGS = ("--d-model", "1024", "--layers", "4", "--heads", "8", "--seq", "1024",
+              "--lm-batch", "8", "--repeats", "20")
+TRAIN_ARGS_REHEARSAL = ("--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "16",
+                        "--lm-batch", "2", "--repeats", "1")
+_TRAIN_VARIANTS = {"bf16-mixed": "bf16", "fp8-current": "current",
+                   "fp8-blockwise": "blockwise", "f32": "f32"}
+
+
+def train_step(work: Path, rehearsal: bool) -> dict:
+    """Steps/s of the policied train step (``fmtkit bench fp8-step``, transformer only),
+    run as a command in this worker's process group."""
+    out = work / "train"
+    cmd = [sys.executable, "-m", "studies.cli", "bench", "fp8-step", "--models",
+           "transformer", "--recipes", "current,blockwise", "--out", str(out),
+           *(TRAIN_ARGS_REHEARSAL if rehearsal else TRAIN_ARGS)]
+    proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True)
+    print(proc.stdout[-6000:], proc.stderr[-6000:], flush=True)
+    if proc.returncode:
+        return {"ok": False, "error": f"exit status {proc.returncode}: {proc.stderr[-2000:]}",
+                "command": " ".join(cmd)}
+    res = json.loads((out / "results.json").read_text())["transformer"]
+    secs = res["seconds"]
+    return {"ok": True, "command": " ".join(cmd),
+            "steps_per_s": {k: (1.0 / secs[v] if v in secs else None)
+                            for k, v in _TRAIN_VARIANTS.items()},
+            "step_ms": {k: (secs[v] * 1e3 if v in secs else None)
+                        for k, v in _TRAIN_VARIANTS.items()},
+            "compile_s": {k: res["compile_seconds"].get(v) for k, v in _TRAIN_VARIANTS.items()},
+            "loss": {k: res["loss"].get(v) for k, v in _TRAIN_VARIANTS.items()}}
 
 
 # --------------------------------------------------------------------------------------
 # The items of each phase.
 
 
-def _config_key(config) -> str:
-    return str(config)
-
-
-def _items(phase: str, *, rehearsal: bool, repeats: int, excluded: set[str]
+def _items(phase: str, *, rehearsal: bool, work: Path, excluded: set[str]
            ) -> list[tuple[str, Callable[[], dict]]]:
     """(name, thunk) pairs of a phase, in the order they run."""
-    import jax.numpy as jnp
-
     from pallas_kernels import _backend
-    from pallas_kernels.bench import DEFAULT_SHAPES, bench_shape
-    from pallas_kernels.config import (
-        BLOCK_K,
-        SHIPPED_CONFIGS,
-        choose_config,
-        pipeline_stages,
-        smem_bytes,
-    )
+    from pallas_kernels.config import SHIPPED_CONFIGS, choose_config
 
     impl = "interpret" if rehearsal else "kernel"
+    configs = [c for c in SHIPPED_CONFIGS.values() if str(c) not in excluded]
+    if rehearsal:  # two configs, one per form, at tiny shapes: the same code, on CPU
+        configs = [c for c in configs if str(c) in (str(SHIPPED_CONFIGS["128x128"]),
+                                                    str(SHIPPED_CONFIGS["256x128"]))]
 
-    def chosen(m, n, k, dt=jnp.bfloat16, b_rows=False):
-        """choose_config, or the first shipped config that passed the smoke phase if the
-        chosen one failed there."""
-        cfg = choose_config(m, n, k, dt, _backend.num_sms("kernel"), b_rows=b_rows)
-        if _config_key(cfg) not in excluded:
-            return cfg
-        for c in SHIPPED_CONFIGS.values():
-            if _config_key(c) not in excluded:
-                return c
-        return cfg
+    def chosen(m, n, k):
+        """choose_config, or the first config that passed the compile phase."""
+        cfg = choose_config(m, n, k, "bfloat16", _backend.num_sms("kernel"))
+        return cfg if str(cfg) not in excluded or not configs else configs[0]
 
+    # Rehearsal shapes: the smallest that still take the N-tail path (N = 1.5 tiles) and
+    # wrap nothing; GPU-interpret mode costs ~0.5-2 s a call on a loaded CPU.
+    shapes = ((128, 192, 256),) if rehearsal else PRODUCTION_SHAPES
+    tiny = (128, 128, 128)
     items: list[tuple[str, Callable[[], dict]]] = []
-    if phase == "smoke":
-        m, n, k = (256, 256, 512) if rehearsal else SMOKE_SHAPE
+    if phase == "compile":
         items.append(("env", environment))
-        for cfg in SHIPPED_CONFIGS.values():
-            def run(cfg=cfg):
-                print(f"=== gpu_check smoke: config {cfg} ===", flush=True)
-                # bf16 out (the training path's): one compile per config here.
-                r = check_matmul(m, n, k, impl=impl, config=cfg, f32=False, bf16=True)
-                stages, persistent = pipeline_stages(cfg, k // BLOCK_K)
-                r.update(stages=stages, persistent=persistent,
-                         smem_bytes_model={dt: smem_bytes(cfg, dt, stages)
-                                           for dt in ("bfloat16", "float32")})
-                return r
-            items.append((f"matmul-{cfg}-{m}x{n}x{k}", run))
-        cfg = chosen(m, n, k, jnp.float32, b_rows=True)  # the weight-gradient form
-        items.append((f"matmul-b-rows-{cfg}-{m}x{n}x{k}",
-                      lambda: check_matmul(m, n, k, impl=impl, config=cfg, b_rows=True)))
-        g = (128, 256, 128) if rehearsal else (1024, 1024, 1024)
-        items.append((f"gradients-{'x'.join(map(str, g))}",
-                      lambda: check_gradients(*g, impl=impl)))
-        q = (256, 384) if rehearsal else (2048, 1024)
-        items.append((f"quantizers-{q[0]}x{q[1]}", lambda: check_quantizers(
-            impl, shape=q, dtypes=(jnp.float32,), pow2s=(False,))))
+        m, n, k = tiny if rehearsal else COMPILE_SHAPE
+        forms = (("bfloat16", False), ("float32", True))
+        for i, cfg in enumerate(configs):
+            # rehearsal: one form per config (128x128 forward, 256x128 weight gradient)
+            for dt, b_rows in forms[i:i + 1] if rehearsal else forms:
+                items.append((f"kernel-{cfg}-{dt}{'-brows' if b_rows else ''}",
+                              lambda cfg=cfg, dt=dt, b_rows=b_rows: compile_kernel(
+                                  m, n, k, impl=impl, config=cfg, out_dtype=dt,
+                                  b_rows=b_rows)))
     elif phase == "correctness":
-        shapes = ((256, 256, 384), (128, 320, 256)) if rehearsal else CHECK_SHAPES
-        bf16_shapes = ((128, 320, 256),) if rehearsal else BF16_SHAPES
         for m, n, k in shapes:
-            cfg = chosen(m, n, k, jnp.float32)
-            items.append((f"matmul-{m}x{n}x{k}", lambda m=m, n=n, k=k, cfg=cfg: check_matmul(
-                m, n, k, impl=impl, config=cfg, bf16=(m, n, k) in bf16_shapes)))
-        g = (128, 256, 128) if rehearsal else (4096, 7168, 2048)
+            items.append((f"matmul-{m}x{n}x{k}", lambda m=m, n=n, k=k: check_matmul(
+                m, n, k, impl=impl, config=chosen(m, n, k))))
+        g = tiny if rehearsal else (4096, 7168, 2048)
         items.append((f"gradients-{'x'.join(map(str, g))}",
                       lambda: check_gradients(*g, impl=impl)))
-        q = (256, 384) if rehearsal else (4096, 7168)
-        items.append((f"quantizers-{q[0]}x{q[1]}", lambda: check_quantizers(impl, shape=q)))
+        q = (256, 256) if rehearsal else (4096, 7168)
+        items.append((f"quantizers-{q[0]}x{q[1]}", lambda: check_quantizers(
+            impl, shape=q, pow2s=(False,) if rehearsal else (False, True))))
     elif phase == "bench":
-        shapes = ((256, 256, 256),) if rehearsal else DEFAULT_SHAPES
-        for m, n, k in shapes:
-            cfg = chosen(m, n, k)
-            items.append((f"{m}x{n}x{k}", lambda m=m, n=n, k=k, cfg=cfg: {
-                "ok": True, **bench_shape(m, n, k, repeats=repeats, with_kernel=True,
-                                          with_reference=False, config=cfg, impl=impl)}))
+        rounds = 2 if rehearsal else BENCH_ROUNDS
+        for m, n, k in (tiny,) if rehearsal else shapes:
+            items.append((f"{m}x{n}x{k}", lambda m=m, n=n, k=k: bench_shape(
+                m, n, k, impl=impl, config=chosen(m, n, k), rounds=rounds,
+                rehearsal=rehearsal)))
+    elif phase == "train":
+        items.append(("transformer-step", lambda: train_step(work, rehearsal)))
     elif phase == "tune":
-        shapes = ((256, 256, 256),) if rehearsal else TUNE_SHAPES
-        for m, n, k in shapes:
-            for cfg in SHIPPED_CONFIGS.values():
-                if _config_key(cfg) in excluded:
-                    continue
-                items.append((f"{m}x{n}x{k}-{cfg}", lambda m=m, n=n, k=k, cfg=cfg: {
-                    "ok": True, **bench_shape(m, n, k, repeats=repeats, with_kernel=True,
-                                              with_reference=False, with_bf16=False,
-                                              config=cfg, impl=impl)}))
+        rounds = 1 if rehearsal else TUNE_ROUNDS
+        for m, n, k in (tiny,) if rehearsal else TUNE_SHAPES:
+            items.append((f"{m}x{n}x{k}", lambda m=m, n=n, k=k: tune_shape(
+                m, n, k, impl=impl, configs=configs, rounds=rounds, rehearsal=rehearsal)))
     else:
         raise ValueError(f"phase must be one of {PHASES[:-1]}, got {phase!r}.")
     return items
@@ -345,19 +654,28 @@ def _record(results_file: Path, name: str, result: dict) -> None:
     _write_json(results_file, data)
 
 
+def _tar(work: Path, out_file: Path) -> None:
+    tmp = out_file.with_name(out_file.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in sorted(work.rglob("*")):
+            if f.is_file() and not f.name.endswith(".tmp"):
+                tar.add(f, arcname=str(Path("gpu_check_logs") / f.relative_to(work)))
+    os.replace(tmp, out_file)
+
+
 # --------------------------------------------------------------------------------------
 # Worker: runs the items of one phase, writing progress and results as it goes.
 
 
-def _worker(phase: str, out_dir: Path, deadline_at: float, skip: set[str], rehearsal: bool,
-            repeats: int, excluded: set[str]) -> int:
+def _worker(phase: str, work: Path, deadline_at: float, skip: set[str], rehearsal: bool,
+            excluded: set[str]) -> int:
     import jax
 
     if rehearsal:
         jax.config.update("jax_platforms", "cpu")
-    results_file = out_dir / f"{phase}.json"
-    progress_file = out_dir / f"{phase}.progress.json"
-    items = _items(phase, rehearsal=rehearsal, repeats=repeats, excluded=excluded)
+    results_file = work / f"{phase}.json"
+    progress_file = work / f"{phase}.progress.json"
+    items = _items(phase, rehearsal=rehearsal, work=work, excluded=excluded)
     for name, thunk in items:
         if name in skip:
             continue
@@ -387,16 +705,18 @@ def _worker(phase: str, out_dir: Path, deadline_at: float, skip: set[str], rehea
 
 def supervise(cmd: list[str], progress_file: Path, *, item_timeout: float,
               deadline_at: float, log_file: Path, env: dict | None = None,
-              startup_timeout: float = STARTUP_TIMEOUT_S) -> dict:
+              startup_timeout: float = STARTUP_TIMEOUT_S,
+              on_poll: Callable[[], None] | None = None) -> dict:
     """Runs ``cmd`` in a new process group; kills the group (SIGKILL) when the item named in
     ``progress_file`` has run longer than ``item_timeout``, when no item has started within
-    ``startup_timeout``, or at ``deadline_at`` (epoch seconds).
+    ``startup_timeout``, or at ``deadline_at`` (epoch seconds). ``on_poll`` runs every
+    ``_SUMMARY_EVERY_S`` while it waits (the summary is rewritten from it).
 
     Returns ``{"returncode", "killed": None or the reason, "item": the item in progress
     when it ended (None if it finished them all), "seconds"}``.
     """
     progress_file.unlink(missing_ok=True)
-    t0 = time.time()
+    t0 = last_poll = time.time()
     with open(log_file, "a") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -404,6 +724,9 @@ def supervise(cmd: list[str], progress_file: Path, *, item_timeout: float,
         while proc.poll() is None:
             time.sleep(_POLL_S)
             now = time.time()
+            if on_poll is not None and now - last_poll > _SUMMARY_EVERY_S:
+                on_poll()
+                last_poll = now
             progress = _read_json(progress_file, {})
             item, started = progress.get("item"), progress.get("started")
             if now > deadline_at:
@@ -424,27 +747,25 @@ def supervise(cmd: list[str], progress_file: Path, *, item_timeout: float,
             "seconds": round(time.time() - t0, 1)}
 
 
-def _run_phase(phase: str, out_dir: Path, deadline_at: float, *, rehearsal: bool,
-               repeats: int, excluded: set[str], env: dict) -> dict:
-    results_file = out_dir / f"{phase}.json"
+def _run_phase(phase: str, work: Path, deadline_at: float, *, rehearsal: bool,
+               excluded: set[str], env: dict, on_poll: Callable[[], None]) -> dict:
+    results_file = work / f"{phase}.json"
     _write_json(results_file, {"items": {}})
-    (out_dir / f"{phase}.log").unlink(missing_ok=True)  # parsed later: this run's only
     skip: list[str] = []
     runs = []
-    timeout = ITEM_TIMEOUT_S[phase] * (3 if rehearsal else 1)  # CPU interpret mode is slow
+    timeout = ITEM_TIMEOUT_S[phase] * (2 if rehearsal else 1)  # CPU interpret mode is slow
     for _ in range(MAX_RESTARTS + 1):
         if deadline_at - time.time() < MIN_PHASE_S:
             runs.append({"not_started": "too little time left in the phase's budget"})
             break
-        cmd = [sys.executable, "-m", "pallas_kernels.gpu_check", "--worker", phase,
-               "--out-dir", str(out_dir), "--deadline-at", repr(deadline_at),
-               "--repeats", str(repeats), "--skip", ",".join(skip),
+        cmd = [sys.executable, "-m", "pallas_kernels.gpu_check", str(work), "--worker",
+               phase, "--deadline-at", repr(deadline_at), "--skip", ",".join(skip),
                "--exclude-configs", ",".join(sorted(excluded))]
         if rehearsal:
             cmd.append("--cpu-rehearsal")
-        outcome = supervise(cmd, out_dir / f"{phase}.progress.json", item_timeout=timeout,
-                            deadline_at=deadline_at, log_file=out_dir / f"{phase}.log",
-                            env=env)
+        outcome = supervise(cmd, work / f"{phase}.progress.json", item_timeout=timeout,
+                            deadline_at=deadline_at, log_file=work / f"{phase}.log",
+                            env=env, on_poll=on_poll)
         runs.append(outcome)
         item = outcome["item"]
         if outcome["returncode"] == 0 and item is None:
@@ -461,39 +782,321 @@ def _run_phase(phase: str, out_dir: Path, deadline_at: float, *, rehearsal: bool
         print(f"[{phase}] {item}: FAILED ({why}); restarting on the remaining items",
               flush=True)
         skip.append(item)
+    (work / f"{phase}.progress.json").unlink(missing_ok=True)
     data = _read_json(results_file, {"items": {}})
     data["workers"] = runs
     _write_json(results_file, data)
     return data
 
 
-_SMOKE_CONFIG = re.compile(r"^matmul-(bm\d+_bn\d+_split[mn]_s\d+)-\d+x")
-_PTXAS_LINE = re.compile(r"ptxas|registers|spill|smem|Used \d+", re.IGNORECASE)
+# --------------------------------------------------------------------------------------
+# ptxas's report.
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_FUNC_PROPS = re.compile(r"Function properties for (\S+)")
 
 
-def parse_ptxas(log_text: str) -> list[dict]:
-    """ptxas's resource lines from a worker log, grouped under the smoke config markers.
+def parse_ptxas(log_text: str, kernels: list[str]) -> dict[str, dict]:
+    """ptxas's verbose report (``MOSAIC_GPU_DUMP_PTXAS=1``: Mosaic GPU prints it to stdout
+    as it compiles, per jaxlib 0.11.2's dump options) per kernel, from a worker log.
 
-    ``MOSAIC_GPU_DUMP_PTXAS=1`` makes Mosaic GPU print ptxas's verbose output (``ptxas
-    info: Used N registers, ... bytes spill stores ...``) to stdout when it compiles a
-    kernel (the dump options read from the environment by jaxlib 0.11.2's
-    ``get_or_set_dump_options``; without ``MOSAIC_GPU_DUMP_TO`` it goes to stdout).
+    A line belongs to the kernel named by the last ``Compiling entry function 'F'`` or
+    ``Function properties for F`` line if one of ``kernels`` is a part of F (Mosaic GPU
+    may decorate the name), else to the kernel whose ``_KERNEL_MARK`` marker was printed
+    last (each compile item prints one before it compiles). All of a kernel's lines are
+    kept. Returns, per kernel: registers, spill store / load bytes, stack frame bytes (the
+    largest reported), wgmma-serialization warnings, the lines.
     """
-    groups: list[dict] = [{"config": None, "lines": []}]
+    by_kernel: dict[str, list[str]] = {}
+    marked = entry = None
     for line in log_text.splitlines():
-        if line.startswith("=== gpu_check smoke: config "):
-            groups.append({"config": line.removeprefix("=== gpu_check smoke: config ")
-                           .removesuffix(" ===").strip(), "lines": []})
-        elif _PTXAS_LINE.search(line) and not line.startswith("[smoke]"):
-            groups[-1]["lines"].append(line.strip()[:300])
-    for g in groups:
-        regs = [int(r) for line in g["lines"] for r in re.findall(r"Used (\d+) registers", line)]
-        spills = [int(s) for line in g["lines"]
-                  for s in re.findall(r"(\d+) bytes spill stores", line)]
-        g["max_registers"] = max(regs) if regs else None
-        g["max_spill_store_bytes"] = max(spills) if spills else None
-        g["lines"] = g["lines"][:40]
-    return [g for g in groups if g["lines"]]
+        if line.startswith(_KERNEL_MARK):
+            name = line.removeprefix(_KERNEL_MARK).removesuffix(" ===").strip()
+            marked, entry = (None if name == "end" else name), None
+            continue
+        found = _ENTRY.search(line) or _FUNC_PROPS.search(line)
+        if found:
+            fn = found.group(1)
+            entry = next((k for k in sorted(kernels, key=len, reverse=True) if k in fn),
+                         None)
+        owner = entry or marked
+        if owner is None or not re.search(r"ptxas|registers|spill|stack frame|wgmma|"
+                                          r"cmem|smem", line, re.IGNORECASE):
+            continue
+        by_kernel.setdefault(owner, []).append(line.strip())
+    out = {}
+    for name, lines in by_kernel.items():
+        def biggest(pattern, lines=lines):
+            vals = [int(v) for line in lines for v in re.findall(pattern, line)]
+            return max(vals) if vals else None
+
+        out[name] = {
+            "registers": biggest(r"Used (\d+) registers"),
+            "spill_store_bytes": biggest(r"(\d+) bytes spill stores"),
+            "spill_load_bytes": biggest(r"(\d+) bytes spill loads"),
+            "stack_frame_bytes": biggest(r"(\d+) bytes stack frame"),
+            "wgmma_serialization_warnings": [
+                line for line in lines if "wgmma" in line.lower() and "serializ" in line.lower()],
+            "lines": lines}
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# nvidia-smi telemetry (the watcher; no JAX).
+
+
+def gpu_telemetry() -> dict | None:
+    """One ``nvidia-smi --query-gpu`` sample of the first GPU (clocks in MHz, power in W),
+    or None where nvidia-smi is absent or fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run([exe, f"--query-gpu={','.join(_SMI_FIELDS)}",
+                               "--format=csv,noheader,nounits"], capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode or not proc.stdout.strip():
+        return None
+    values = [v.strip() for v in proc.stdout.splitlines()[0].split(",")]
+    row: dict[str, Any] = {"time": time.time()}
+    for key, v in zip(_SMI_FIELDS, values):
+        try:
+            row[key] = float(v)
+        except ValueError:
+            row[key] = v
+    return row
+
+
+class _Sampler:
+    """Samples ``gpu_telemetry`` every ``period`` s in a thread, per phase."""
+
+    def __init__(self, period: float = 1.0):
+        self.period = period
+        self.samples: dict[str, list[dict]] = {}
+        self.phase: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.available = gpu_telemetry() is not None
+        if self.available:
+            self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(self.period):
+            phase = self.phase
+            if phase is not None:
+                row = gpu_telemetry()
+                if row is not None:
+                    self.samples.setdefault(phase, []).append(row)
+
+    def stop(self):
+        self._stop.set()
+
+    def summary(self) -> dict | None:
+        if not self.available:
+            return None
+
+        def stats(rows, key):
+            vals = [r[key] for r in rows if isinstance(r.get(key), float)]
+            return ({"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
+                    if vals else None)
+
+        return {phase: {"samples": len(rows), "sm_clock_mhz": stats(rows, "clocks.sm"),
+                        "power_w": stats(rows, "power.draw"),
+                        "temperature_c": stats(rows, "temperature.gpu"),
+                        "throttle_reasons": sorted({str(r.get("clocks_throttle_reasons.active"))
+                                                    for r in rows})}
+                for phase, rows in self.samples.items()}
+
+
+# --------------------------------------------------------------------------------------
+# The summary.
+
+
+def _empty_report(command: str, rehearsal: bool, deadline: float) -> dict:
+    """Every field of the summary, null until measured (and null for good where a value
+    needs a GPU and this is the CPU rehearsal)."""
+    return {"command": command,
+            "mode": "cpu-rehearsal (GPU-interpret mode, tiny shapes)" if rehearsal else "gpu",
+            "deadline_s": deadline, "status": "running", "elapsed_s": 0.0,
+            "env": None, "driver": None,
+            "telemetry": {"before": None, "during": None, "after": None},
+            "kernels": {}, "excluded_configs": [], "correctness": {}, "bench": {},
+            "train": None, "tune": {}, "pytest": None, "phases": {}}
+
+
+def _fill(report: dict, phase: str, items: dict, work: Path) -> None:
+    """Copies a phase's item results into the summary's sections."""
+    if phase == "compile":
+        report["env"] = items.get("env")
+        kernels = {r["kernel"]: r for r in items.values() if "kernel" in r}
+        log = work / "compile.log"
+        ptxas = parse_ptxas(log.read_text(), list(kernels)) if log.exists() else {}
+        for name, r in kernels.items():
+            p = ptxas.get(name, {})
+            for key in ("registers", "spill_store_bytes", "spill_load_bytes",
+                        "stack_frame_bytes"):
+                r[key] = p.get(key)
+            r["wgmma_serialization_warnings"] = p.get("wgmma_serialization_warnings")
+            r["ptxas_lines"] = p.get("lines")
+        report["kernels"] = kernels
+    elif phase == "train":
+        report["train"] = items.get("transformer-step")
+    elif phase in ("correctness", "bench", "tune"):
+        report[phase] = items
+
+
+def _summary_lines(report: dict) -> list[str]:
+    lines = []
+    for name, r in report.get("bench", {}).items():
+        impls = r.get("impls") or {}
+
+        def tf(key, impls=impls):
+            v = impls.get(key)
+            return f"{v['tflops_median']:7.1f}" if v else "    n/a"
+
+        if impls:
+            lines.append(f"{name}: pallas bf16 {tf('pallas_fp8_bfloat16')} f32 "
+                         f"{tf('pallas_fp8_float32')}  xla bf16 {tf('xla_bf16')}  xla fp8 "
+                         f"{tf('xla_fp8_per_tensor')}  torch {tf('torch_scaled_mm_blockwise')}"
+                         f" TFLOP/s (median) [{r.get('config')}]")
+    train = report.get("train") or {}
+    if train.get("steps_per_s"):
+        lines.append("train steps/s: " + "  ".join(
+            f"{k} {v:.2f}" for k, v in train["steps_per_s"].items() if v))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m pallas_kernels.gpu_check",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", nargs="?", default=None,
+                   help="folder for gpu_check.json and gpu_check_logs.tar.gz "
+                        "(default runs/gpu-check)")
+    p.add_argument("--out-dir", dest="out_dir_opt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=480.0,
+                   help="seconds after which every worker is killed and the run ends "
+                        "(default 480: fits a 10-minute device window with room to spare)")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help=f"comma-separated subset of {','.join(PHASES)}")
+    p.add_argument("--cpu-rehearsal", action="store_true",
+                   help="run every phase on CPU in GPU-interpret mode at tiny shapes "
+                        "(no pytest): catches script errors before GPU time")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--skip", default="", help=argparse.SUPPRESS)
+    p.add_argument("--exclude-configs", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir or args.out_dir_opt or "runs/gpu-check")
+    if args.worker:  # out_dir is the watcher's work folder
+        return _worker(args.worker, out_dir, args.deadline_at or time.time() + args.deadline,
+                       set(filter(None, args.skip.split(","))), args.cpu_rehearsal,
+                       set(filter(None, args.exclude_configs.split(","))))
+    if args.deadline <= 0:
+        p.error(f"--deadline must be positive, got {args.deadline}")
+    phases = [s.strip() for s in args.phases.split(",") if s.strip()]
+    bad = [s for s in phases if s not in PHASES]
+    if bad:
+        p.error(f"--phases: unknown {bad}; allowed: {', '.join(PHASES)}")
+    if args.cpu_rehearsal and "pytest" in phases:
+        phases.remove("pytest")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    t_start = time.time()
+    deadline_at = t_start + args.deadline
+    report_file, tar_file = out_dir / "gpu_check.json", out_dir / "gpu_check_logs.tar.gz"
+    command = " ".join(["python3 -m pallas_kernels.gpu_check",
+                        *(argv if argv is not None else sys.argv[1:])])
+    report = _empty_report(command, args.cpu_rehearsal, args.deadline)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    sampler = _Sampler()
+    before = gpu_telemetry()
+    report["telemetry"]["before"] = before
+    report["driver"] = before.get("driver_version") if before else None
+
+    def save():
+        report["elapsed_s"] = round(time.time() - t_start, 1)
+        report["telemetry"]["during"] = sampler.summary()
+        _write_json(report_file, report)
+
+    def refresh(phase):
+        def poll():
+            items = _read_json(work / f"{phase}.json", {}).get("items", {})
+            report["phases"][phase] = {"ok": None, "items": items}
+            _fill(report, phase, items, work)
+            save()
+        return poll
+
+    env = dict(os.environ)  # workers import this checkout, wherever we were started from
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+    # Leave GPU memory to torch._scaled_mm (bench) and to the study's own process (train).
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    excluded: set[str] = set()
+    failed = False
+    save()
+    try:
+        for phase in phases:
+            sampler.phase = phase
+            if phase == "pytest":
+                left = deadline_at - time.time()
+                result = (run_pytest(left - 5.0, work / "pytest.log") if left > MIN_PHASE_S
+                          else {"skipped": "too little time left before the global deadline"})
+                report["pytest"] = result
+                report["phases"]["pytest"] = {"ok": result.get("ok")}
+                failed = failed or not result.get("ok", True)
+                save()
+                continue
+            phase_env = dict(env)
+            if phase == "compile":  # ptxas's register/spill report of every kernel compiled
+                phase_env.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_RESOURCES="1")
+            left = deadline_at - time.time()
+            phase_deadline = time.time() + max(MIN_PHASE_S, PHASE_SHARE[phase] * left)
+            data = _run_phase(phase, work, min(deadline_at, phase_deadline),
+                              rehearsal=args.cpu_rehearsal, excluded=excluded, env=phase_env,
+                              on_poll=refresh(phase))
+            items = data.get("items", {})
+            phase_ok = all(r.get("ok", True) for r in items.values())
+            report["phases"][phase] = {"ok": phase_ok, **data}
+            _fill(report, phase, items, work)
+            failed = failed or not phase_ok
+            print(f"[{phase}] {'ok' if phase_ok else 'FAILED'}: "
+                  f"{sum(bool(r.get('ok')) for r in items.values())}/{len(items)} items ok, "
+                  f"{sum('skipped' in r for r in items.values())} skipped", flush=True)
+            if phase == "compile":
+                env_item = items.get("env") or {}
+                if not env_item.get("hopper") and not args.cpu_rehearsal:
+                    report["status"] = ("no Hopper GPU: nothing checked" if env_item
+                                        else "the compile worker did not report the device")
+                    print(f"gpu_check: {report['status']} ({env_item.get('device')}).")
+                    return 0 if env_item else 1
+                for r in items.values():
+                    if "config" in r and r.get("ok") is False:
+                        excluded.add(r["config"])
+                for name, r in items.items():  # hung or crashed: named by the item
+                    m = re.match(r"^kernel-(bm\d+_bn\d+_split[mn]_s\d+)-", name)
+                    if m and r.get("ok") is False:
+                        excluded.add(m.group(1))
+                report["excluded_configs"] = sorted(excluded)
+            save()
+            _tar(work, tar_file)
+        skipped = any("skipped" in r for ph in report["phases"].values()
+                      for r in (ph.get("items") or {}).values()) or any(
+            "skipped" in (ph or {}) for ph in report["phases"].values())
+        # "incomplete": nothing failed, but the time ran out before every item ran.
+        report["status"] = "failed" if failed else "incomplete" if skipped else "passed"
+    finally:
+        sampler.phase = None
+        sampler.stop()
+        report["telemetry"]["after"] = gpu_telemetry()
+        save()
+        _tar(work, tar_file)
+        shutil.rmtree(work, ignore_errors=True)
+    for line in _summary_lines(report):
+        print(line)
+    print(f"gpu_check {report['status']}; wrote {report_file} and {tar_file}")
+    return 1 if failed else 0
 
 
 def run_pytest(timeout_s: float, log_file: Path) -> dict:
@@ -525,122 +1128,6 @@ def run_pytest(timeout_s: float, log_file: Path) -> dict:
         return out
     return {"ok": rc == 0, "returncode": rc, "counts": counts, "failures": failures,
             "tail": tail}
-
-
-def _summary_lines(report: dict) -> list[str]:
-    lines = []
-    bench = report["phases"].get("bench", {}).get("items", {})
-    for name, r in bench.items():
-        tf = r.get("tflops")
-        if tf:
-            lines.append(f"{name}: pallas_fp8 {tf.get('pallas_fp8', 0):7.1f} TFLOP/s  "
-                         f"xla_bf16 {tf.get('xla_bf16', 0):7.1f}  ratio "
-                         f"{r.get('ratio_kernel_over_bf16', float('nan')):.2f}x  "
-                         f"[{r.get('config')}, {r['timing']['pallas_fp8']['method']}]")
-    return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pallas_kernels.gpu_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", default="runs/gpu-check")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
-    p.add_argument("--deadline", type=float, default=480.0,
-                   help="seconds after which every worker is killed and the run ends "
-                        "(default 480: fits a 10-minute device call with room to spare)")
-    p.add_argument("--phases", default=",".join(PHASES),
-                   help=f"comma-separated subset of {','.join(PHASES)}")
-    p.add_argument("--cpu-rehearsal", action="store_true",
-                   help="run every phase on CPU in GPU-interpret mode at small shapes "
-                        "(no pytest): catches script errors before GPU time")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--skip", default="", help=argparse.SUPPRESS)
-    p.add_argument("--exclude-configs", default="", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if args.repeats <= 0:
-        p.error(f"--repeats must be positive, got {args.repeats}")
-    if args.worker:
-        return _worker(args.worker, out_dir, args.deadline_at or time.time() + args.deadline,
-                       set(filter(None, args.skip.split(","))), args.cpu_rehearsal,
-                       args.repeats, set(filter(None, args.exclude_configs.split(","))))
-    phases = [s.strip() for s in args.phases.split(",") if s.strip()]
-    bad = [s for s in phases if s not in PHASES]
-    if bad:
-        p.error(f"--phases: unknown {bad}; allowed: {', '.join(PHASES)}")
-    if args.cpu_rehearsal and "pytest" in phases:
-        phases.remove("pytest")
-
-    t_start = time.time()
-    deadline_at = t_start + args.deadline
-    report_file = out_dir / "gpu_check.json"
-    report: dict = {"command": " ".join([sys.executable, "-m", "pallas_kernels.gpu_check",
-                                         *(argv if argv is not None else sys.argv[1:])]),
-                    "mode": "cpu-rehearsal (GPU-interpret mode, small shapes)"
-                    if args.cpu_rehearsal else "gpu",
-                    "deadline_s": args.deadline, "phases": {}}
-
-    def save():
-        report["elapsed_s"] = round(time.time() - t_start, 1)
-        _write_json(report_file, report)
-
-    env = dict(os.environ)  # workers import this checkout, wherever we were started from
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
-    excluded: set[str] = set()
-    failed = False
-    for phase in phases:
-        if phase == "pytest":
-            left = deadline_at - time.time()
-            result = (run_pytest(left - 5.0, out_dir / "pytest.log") if left > MIN_PHASE_S
-                      else {"skipped": "too little time left before the global deadline"})
-            report["phases"]["pytest"] = result
-            failed = failed or not result.get("ok", True)
-            save()
-            continue
-        phase_env = dict(env)
-        if phase == "smoke":  # ptxas's register/spill report of every kernel compiled
-            phase_env.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_RESOURCES="1")
-        left = deadline_at - time.time()
-        phase_deadline = time.time() + max(MIN_PHASE_S, PHASE_SHARE[phase] * left)
-        data = _run_phase(phase, out_dir, min(deadline_at, phase_deadline),
-                          rehearsal=args.cpu_rehearsal,
-                          repeats=args.repeats, excluded=excluded, env=phase_env)
-        items = data.get("items", {})
-        phase_ok = all(r.get("ok", True) for r in items.values())
-        report["phases"][phase] = {"ok": phase_ok, **data}
-        failed = failed or not phase_ok
-        print(f"[{phase}] {'ok' if phase_ok else 'FAILED'}: "
-              f"{sum(bool(r.get('ok')) for r in items.values())}/{len(items)} items ok, "
-              f"{sum('skipped' in r for r in items.values())} skipped", flush=True)
-        if phase == "smoke":
-            env_item = items.get("env", {})
-            report["env"] = env_item
-            log = out_dir / "smoke.log"
-            report["ptxas"] = parse_ptxas(log.read_text()) if log.exists() else []
-            if not env_item.get("hopper") and not args.cpu_rehearsal:
-                report["status"] = ("no Hopper GPU: nothing checked" if env_item
-                                    else "the smoke worker did not report the device")
-                save()
-                print(f"gpu_check: {report['status']} ({env_item.get('device')}).")
-                return 0 if env_item else 1
-            for name, r in items.items():
-                cfg = _SMOKE_CONFIG.match(name)
-                if cfg and r.get("ok") is False:  # failed or hung (not: never reached)
-                    excluded.add(cfg.group(1))
-            report["excluded_configs"] = sorted(excluded)
-        save()
-    skipped = any("skipped" in r for ph in report["phases"].values()
-                  for r in ph.get("items", {}).values()) or any(
-        "skipped" in ph for ph in report["phases"].values())
-    # "incomplete": nothing failed, but the time ran out before every item ran.
-    report["status"] = "failed" if failed else "incomplete" if skipped else "passed"
-    save()
-    for line in _summary_lines(report):
-        print(line)
-    print(f"gpu_check {report['status']}; wrote {report_file}")
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -443,11 +443,11 @@ def test_fp8_never_imports_a_kernel_package():
 def test_registered_backend_is_used_when_it_applies():
     calls = []
 
-    def fake(a, a_scale, b, b_scale, *, impl):
+    def fake(a, a_scale, b, b_scale, *, impl, out_dtype):
         calls.append(impl)
         return fp8.scaled_matmul(
             ScaledArray(a, a_scale, get_format("e4m3"), None),
-            ScaledArray(b, b_scale, get_format("e4m3"), None))
+            ScaledArray(b, b_scale, get_format("e4m3"), None)).astype(out_dtype)
 
     saved = dict(fp8._GEMM_BACKENDS)
     try:

@@ -116,3 +116,84 @@ def test_quantizers_lower_for_h200(fn, dtype, power_of_two):
     text = _lower_for_h200(functools.partial(fn, power_of_two=power_of_two, impl="kernel"),
                            jax.ShapeDtypeStruct((4096, 7168), dtype))
     assert "mosaic_gpu" in text
+
+
+def _sub_jaxprs(eqn):
+    for val in eqn.params.values():
+        for v in val if isinstance(val, (tuple, list)) else (val,):
+            sub = getattr(v, "jaxpr", v)
+            sub = getattr(sub, "jaxpr", sub) if not hasattr(sub, "eqns") else sub
+            if hasattr(sub, "eqns"):
+                yield sub
+
+
+def _wgmma_windows(jaxpr):
+    """The bodies of the ``run_scoped`` regions that issue a ``wgmma`` and read its
+    accumulator (the read is the ``wgmma.wait_group``): issue to wait, in program order."""
+    for eqn in jaxpr.eqns:
+        for sub in _sub_jaxprs(eqn):
+            names = [e.primitive.name for e in sub.eqns]
+            if (eqn.primitive.name == "run_scoped" and "wgmma_ref" in names
+                    and "wgmma_accumulator_deref_p" in names):
+                yield sub
+            else:
+                yield from _wgmma_windows(sub)
+
+
+@pytest.mark.parametrize("b_rows", [True, False], ids=["b-rows", "b-blocks"])
+@pytest.mark.parametrize("name", list(SHIPPED_CONFIGS))
+def test_scale_product_is_formed_after_the_wgmma_wait(name, b_rows):
+    """Spill-safe ordering, checked in the kernel as Mosaic GPU lowers it (program order of
+    the traced kernel): between a wgmma's issue and its wait only the next K block's scale
+    *vectors* are loaded; no (64, pass_n) f32 value (the per-element scale product, 64
+    registers a thread) is formed there, where it would be live beside the in-flight
+    accumulator and the running sums (256x128's weight gradient: 128 + 64 + 64 > 232)."""
+    config = SHIPPED_CONFIGS[name]
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(functools.partial(
+            blockwise_fp8_matmul, out_dtype=jnp.float32, impl="kernel", config=config)
+        ).trace(*_matmul_args(1024, 1024, 1024, b_rows=b_rows))
+    windows = list(_wgmma_windows(traced.jaxpr.jaxpr))
+    # one window per pass of a K step, in each of the persistent loop's four pipelines
+    assert windows and len(windows) % len(config.passes) == 0
+    # The next K block's scale vectors are loaded inside the last pass's window (one step
+    # early, while the wgmmas run).
+    loads = [sum(e.primitive.name == "load" for e in w.eqns) for w in windows]
+    # one A row-scale vector per pass; with b_rows, one B column-scale vector per column
+    # offset of the passes
+    b_vectors = len({pc for _, pc in config.passes}) if b_rows else 0
+    assert max(loads) == len(config.passes) + b_vectors
+    full = (64, config.pass_n)
+    for window in windows:
+        formed = [e.primitive.name for e in window.eqns
+                  if e.primitive.name in ("mul", "broadcast_in_dim")
+                  and any(tuple(v.aval.shape) == full for v in e.outvars)]
+        assert formed == []
+
+
+@pytest.mark.parametrize("b_rows", [False, True], ids=["b-blocks", "b-rows"])
+def test_n_tail_pads_only_the_scales(b_rows):
+    """N = 2112 (DeepSeek-V3's, 16.5 tiles of 128): B and the output are neither padded
+    nor sliced (TMA zero-fills loads and clips stores past N), only the f32 scale rows
+    are padded; the kernel writes the [M, 2112] output directly."""
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(functools.partial(
+            blockwise_fp8_matmul, out_dtype=jnp.bfloat16, impl="kernel",
+            config=SHIPPED_CONFIGS["128x128"])).trace(*_matmul_args(4096, 2112, 7168, b_rows))
+    eqns = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            eqns.append(e)
+            for sub in _sub_jaxprs(e):
+                if e.primitive.name not in ("mpmd_map", "pallas_call"):
+                    walk(sub)
+
+    walk(traced.jaxpr.jaxpr)
+    padded = [str(e.outvars[0].aval) for e in eqns if e.primitive.name == "pad"]
+    assert padded and all(p.startswith("float32[") for p in padded)
+    assert not [e for e in eqns if e.primitive.name in ("slice", "dynamic_slice")]
+    (kernel,) = [e for e in eqns if e.primitive.name in ("mpmd_map", "pallas_call")]
+    assert kernel.outvars[0].aval.shape == (4096, 2112)
