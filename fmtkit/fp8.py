@@ -54,6 +54,7 @@ from fmtkit.scaling import (
     ScaledArray,
     TensorScaling,
     delayed_amax_of,
+    keep_nonfinite,
     quantize,
     record_amax,
 )
@@ -395,7 +396,8 @@ def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: FP8Recipe,
     if scaling is not None:
         return quantize(t, fmt, scaling, amax=amax if tile.kind == "tensor" else None)
     f = get_format(fmt)
-    values = jnp.clip(t.astype(jnp.float32), -f.max, f.max).astype(f.dtype)
+    t32 = t.astype(jnp.float32)
+    values = keep_nonfinite(t32, jnp.clip(t32, -f.max, f.max)).astype(f.dtype)
     return ScaledArray(values, jnp.ones((1, 1), jnp.float32), f, TensorScaling())
 
 

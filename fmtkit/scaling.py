@@ -19,6 +19,9 @@ Scale rule (all recipes but MX), after Transformer Engine / DeepGEMM:
                                                            pushes values past fmt.max)
     values = cast(clip(x * (1 / scale), ±fmt.max), fmt)   (round to nearest even; the
                                                            reciprocal is taken once per block)
+    values = NaN where x is ±inf                          (delayed / given amax: the scale is
+                                                           finite, and the clip would hide an
+                                                           overflow; ``keep_nonfinite``)
 
 MX (OCP Microscaling Formats v1.0, section 6.3): ``X = 2^(floor(log2 amax) - emax_elem)`` where
 ``emax_elem`` is the exponent of the element format's largest normal, an E8M0 scale; elements
@@ -55,6 +58,7 @@ __all__ = [
     "delayed_amax",
     "delayed_amax_of",
     "dequantize",
+    "keep_nonfinite",
     "qdq",
     "quantize",
     "record_amax",
@@ -568,6 +572,10 @@ def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = Tensor
     # what the Pallas quantizers do), then clip: formats without inf turn |v| > max into NaN
     # (f32 -> e4m3fn beyond 464).
     v = jnp.clip(xs.astype(jnp.float32) * inv, -fmt.max, fmt.max)
+    if isinstance(recipe, DelayedScaling) or amax is not None:
+        # The scale did not come from this block's own amax, so an inf element meets a finite
+        # reciprocal and the clip above would turn it into ±fmt.max: keep it non-finite.
+        v = keep_nonfinite(xs, v)
     if fmt.bits == 6:
         # XLA's CPU backend cannot decode FP6; every FP6 value is exact in E4M3, so the
         # values are rounded onto the FP6 grid and kept in an E4M3 container.
@@ -575,6 +583,19 @@ def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = Tensor
     else:
         values = v.astype(fmt.dtype)
     return ScaledArray(values.reshape(x.shape), scale.reshape(scale_shape), fmt, recipe)
+
+
+def keep_nonfinite(x: jax.Array, values: jax.Array) -> jax.Array:
+    """``values`` (clipped, scaled ``x``) with NaN wherever ``x`` is inf: NaN in, NaN out.
+
+    A scale taken from the block's own amax needs no help (an inf element makes the scale
+    inf and the element ``inf * 0 = NaN``; a NaN survives the clip), but a scale from
+    elsewhere (an amax history, a given ``amax``, no scale at all) is finite, and
+    ``clip(inf * s) = fmt.max`` would hide an overflow from loss scaling. NaN rather than
+    inf because E4M3 has no inf; any non-finite operand makes a GEMM's products non-finite.
+    Finite elements beyond the range still saturate.
+    """
+    return jnp.where(jnp.isinf(x), jnp.float32(jnp.nan), values)
 
 
 def dequantize(sa: ScaledArray, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:

@@ -914,3 +914,20 @@ def test_quantize_with_a_given_amax():
         quantize(jnp.asarray(x), "e4m3", BlockScaling((1, 32)), amax=amax)
     with pytest.raises(ValueError, match=r"needs \(4,\)"):
         quantize(jnp.asarray(x), "e4m3", DelayedScaling(4), state=DelayedScaling(8).init())
+
+
+@pytest.mark.parametrize("how", ["delayed", "given_amax"])
+def test_inf_stays_non_finite_with_a_scale_from_elsewhere(how):
+    """A history's (or a given) amax is finite: the inf element must not clip to E4M3's max
+    (448 * scale, a finite value that hides the overflow); finite elements saturate."""
+    x = jnp.array([1.0, jnp.inf, -jnp.inf, 100.0], jnp.float32)
+    if how == "delayed":
+        recipe = DelayedScaling(history=4)
+        state = recipe.update(recipe.init(), jnp.float32(2.0))
+        sa = quantize(x, "e4m3", recipe, state=state)
+    else:
+        sa = quantize(x, "e4m3", TensorScaling(), amax=jnp.float32(2.0))
+    out = np.asarray(dequantize(sa))
+    assert np.isnan(out[1]) and np.isnan(out[2])
+    # 1.0 with scale 2/448 is 224 on E4M3's grid (exact); 100 saturates at 448 * scale = 2
+    np.testing.assert_array_equal(out[[0, 3]], np.float32([1.0, 448 * np.float32(2 / 448)]))
