@@ -72,6 +72,24 @@ def _check_margin(margin: int) -> None:
         raise TypeError(f"margin must be an int (a power-of-two headroom), got {margin!r}.")
 
 
+def _check_bool(value: Any, name: str) -> None:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+
+
+def _check_int(value: Any, name: str, allowed: str) -> None:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be {allowed}, got {value!r}.")
+
+
+def _check_recipe_fields(recipe: Any) -> None:
+    """The fields every recipe shares: ``power_of_two`` a bool, ``margin`` an int."""
+    if hasattr(recipe, "power_of_two"):
+        _check_bool(recipe.power_of_two, "power_of_two")
+    if hasattr(recipe, "margin"):
+        _check_margin(recipe.margin)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorScaling:
     """One scale for the whole tensor (current scaling: from this tensor's amax)."""
@@ -80,7 +98,7 @@ class TensorScaling:
     margin: int = 0
 
     def __post_init__(self):
-        _check_margin(self.margin)
+        _check_recipe_fields(self)
 
     def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(shape)
@@ -99,9 +117,9 @@ class AxisScaling:
     margin: int = 0
 
     def __post_init__(self):
-        _check_margin(self.margin)
-        axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
-        if not axes or not all(isinstance(a, int) for a in axes):
+        _check_recipe_fields(self)
+        axes = (self.axis,) if not isinstance(self.axis, tuple | list) else tuple(self.axis)
+        if not axes or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
             raise TypeError(f"axis must be an int or a tuple of ints, got {self.axis!r}.")
 
     def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -127,9 +145,10 @@ class BlockScaling:
     margin: int = 0
 
     def __post_init__(self):
-        _check_margin(self.margin)
+        _check_recipe_fields(self)
         block = (self.block,) if isinstance(self.block, int) else tuple(self.block)
-        if not block or not all(isinstance(b, int) and b > 0 for b in block):
+        if not block or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                                for b in block):
             raise ValueError(f"block must be a tuple of positive ints, got {self.block!r}.")
         object.__setattr__(self, "block", block)
 
@@ -156,11 +175,12 @@ class MXScaling:
     axis: int = -1
 
     def __post_init__(self):
-        if not isinstance(self.block, int) or self.block <= 0:
+        if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block <= 0:
             raise ValueError(f"block must be a positive int, got {self.block!r}.")
         if self.scale_rounding not in _MX_RULES:
             raise ValueError(
                 f"scale_rounding must be one of {_MX_RULES}, got {self.scale_rounding!r}.")
+        _check_int(self.axis, "axis", "an int (the axis the blocks run along)")
 
     def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         ndim = len(shape)
@@ -306,7 +326,7 @@ class DelayedScaling:
     power_of_two: bool = False
 
     def __post_init__(self):
-        _check_margin(self.margin)
+        _check_recipe_fields(self)
         if not isinstance(self.history, int) or isinstance(self.history, bool) or (
                 self.history <= 0):
             raise ValueError(f"history must be a positive int, got {self.history!r}.")
@@ -377,7 +397,8 @@ class ScaledArray:
 
     @property
     def block(self) -> tuple[int, ...]:
-        return tuple(n // s for n, s in zip(self.values.shape, self.scale.shape))
+        # (an empty dim has an empty scale dim: its block counts as 1)
+        return tuple(n // s if s else 1 for n, s in zip(self.values.shape, self.scale.shape))
 
     def expanded_scale(self) -> jax.Array:
         """The f32 scale broadcast to the full shape of ``values``."""
@@ -521,7 +542,9 @@ def _prepare(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe):
     fmt = get_format(fmt)
     _check_recipe(recipe)
     x = check_floating(x)
-    block = recipe.block_shape(x.shape)
+    # A block spanning an empty dim (per-tensor or per-axis scaling of a [0, K] array) has
+    # size 0: count it as 1, so an empty array quantizes to empty values and scales.
+    block = tuple(max(b, 1) for b in recipe.block_shape(x.shape))
     _check_blocks(x.shape, block)
     split, axes, _ = _block_layout(x.shape, block)
     scale_shape = tuple(n // b for n, b in zip(x.shape, block))
