@@ -966,7 +966,10 @@ def dot_general_fn(recipe: str | Fp8Recipe = "blockwise", *, name: str | None = 
     return fp8_dot_general
 
 
-def dot_general(lhs: Any = None, rhs: jax.typing.ArrayLike | None = None,
+_UNSET: Any = object()  # "no operand": dot_general() / dot_general(recipe=...), the factory
+
+
+def dot_general(lhs: Any = _UNSET, rhs: jax.typing.ArrayLike | None = None,
                 dimension_numbers: Any = None, precision: Any = None,
                 preferred_element_type: jax.typing.DTypeLike | None = None, *,
                 out_sharding: Any = None, recipe: str | Fp8Recipe | None = None,
@@ -989,12 +992,15 @@ def dot_general(lhs: Any = None, rhs: jax.typing.ArrayLike | None = None,
       >>> dot_general("current")(x, w, (((1,), (0,)), ((), ()))).shape
       (128, 100)
     """
-    if lhs is None or isinstance(lhs, str | Fp8Recipe):
+    if lhs is None:
+        raise TypeError("fmtkit.fp8.dot_general: lhs is None; pass an array (the op) or a "
+                        "recipe name / Fp8Recipe (the factory).")
+    if lhs is _UNSET or isinstance(lhs, str | Fp8Recipe):
         extra = {k: v for k, v in dict(
             rhs=rhs, dimension_numbers=dimension_numbers, precision=precision,
             preferred_element_type=preferred_element_type, out_sharding=out_sharding,
             fp8_state=fp8_state).items() if v is not None}
-        if lhs is not None and recipe is not None:
+        if lhs is not _UNSET and recipe is not None:
             raise TypeError("fmtkit.fp8.dot_general: the recipe was given twice "
                             f"({lhs!r} and recipe={recipe!r}).")
         if extra:
@@ -1003,8 +1009,9 @@ def dot_general(lhs: Any = None, rhs: jax.typing.ArrayLike | None = None,
                 f"function (dot_general_fn); the operands go to that function, got "
                 f"{', '.join(extra)} here. The op takes the arrays first: "
                 "dot_general(lhs, rhs, dimension_numbers, recipe=...).")
-        return dot_general_fn("blockwise" if lhs is None and recipe is None else
-                              (recipe if lhs is None else lhs), name=name)
+        if lhs is _UNSET:
+            lhs = "blockwise" if recipe is None else recipe
+        return dot_general_fn(lhs, name=name)
     if rhs is None or dimension_numbers is None:
         raise TypeError("fmtkit.fp8.dot_general(lhs, rhs, dimension_numbers, ...): rhs and "
                         "dimension_numbers are required (or pass only a recipe to get the "

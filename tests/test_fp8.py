@@ -745,6 +745,8 @@ def test_dot_general_is_an_op_and_a_factory():
         fp8.dot_general("current", recipe="blockwise")
     with pytest.raises(TypeError, match="rhs and dimension_numbers are required"):
         fp8.dot_general(x)
+    with pytest.raises(TypeError, match="lhs is None"):
+        fp8.dot_general(None)
     with pytest.raises(TypeError, match="RECIPES"):
         fp8.dot_general(x, w, DN, recipe=3)
 
