@@ -99,6 +99,13 @@ class ScaleByAdamState(NamedTuple):
 class _Storage(NamedTuple):
     fmt: Format | None  # None: the parameter's dtype
     recipe: Any
+    auto: str | None = None  # "mu" / "nu": the default scaling rule applies per parameter
+
+
+def _needs_scale(fmt: Format, name: str) -> bool:
+    """The default: FP8 storage without a scale would underflow (MS-AMP); so would squared
+    gradients in any format with less range than f32 (fp16: see the module docstring)."""
+    return fmt.bits <= 8 or (name == "nu" and fmt.exponent_bits < _F32_EXPONENT_BITS)
 
 
 def _storage(dtype: Any, recipe: Any, name: str) -> _Storage:
@@ -111,16 +118,14 @@ def _storage(dtype: Any, recipe: Any, name: str) -> _Storage:
     if recipe is not None and not isinstance(recipe, _RECIPES):
         raise TypeError(f"{name}_scaling must be None (the default for {name}_dtype), 'none', "
                         f"TensorScaling, AxisScaling or BlockScaling, got {recipe!r}.")
-    if fmt is not None and recipe is None and not unscaled and (
-            fmt.bits <= 8 or (name == "nu" and fmt.exponent_bits < _F32_EXPONENT_BITS)):
-        # FP8 storage without a scale would underflow (MS-AMP); so would squared gradients
-        # in any format with less range than f32 (fp16: see the module docstring).
+    if fmt is not None and recipe is None and not unscaled and _needs_scale(fmt, name):
         recipe = TensorScaling()
     if recipe is not None and fmt is None:
         raise ValueError(f"{name}_scaling needs an explicit {name}_dtype.")
     if fmt is not None and not fmt.signed:
         raise ValueError(f"{name}_dtype={fmt.name} cannot store signed values.")
-    return _Storage(fmt, recipe)
+    # in the parameters' dtype (dtype None), the same default applies per parameter
+    return _Storage(fmt, recipe, name if fmt is None and recipe is None else None)
 
 
 def _load(x: Any) -> jax.Array:
@@ -133,6 +138,8 @@ def _store(x: jax.Array, like: jax.Array, st: _Storage, key: jax.Array | None,
            path: str) -> Any:
     fmt = st.fmt or get_format(like.dtype)
     rounding = "nearest" if key is None else "stochastic"
+    if st.recipe is None and st.auto is not None and _needs_scale(fmt, st.auto):
+        st = st._replace(recipe=TensorScaling())
     if st.recipe is None:
         return cast(x, fmt, rounding=rounding, key=key)
     try:
@@ -210,7 +217,8 @@ def scale_by_adam(
         "none" for plain storage. ``None`` (default): ``TensorScaling()`` for ``mu``
         formats of 8 bits or fewer and for ``nu`` formats with less exponent range than
         f32 (fp16, FP8: squared gradients underflow them, see the module docstring),
-        plain storage otherwise.
+        plain storage otherwise; with ``*_dtype=None`` the rule applies to each
+        parameter's dtype (fp16 parameters get a scaled ``nu``).
       rounding: ``"nearest"`` or ``"stochastic"`` rounding of the stored moments.
       seed: seed of the stochastic rounding (with the step count: reproducible).
 

@@ -262,6 +262,14 @@ def _bc2(t):
 def test_fp16_moments_are_scaled_by_default_and_track_optax(long_runs):
     state = optim.scale_by_adam(nu_dtype="fp16").init(jnp.zeros(4))
     assert isinstance(state.nu, ScaledArray) and state.nu.recipe == TensorScaling()
+    # moments in the parameters' dtype: the same rule per parameter (fp16 nu scaled; bf16 has
+    # f32's range and stays plain, as does mu, which holds gradients, not their squares)
+    state = optim.scale_by_adam().init({"h": jnp.zeros(4, jnp.float16),
+                                        "b": jnp.zeros(4, jnp.bfloat16)})
+    assert isinstance(state.nu["h"], ScaledArray) and state.nu["h"].values.dtype == jnp.float16
+    assert state.nu["b"].dtype == jnp.bfloat16 and state.mu["h"].dtype == jnp.float16
+    assert optim.scale_by_adam(nu_dtype="fp16", nu_scaling="none").init(
+        jnp.zeros(4)).nu.dtype == jnp.float16
     # Scaled nu: no underflow. What is left is fp16 mu's own nearest-rounding stall (m stops
     # within 2^-10 / (1 - b1) ≈ 1% of g, on the m32 = 0.9 m + 0.1 g the update reads): every
     # update within 1% of optax's over 3000 steps, 0.3% on average (measured 0.9968).
