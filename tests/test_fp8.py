@@ -789,3 +789,21 @@ def test_update_state_with_a_wrong_tree_says_what_it_expects():
     for wrong in (state.amax_history, {"dot": state}, None):
         with pytest.raises(ValueError, match="same structure as state, the gradient of the loss"):
             fp8.update_state(state, wrong)
+
+
+def test_inf_reaches_every_gemm_through_the_pallas_kernel():
+    """The kernel backends (GPU-interpret mode on CPU) keep the rule too: an inf in x, w or
+    the cotangent makes the GEMMs that read it non-finite."""
+    import pallas_kernels  # noqa: F401  (importing it registers the kernel backend)
+
+    recipe = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="interpret")
+    x, w, dy = _data(128, 128, 128)
+    run = jax.jit(lambda a, b, g: _fwd_bwd(recipe, a, b, g))
+    finite = [np.all(np.isfinite(np.asarray(t))) for t in run(x, w, dy)]
+    assert finite == [True, True, True]
+    cases = {"x": ((x.at[3, 5].set(jnp.inf), w, dy), (False, True, False)),  # y, dx, dw
+             "w": ((x, w.at[3, 5].set(jnp.inf), dy), (False, False, True)),
+             "cotangent": ((x, w, dy.at[3, 5].set(jnp.inf)), (True, False, False))}
+    for where, (args, expected) in cases.items():
+        got = tuple(bool(np.all(np.isfinite(np.asarray(t)))) for t in run(*args))
+        assert got == expected, where
