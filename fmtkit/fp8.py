@@ -54,6 +54,7 @@ from fmtkit.scaling import (
     ScaledArray,
     TensorScaling,
     delayed_amax_of,
+    keep_nonfinite,
     quantize,
     record_amax,
 )
@@ -63,9 +64,11 @@ __all__ = [
     "RECIPES",
     "FP8Recipe",
     "Fp8DotState",
+    "Fp8Recipe",
     "GemmBackend",
     "combine_observations",
     "dot_general",
+    "dot_general_fn",
     "gemm_backends",
     "get_recipe",
     "init_state",
@@ -79,7 +82,7 @@ _TILE_RE = re.compile(r"^(tensor|row|none|mx(\d+)|(\d+)x(\d+))$")
 
 
 def _parse_tile(spec: str, arg: str) -> tuple[str, tuple[int, int] | int | None]:
-    m = _TILE_RE.match(spec)
+    m = _TILE_RE.match(spec) if isinstance(spec, str) else None
     if not m:
         raise ValueError(
             f"{arg}={spec!r} is not a tiling; use 'tensor', 'row', 'none', 'mxN' (e.g. "
@@ -91,9 +94,30 @@ def _parse_tile(spec: str, arg: str) -> tuple[str, tuple[int, int] | int | None]
     return spec, None
 
 
+def _check_fields(recipe: Any) -> None:
+    """Types and choices of an ``Fp8Recipe``'s plain fields (the formats, tiles and
+    delayed-scaling fields are checked where they are parsed)."""
+    if not isinstance(recipe.name, str):
+        raise TypeError(f"name must be a string, got {recipe.name!r}.")
+    for arg in ("delayed", "power_of_two"):
+        if not isinstance(getattr(recipe, arg), bool):
+            raise TypeError(f"{arg} must be True or False, got {getattr(recipe, arg)!r}.")
+    for arg in ("accum_mantissa_bits", "promote_every"):
+        v = getattr(recipe, arg)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise TypeError(f"{arg} must be an int or None, got {v!r}.")
+    rules = ("floor", "ceil", "even", "rceil")
+    if recipe.mx_scale_rounding not in rules:
+        raise ValueError(f"mx_scale_rounding must be one of {rules}, got "
+                         f"{recipe.mx_scale_rounding!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
-class FP8Recipe:
+class Fp8Recipe:
     """How the three GEMMs of a scaled ``dot_general`` quantize their operands.
+
+    Spelled like ``Fp8DotState`` and Flax's ``Fp8DotGeneralOp``; ``FP8Recipe`` is the same
+    class under its earlier name.
 
     Tilings are given for an operand laid out as ``[free, contraction]``: "1x128" is one
     scale per row and 128 contraction elements; "128x128" a square block; "row" one scale
@@ -146,6 +170,7 @@ class FP8Recipe:
     amax_reduce_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
+        _check_fields(self)
         for arg in ("x_format", "w_format", "grad_format"):
             fmt = get_format(getattr(self, arg))
             if fmt.bits > 8:
@@ -188,11 +213,15 @@ class FP8Recipe:
 
     def __str__(self) -> str:
         """The name, plus every field that differs from the named recipe (or, for a custom
-        recipe, from ``FP8Recipe()``): ``blockwise(margin=1)``."""
-        base = RECIPES.get(self.name) or FP8Recipe()
+        recipe, from ``Fp8Recipe()``): ``blockwise(margin=1)``."""
+        base = RECIPES.get(self.name) or Fp8Recipe()
         diff = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
                 if f.name != "name" and getattr(self, f.name) != getattr(base, f.name)]
         return f"{self.name}({', '.join(diff)})" if diff else self.name
+
+
+FP8Recipe = Fp8Recipe
+"""The earlier spelling of ``Fp8Recipe`` (the same class), kept for existing code."""
 
 
 RECIPES: dict[str, FP8Recipe] = {
@@ -207,12 +236,15 @@ RECIPES: dict[str, FP8Recipe] = {
 """The named recipes (see the module docstring)."""
 
 
-def get_recipe(recipe: str | FP8Recipe) -> FP8Recipe:
+def get_recipe(recipe: str | Fp8Recipe) -> Fp8Recipe:
     """Returns the recipe for a name (or the recipe itself); the error lists the names."""
-    if isinstance(recipe, FP8Recipe):
+    if isinstance(recipe, Fp8Recipe):
         return recipe
     if isinstance(recipe, str) and recipe in RECIPES:
         return RECIPES[recipe]
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe must be a name from fmtkit.fp8.RECIPES ({', '.join(RECIPES)}) "
+                        f"or an Fp8Recipe, got {type(recipe).__name__}.")
     raise ValueError(f"Unknown FP8 recipe {recipe!r}; valid names: {', '.join(RECIPES)}.")
 
 
@@ -246,6 +278,16 @@ def combine_observations(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.maximum, a, b)
 
 
+def _describe(tree: Any) -> str:
+    """A short description of a pytree: its structure with each leaf as dtype[shape]."""
+    def leaf(x):
+        return f"{jnp.result_type(x).name}{list(jnp.shape(x))}" if hasattr(x, "shape") else (
+            type(x).__name__)
+    text = str(jax.tree.unflatten(jax.tree.structure(tree),
+                                  [leaf(x) for x in jax.tree.leaves(tree)]))
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
 def update_state(state: Any, observed: Any) -> Any:
     """Records observed amaxes into every amax history of a tree (one step).
 
@@ -264,8 +306,18 @@ def update_state(state: Any, observed: Any) -> Any:
       history unchanged.
 
     Raises:
-      ValueError: a leaf that is not [..., 3, history], or shapes of state and observed differ.
+      ValueError: a leaf that is not [..., 3, history], shapes of state and observed differ,
+        or ``observed`` is not a tree of the same structure as ``state``.
     """
+    s_def, o_def = jax.tree.structure(state), jax.tree.structure(observed)
+    if s_def != o_def:
+        raise ValueError(
+            "update_state(state, observed): observed must be a tree of the same structure as "
+            "state, the gradient of the loss with respect to the state (e.g. "
+            "jax.grad(loss, argnums=(0, 1))(params, state)[1], or the 'fp8_state' entry of "
+            "linen's gradients), not a raw array or another tree. state is "
+            f"{_describe(state)}; observed is {_describe(observed)}.")
+
     def upd(hist, obs):
         if hist is None:
             return None
@@ -398,7 +450,8 @@ def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: FP8Recipe,
     if scaling is not None:
         return quantize(t, fmt, scaling, amax=amax if tile.kind == "tensor" else None)
     f = get_format(fmt)
-    values = jnp.clip(t.astype(jnp.float32), -f.max, f.max).astype(f.dtype)
+    t32 = t.astype(jnp.float32)
+    values = keep_nonfinite(t32, jnp.clip(t32, -f.max, f.max)).astype(f.dtype)
     return ScaledArray(values, jnp.ones((1, 1), jnp.float32), f, TensorScaling())
 
 
@@ -782,7 +835,106 @@ def _canonicalize(lhs, rhs, dimension_numbers):
     return x, w, len(batch), out_shape
 
 
-def dot_general(recipe: str | FP8Recipe = "blockwise", *, name: str | None = None):
+_DEFAULT_PRECISIONS = (None, lax.Precision.DEFAULT)
+
+
+def _check_precision(precision: Any, where: str) -> None:
+    """Accepts ``precision`` values that ask for nothing beyond an FP8 GEMM (None, DEFAULT,
+    or a pair of those); raises on HIGH / HIGHEST / an algorithm, which it cannot honour."""
+    ps = precision if isinstance(precision, tuple | list) else (precision,)
+    for p in ps:
+        if isinstance(p, str):
+            try:
+                p = lax.Precision(p)
+            except (ValueError, KeyError):
+                raise ValueError(f"{where}: precision={precision!r} is not a lax.Precision; "
+                                 "use None or lax.Precision.DEFAULT.") from None
+        if p not in _DEFAULT_PRECISIONS:
+            raise ValueError(
+                f"{where}: precision={precision!r} asks for more precise products than an "
+                "FP8 GEMM computes (its products are FP8 x FP8, exact, accumulated in f32 by "
+                "construction). Drop precision (None / lax.Precision.DEFAULT), or keep this "
+                "matmul out of the FP8 recipe (e.g. a bf16/f32 rule for its module).")
+
+
+def _check_out_sharding(out_sharding: Any, where: str) -> None:
+    if out_sharding is not None and not isinstance(
+            out_sharding, jax.sharding.Sharding | jax.sharding.PartitionSpec):
+        raise TypeError(f"{where}: out_sharding must be None, a jax.sharding.Sharding or a "
+                        f"PartitionSpec (as for lax.dot_general), got {out_sharding!r}.")
+
+
+def _check_out_dtype(preferred_element_type: Any, where: str) -> Any:
+    if preferred_element_type is None:
+        return None
+    try:
+        dtype = jnp.dtype(preferred_element_type)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{where}: preferred_element_type must be a floating dtype (the "
+                        f"output dtype; the GEMMs accumulate in f32), got "
+                        f"{preferred_element_type!r}.")
+    return dtype
+
+
+def _where(recipe: Fp8Recipe, name: str | None) -> str:
+    return (f"fmtkit.fp8.dot_general({recipe}) at {name!r}" if name else
+            f"fmtkit.fp8.dot_general({recipe})")
+
+
+def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precision,
+             preferred_element_type, out_sharding, fp8_state):
+    """The op behind ``dot_general`` and the functions ``dot_general_fn`` returns."""
+    _check_precision(precision, where)
+    _check_out_sharding(out_sharding, where)
+    preferred_element_type = _check_out_dtype(preferred_element_type, where)
+    try:
+        lhs = check_floating(lhs, "lhs")
+        rhs = check_floating(rhs, "rhs")
+    except TypeError as e:
+        raise TypeError(f"{where}: {e}") from None
+    out_dtype = preferred_element_type or (
+        lhs.dtype if lhs.dtype == rhs.dtype else jnp.float32)
+    if recipe.delayed:
+        if fp8_state is None:
+            raise ValueError(f"{where}: recipe {recipe.name!r} is delayed: pass fp8_state= "
+                             "(see fmtkit.fp8.init_state) or use the Flax module wrappers.")
+        hist = jnp.asarray(fp8_state.amax_history)
+        if hist.shape != (3, recipe.history):
+            extra = (" A stack of layers (nn.scan / nnx.scan) keeps one history per "
+                     "layer, [L, 3, history]: scan over the fp8_state collection too "
+                     "(linen: variable_axes={'params': 0, 'fp8_state': 0}) so each "
+                     "layer's dot sees its own slice." if hist.ndim == 3 else "")
+            raise ValueError(f"{where}: fp8_state.amax_history has shape {hist.shape}; "
+                             f"this dot needs (3, {recipe.history}) (rows x, w, grad)."
+                             + extra)
+    else:
+        hist = jnp.zeros((3, 1), jnp.float32)
+    try:
+        x, w, nbatch, out_shape = _canonicalize(lhs, rhs, dimension_numbers)
+    except (ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"{where}: bad dimension_numbers {dimension_numbers!r} for "
+                         f"lhs {lhs.shape} and rhs {rhs.shape}: {e}") from None
+    if nbatch and recipe.delayed:
+        raise ValueError(f"{where}: delayed scaling supports dots without batch dims "
+                         "(Dense, DenseGeneral); use a current-scaling recipe for batched "
+                         "einsums.")
+    if x.size == 0 or w.size == 0:
+        # An empty operand (no tokens, an empty contraction, no features): lax.dot_general's
+        # answer, zeros of the output shape (empty, or a sum over nothing); no GEMM to run.
+        y = jnp.zeros(out_shape, out_dtype)
+    else:
+        core = functools.partial(_core, recipe, _gemm_dtype(out_dtype))
+        for _ in range(nbatch):
+            core = jax.vmap(core, in_axes=(0, 0, None))
+        y = core(x, w, hist).reshape(out_shape).astype(out_dtype)
+    if out_sharding is not None:
+        y = jax.sharding.reshard(y, out_sharding)
+    return y
+
+
+def dot_general_fn(recipe: str | Fp8Recipe = "blockwise", *, name: str | None = None):
     """Returns a function with ``lax.dot_general``'s signature that computes in FP8.
 
     Plugs into ``nn.Dense(dot_general=...)``, ``nn.DenseGeneral``, ``nn.Einsum`` and
@@ -792,66 +944,92 @@ def dot_general(recipe: str | FP8Recipe = "blockwise", *, name: str | None = Non
     state as the keyword ``fp8_state`` (an ``Fp8DotState``); the linen / NNX module wrappers
     in ``fmtkit.policy`` thread it for you.
 
+    ``lax.dot_general``'s keywords are taken by name: ``preferred_element_type`` is the
+    output dtype (a floating dtype; the GEMMs accumulate in f32), ``out_sharding`` the
+    output's sharding (``jax.sharding.reshard``), ``precision`` only None or
+    ``lax.Precision.DEFAULT`` (FP8 products are exact and accumulated in f32 by
+    construction: HIGH / HIGHEST raise instead of being ignored). Any other keyword is a
+    ``TypeError``.
+
     Args:
-      recipe: a name from ``RECIPES`` or an ``FP8Recipe``.
+      recipe: a name from ``RECIPES`` or an ``Fp8Recipe``.
       name: what the errors of the returned function call this dot (the policy layer passes
         the module path, e.g. "Block_0/MlpBlock_0/Dense_0").
 
     Returns:
       ``fp8_dot_general(lhs, rhs, dimension_numbers, precision=None,
-      preferred_element_type=None, *, fp8_state=None)``.
+      preferred_element_type=None, *, out_sharding=None, fp8_state=None)``.
 
     Example:
-      >>> dg = dot_general("blockwise")
+      >>> dg = dot_general_fn("blockwise")
       >>> x, w = jnp.ones((128, 200)), jnp.ones((200, 100))
       >>> dg(x, w, (((1,), (0,)), ((), ()))).shape
       (128, 100)
     """
     recipe = get_recipe(recipe)
-    where = f"fmtkit.fp8.dot_general({recipe}) at {name!r}" if name else \
-        f"fmtkit.fp8.dot_general({recipe})"
+    where = _where(recipe, name)
 
     def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None,
-                        preferred_element_type=None, *, fp8_state: Fp8DotState | None = None,
-                        **unused):
-        del precision, unused  # FP8 GEMMs accumulate in f32 by construction
-        try:
-            lhs = check_floating(lhs, "lhs")
-            rhs = check_floating(rhs, "rhs")
-        except TypeError as e:
-            raise TypeError(f"{where}: {e}") from None
-        out_dtype = preferred_element_type or (
-            lhs.dtype if lhs.dtype == rhs.dtype else jnp.float32)
-        if recipe.delayed:
-            if fp8_state is None:
-                raise ValueError(f"{where}: recipe {recipe.name!r} is delayed: pass fp8_state= "
-                                 "(see fmtkit.fp8.init_state) or use the Flax module wrappers.")
-            hist = jnp.asarray(fp8_state.amax_history)
-            if hist.shape != (3, recipe.history):
-                extra = (" A stack of layers (nn.scan / nnx.scan) keeps one history per "
-                         "layer, [L, 3, history]: scan over the fp8_state collection too "
-                         "(linen: variable_axes={'params': 0, 'fp8_state': 0}) so each "
-                         "layer's dot sees its own slice." if hist.ndim == 3 else "")
-                raise ValueError(f"{where}: fp8_state.amax_history has shape {hist.shape}; "
-                                 f"this dot needs (3, {recipe.history}) (rows x, w, grad)."
-                                 + extra)
-        else:
-            hist = jnp.zeros((3, 1), jnp.float32)
-        try:
-            x, w, nbatch, out_shape = _canonicalize(lhs, rhs, dimension_numbers)
-        except (ValueError, TypeError, IndexError) as e:
-            raise ValueError(f"{where}: bad dimension_numbers {dimension_numbers!r} for "
-                             f"lhs {lhs.shape} and rhs {rhs.shape}: {e}") from None
-        if nbatch and recipe.delayed:
-            raise ValueError(f"{where}: delayed scaling supports dots without batch dims "
-                             "(Dense, DenseGeneral); use a current-scaling recipe for batched "
-                             "einsums.")
-        core = functools.partial(_core, recipe, _gemm_dtype(out_dtype))
-        for _ in range(nbatch):
-            core = jax.vmap(core, in_axes=(0, 0, None))
-        y = core(x, w, hist)
-        return y.reshape(out_shape).astype(out_dtype)
+                        preferred_element_type=None, *, out_sharding=None,
+                        fp8_state: Fp8DotState | None = None):
+        return _fp8_dot(recipe, where, lhs, rhs, dimension_numbers, precision,
+                        preferred_element_type, out_sharding, fp8_state)
 
     fp8_dot_general.recipe = recipe  # type: ignore[attr-defined]
     fp8_dot_general.name = name  # type: ignore[attr-defined]
     return fp8_dot_general
+
+
+_UNSET: Any = object()  # "no operand": dot_general() / dot_general(recipe=...), the factory
+
+
+def dot_general(lhs: Any = _UNSET, rhs: jax.typing.ArrayLike | None = None,
+                dimension_numbers: Any = None, precision: Any = None,
+                preferred_element_type: jax.typing.DTypeLike | None = None, *,
+                out_sharding: Any = None, recipe: str | Fp8Recipe | None = None,
+                fp8_state: Fp8DotState | None = None, name: str | None = None):
+    """``lax.dot_general`` in FP8: the op, or (given only a recipe) a function like it.
+
+    ``dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+    *, out_sharding=None, recipe="blockwise", fp8_state=None)`` computes the product with the
+    recipe's three FP8 GEMMs (custom VJP; see ``dot_general_fn`` for the keywords' meaning).
+
+    ``dot_general(recipe)`` (a name or an ``Fp8Recipe`` as the only positional argument, or
+    ``dot_general(recipe=...)`` with no operands) is ``dot_general_fn(recipe, name=name)``,
+    the factory, kept for ``nn.Dense(dot_general=fp8.dot_general("blockwise"))``: the first
+    argument of the op is an array, never a string or a recipe, so the two cannot be confused.
+
+    Example:
+      >>> x, w = jnp.ones((128, 200)), jnp.ones((200, 100))
+      >>> dot_general(x, w, (((1,), (0,)), ((), ())), recipe="current").shape
+      (128, 100)
+      >>> dot_general("current")(x, w, (((1,), (0,)), ((), ()))).shape
+      (128, 100)
+    """
+    if lhs is None:
+        raise TypeError("fmtkit.fp8.dot_general: lhs is None; pass an array (the op) or a "
+                        "recipe name / Fp8Recipe (the factory).")
+    if lhs is _UNSET or isinstance(lhs, str | Fp8Recipe):
+        extra = {k: v for k, v in dict(
+            rhs=rhs, dimension_numbers=dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type, out_sharding=out_sharding,
+            fp8_state=fp8_state).items() if v is not None}
+        if lhs is not _UNSET and recipe is not None:
+            raise TypeError("fmtkit.fp8.dot_general: the recipe was given twice "
+                            f"({lhs!r} and recipe={recipe!r}).")
+        if extra:
+            raise TypeError(
+                "fmtkit.fp8.dot_general: called with a recipe first, it returns the FP8 "
+                f"function (dot_general_fn); the operands go to that function, got "
+                f"{', '.join(extra)} here. The op takes the arrays first: "
+                "dot_general(lhs, rhs, dimension_numbers, recipe=...).")
+        if lhs is _UNSET:
+            lhs = "blockwise" if recipe is None else recipe
+        return dot_general_fn(lhs, name=name)
+    if rhs is None or dimension_numbers is None:
+        raise TypeError("fmtkit.fp8.dot_general(lhs, rhs, dimension_numbers, ...): rhs and "
+                        "dimension_numbers are required (or pass only a recipe to get the "
+                        "FP8 function).")
+    r = get_recipe("blockwise" if recipe is None else recipe)
+    return _fp8_dot(r, _where(r, name), lhs, rhs, dimension_numbers, precision,
+                    preferred_element_type, out_sharding, fp8_state)

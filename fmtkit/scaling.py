@@ -19,6 +19,9 @@ Scale rule (all recipes but MX), after Transformer Engine / DeepGEMM:
                                                            pushes values past fmt.max)
     values = cast(clip(x * (1 / scale), ±fmt.max), fmt)   (round to nearest even; the
                                                            reciprocal is taken once per block)
+    values = NaN where x is ±inf                          (delayed / given amax: the scale is
+                                                           finite, and the clip would hide an
+                                                           overflow; ``keep_nonfinite``)
 
 MX (OCP Microscaling Formats v1.0, section 6.3): ``X = 2^(floor(log2 amax) - emax_elem)`` where
 ``emax_elem`` is the exponent of the element format's largest normal, an E8M0 scale; elements
@@ -55,6 +58,7 @@ __all__ = [
     "delayed_amax",
     "delayed_amax_of",
     "dequantize",
+    "keep_nonfinite",
     "qdq",
     "quantize",
     "record_amax",
@@ -68,6 +72,24 @@ def _check_margin(margin: int) -> None:
         raise TypeError(f"margin must be an int (a power-of-two headroom), got {margin!r}.")
 
 
+def _check_bool(value: Any, name: str) -> None:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+
+
+def _check_int(value: Any, name: str, allowed: str) -> None:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be {allowed}, got {value!r}.")
+
+
+def _check_recipe_fields(recipe: Any) -> None:
+    """The fields every recipe shares: ``power_of_two`` a bool, ``margin`` an int."""
+    if hasattr(recipe, "power_of_two"):
+        _check_bool(recipe.power_of_two, "power_of_two")
+    if hasattr(recipe, "margin"):
+        _check_margin(recipe.margin)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorScaling:
     """One scale for the whole tensor (current scaling: from this tensor's amax)."""
@@ -76,7 +98,7 @@ class TensorScaling:
     margin: int = 0
 
     def __post_init__(self):
-        _check_margin(self.margin)
+        _check_recipe_fields(self)
 
     def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(shape)
@@ -95,9 +117,9 @@ class AxisScaling:
     margin: int = 0
 
     def __post_init__(self):
-        _check_margin(self.margin)
-        axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
-        if not axes or not all(isinstance(a, int) for a in axes):
+        _check_recipe_fields(self)
+        axes = (self.axis,) if not isinstance(self.axis, tuple | list) else tuple(self.axis)
+        if not axes or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
             raise TypeError(f"axis must be an int or a tuple of ints, got {self.axis!r}.")
 
     def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -123,9 +145,10 @@ class BlockScaling:
     margin: int = 0
 
     def __post_init__(self):
-        _check_margin(self.margin)
+        _check_recipe_fields(self)
         block = (self.block,) if isinstance(self.block, int) else tuple(self.block)
-        if not block or not all(isinstance(b, int) and b > 0 for b in block):
+        if not block or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                                for b in block):
             raise ValueError(f"block must be a tuple of positive ints, got {self.block!r}.")
         object.__setattr__(self, "block", block)
 
@@ -152,11 +175,12 @@ class MXScaling:
     axis: int = -1
 
     def __post_init__(self):
-        if not isinstance(self.block, int) or self.block <= 0:
+        if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block <= 0:
             raise ValueError(f"block must be a positive int, got {self.block!r}.")
         if self.scale_rounding not in _MX_RULES:
             raise ValueError(
                 f"scale_rounding must be one of {_MX_RULES}, got {self.scale_rounding!r}.")
+        _check_int(self.axis, "axis", "an int (the axis the blocks run along)")
 
     def block_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         ndim = len(shape)
@@ -302,7 +326,7 @@ class DelayedScaling:
     power_of_two: bool = False
 
     def __post_init__(self):
-        _check_margin(self.margin)
+        _check_recipe_fields(self)
         if not isinstance(self.history, int) or isinstance(self.history, bool) or (
                 self.history <= 0):
             raise ValueError(f"history must be a positive int, got {self.history!r}.")
@@ -373,7 +397,8 @@ class ScaledArray:
 
     @property
     def block(self) -> tuple[int, ...]:
-        return tuple(n // s for n, s in zip(self.values.shape, self.scale.shape))
+        # (an empty dim has an empty scale dim: its block counts as 1)
+        return tuple(n // s if s else 1 for n, s in zip(self.values.shape, self.scale.shape))
 
     def expanded_scale(self) -> jax.Array:
         """The f32 scale broadcast to the full shape of ``values``."""
@@ -517,7 +542,9 @@ def _prepare(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe):
     fmt = get_format(fmt)
     _check_recipe(recipe)
     x = check_floating(x)
-    block = recipe.block_shape(x.shape)
+    # A block spanning an empty dim (per-tensor or per-axis scaling of a [0, K] array) has
+    # size 0: count it as 1, so an empty array quantizes to empty values and scales.
+    block = tuple(max(b, 1) for b in recipe.block_shape(x.shape))
     _check_blocks(x.shape, block)
     split, axes, _ = _block_layout(x.shape, block)
     scale_shape = tuple(n // b for n, b in zip(x.shape, block))
@@ -568,6 +595,10 @@ def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = Tensor
     # what the Pallas quantizers do), then clip: formats without inf turn |v| > max into NaN
     # (f32 -> e4m3fn beyond 464).
     v = jnp.clip(xs.astype(jnp.float32) * inv, -fmt.max, fmt.max)
+    if isinstance(recipe, DelayedScaling) or amax is not None:
+        # The scale did not come from this block's own amax, so an inf element meets a finite
+        # reciprocal and the clip above would turn it into ±fmt.max: keep it non-finite.
+        v = keep_nonfinite(xs, v)
     if fmt.bits == 6:
         # XLA's CPU backend cannot decode FP6; every FP6 value is exact in E4M3, so the
         # values are rounded onto the FP6 grid and kept in an E4M3 container.
@@ -575,6 +606,19 @@ def quantize(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe = Tensor
     else:
         values = v.astype(fmt.dtype)
     return ScaledArray(values.reshape(x.shape), scale.reshape(scale_shape), fmt, recipe)
+
+
+def keep_nonfinite(x: jax.Array, values: jax.Array) -> jax.Array:
+    """``values`` (clipped, scaled ``x``) with NaN wherever ``x`` is inf: NaN in, NaN out.
+
+    A scale taken from the block's own amax needs no help (an inf element makes the scale
+    inf and the element ``inf * 0 = NaN``; a NaN survives the clip), but a scale from
+    elsewhere (an amax history, a given ``amax``, no scale at all) is finite, and
+    ``clip(inf * s) = fmt.max`` would hide an overflow from loss scaling. NaN rather than
+    inf because E4M3 has no inf; any non-finite operand makes a GEMM's products non-finite.
+    Finite elements beyond the range still saturate.
+    """
+    return jnp.where(jnp.isinf(x), jnp.float32(jnp.nan), values)
 
 
 def dequantize(sa: ScaledArray, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:

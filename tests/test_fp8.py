@@ -594,3 +594,216 @@ def test_recipe_scaling_is_what_the_forward_gemm_reads_of_x(name, first_block_hi
     assert recipe.scaling("w") is not None
     with pytest.raises(ValueError, match="operand must be"):
         recipe.scaling("y")
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite in, non-finite out: every recipe, every GEMM, so loss scaling sees the overflow.
+
+
+def _overflow_step(name):
+    """A jitted step of ``sum(dot(x, w) * c)`` under ``dynamic_loss_scale(sgd)``, x and w the
+    parameters, ``c`` the cotangent of the dot's output (an inf there is an fp16 overflow in
+    the backward pass). Delayed recipes run with a recorded history (amax 2 for each row),
+    so their scales come from the history, not from the injected tensor."""
+    import optax
+
+    from fmtkit.optim import dynamic_loss_scale, loss_scale, scale_loss
+
+    recipe = fp8.get_recipe(name)
+    dg = fp8.dot_general(recipe)
+    opt = dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**4)
+    state = None
+    if recipe.delayed:
+        state = fp8.init_state(recipe)
+        state = state._replace(amax_history=state.amax_history.at[:, 0].set(2.0))
+
+    @jax.jit
+    def step(params, opt_state, c, fp8_state):
+        def loss(p, s):
+            kw = {} if s is None else {"fp8_state": s}
+            y = dg(p["x"], p["w"], DN, **kw)
+            return scale_loss(jnp.sum(y * c), opt_state), y
+
+        (grads, observed), y = jax.grad(loss, argnums=(0, 1), has_aux=True)(params, fp8_state)
+        updates, new_opt = opt.update(grads, opt_state, params)
+        new_state = None if fp8_state is None else fp8.update_state(fp8_state, observed)
+        return (y, grads, optax.apply_updates(params, updates), new_opt, new_state,
+                loss_scale(new_opt))
+
+    return opt, state, step
+
+
+@pytest.mark.parametrize("name", list(fp8.RECIPES))
+def test_inf_in_any_operand_or_cotangent_skips_the_step_and_backs_off_once(name):
+    x = jax.random.normal(jax.random.key(0), (8, 48), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (48, 24), jnp.float32) / 8
+    c = jnp.ones((8, 24), jnp.float32)
+    opt, fp8_state, step = _overflow_step(name)
+    params = {"x": x, "w": w}
+    opt_state = opt.init(params)
+    finite = lambda a: bool(np.all(np.isfinite(np.asarray(a))))  # noqa: E731
+
+    # control: a clean step is taken at the same scale
+    y, grads, new_params, _, new_state, scale = step(params, opt_state, c, fp8_state)
+    assert finite(y) and finite(grads["x"]) and finite(grads["w"])
+    assert float(scale) == 16.0 and not np.array_equal(new_params["w"], w)
+
+    # (injected tensor, the GEMM outputs that must then be non-finite)
+    cases = {
+        "x": (x.at[3, 5].set(jnp.inf), c, ("y", "dw")),  # forward and wgrad read x
+        "w": (x, c, ("y", "dx")),  # forward and dgrad read w
+        "cotangent": (x, c.at[2, 7].set(jnp.inf), ("dx", "dw")),  # dgrad and wgrad read dy
+    }
+    for where, (xi, ci, bad) in cases.items():
+        wi = w.at[4, 6].set(-jnp.inf) if where == "w" else w
+        p = {"x": xi, "w": wi}
+        y, grads, new_params, _, new_state, scale = step(p, opt.init(p), ci, fp8_state)
+        outs = {"y": y, "dx": grads["x"], "dw": grads["w"]}
+        for gemm in bad:
+            assert not finite(outs[gemm]), f"{name}: inf in {where} gives a finite {gemm}"
+        # the step is skipped (parameters unchanged) and the scale backs off exactly once
+        for k in p:
+            np.testing.assert_array_equal(np.asarray(new_params[k]), np.asarray(p[k]))
+        assert float(scale) == 8.0, (name, where, float(scale))
+        if fp8_state is not None:  # the history skips the non-finite observation
+            np.testing.assert_array_equal(np.asarray(new_state.amax_history),
+                                          np.asarray(fp8_state.amax_history))
+
+
+def test_delayed_inf_check_has_a_negative_control(monkeypatch):
+    """Without ``keep_nonfinite`` the delayed recipe clips an inf to E4M3's max with the
+    history's scale: the output is finite, which the test above would catch."""
+    monkeypatch.setattr(scaling, "keep_nonfinite", lambda x, v: v)
+    dg = fp8.dot_general("delayed")
+    state = fp8.init_state("delayed")
+    state = state._replace(amax_history=state.amax_history.at[:, 0].set(2.0))
+    x = jnp.ones((4, 16)).at[0, 0].set(jnp.inf)
+    y = dg(x, jnp.ones((16, 4)), DN, fp8_state=state)
+    assert np.all(np.isfinite(np.asarray(y)))
+
+
+def test_unscaled_tile_keeps_inf():
+    """A "none" tile (a plain saturating cast) turns inf into NaN, not into the format max."""
+    recipe = fp8.FP8Recipe(grad_tile="none", x_tile="none", w_tile="none")
+    y = fp8.dot_general(recipe)(jnp.ones((4, 16)).at[1, 2].set(jnp.inf), jnp.ones((16, 4)), DN)
+    assert np.isnan(np.asarray(y)[1]).all() and np.isfinite(np.asarray(y)[0]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# lax.dot_general's keywords, the op and the factory, one spelling, bad input.
+
+
+def test_dot_general_keywords_are_honoured_or_rejected():
+    x = jax.random.normal(jax.random.key(0), (8, 32), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32)
+    dg = fp8.dot_general("current")
+    ref = np.asarray(dg(x, w, DN))
+    # accepted by name: DEFAULT precision (alone or per operand) changes nothing
+    for p in (jax.lax.Precision.DEFAULT, (jax.lax.Precision.DEFAULT,) * 2, "default"):
+        np.testing.assert_array_equal(np.asarray(dg(x, w, DN, precision=p)), ref)
+    # preferred_element_type is the output dtype
+    y16 = dg(x, w, DN, preferred_element_type=jnp.bfloat16)
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y16), ref.astype(ml_dtypes.bfloat16))
+    # out_sharding is applied (one-device mesh: the result carries the requested sharding)
+    mesh = jax.make_mesh((1,), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
+    y = dg(x, w, DN, out_sharding=sharding)
+    assert y.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(y), ref)
+    # what an FP8 GEMM cannot honour, or what is not a keyword of lax.dot_general, raises
+    with pytest.raises(ValueError, match=r"precision=.*HIGHEST.*FP8 GEMM"):
+        dg(x, w, DN, precision=jax.lax.Precision.HIGHEST)
+    with pytest.raises(ValueError, match="precision"):
+        dg(x, w, DN, precision="highest")
+    with pytest.raises(TypeError, match="out_sharding must be"):
+        dg(x, w, DN, out_sharding="junk")
+    with pytest.raises(TypeError, match="preferred_element_type must be a floating"):
+        dg(x, w, DN, preferred_element_type=jnp.int32)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'algorithm'"):
+        dg(x, w, DN, algorithm="fast")
+
+
+def test_dot_general_is_an_op_and_a_factory():
+    x = jax.random.normal(jax.random.key(0), (8, 200), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (200, 24), jnp.float32)
+    # the op, like lax.dot_general, with the recipe as a keyword
+    y_op = fp8.dot_general(x, w, DN, recipe="blockwise")
+    # the factory, named as one, and the earlier factory form (a recipe as the only argument)
+    for fn in (fp8.dot_general_fn("blockwise"), fp8.dot_general("blockwise"),
+               fp8.dot_general(fp8.RECIPES["blockwise"]), fp8.dot_general()):
+        assert fn.recipe == fp8.RECIPES["blockwise"]
+        np.testing.assert_array_equal(np.asarray(fn(x, w, DN)), np.asarray(y_op))
+    assert fp8.dot_general(recipe="current").recipe.name == "current"
+    # gradients flow through the op
+    gx = jax.grad(lambda a: fp8.dot_general(a, w, DN, recipe="current").sum())(x)
+    assert gx.shape == x.shape
+    # ambiguous or incomplete calls say what the two forms are
+    with pytest.raises(TypeError, match="returns the FP8 function"):
+        fp8.dot_general("current", w, DN)
+    with pytest.raises(TypeError, match="recipe was given twice"):
+        fp8.dot_general("current", recipe="blockwise")
+    with pytest.raises(TypeError, match="rhs and dimension_numbers are required"):
+        fp8.dot_general(x)
+    with pytest.raises(TypeError, match="lhs is None"):
+        fp8.dot_general(None)
+    with pytest.raises(TypeError, match="RECIPES"):
+        fp8.dot_general(x, w, DN, recipe=3)
+
+
+def test_one_spelling_of_fp8_in_class_names():
+    assert fp8.Fp8Recipe is fp8.FP8Recipe  # the earlier name is an alias, not a second class
+    assert fp8.Fp8Recipe.__name__ == "Fp8Recipe" and isinstance(fp8.RECIPES["current"],
+                                                                 fp8.Fp8Recipe)
+    assert "Fp8Recipe" in fp8.__all__ and "dot_general_fn" in fp8.__all__
+
+
+@pytest.mark.parametrize("xs,ws", [((0, 64), (64, 8)), ((4, 0), (0, 8)), ((4, 64), (64, 0))])
+def test_empty_operands_give_lax_dot_generals_zeros(xs, ws):
+    x, w = jnp.ones(xs), jnp.ones(ws)
+    y = fp8.dot_general(x, w, DN, recipe="blockwise")
+    ref = jax.lax.dot_general(x, w, DN)
+    assert y.shape == ref.shape
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
+    gx, gw = jax.grad(lambda a, b: fp8.dot_general(a, b, DN, recipe="current").sum(),
+                      (0, 1))(x, w)
+    assert gx.shape == xs and gw.shape == ws and not np.any(np.asarray(gw))
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(power_of_two=1), TypeError, "power_of_two must be True or False"),
+    (dict(delayed="yes"), TypeError, "delayed must be True or False"),
+    (dict(mx_scale_rounding="up"), ValueError, "mx_scale_rounding must be one of"),
+    (dict(promote_every=1.5), TypeError, "promote_every must be an int"),
+    (dict(accum_mantissa_bits=True), TypeError, "accum_mantissa_bits must be an int"),
+    (dict(x_tile=5), ValueError, "x_tile=5 is not a tiling"),
+    (dict(name=3), TypeError, "name must be a string"),
+])
+def test_recipe_fields_are_validated_at_construction(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        fp8.Fp8Recipe(**kwargs)
+
+
+def test_update_state_with_a_wrong_tree_says_what_it_expects():
+    state = fp8.init_state(dataclasses.replace(fp8.RECIPES["delayed"], history=4))
+    for wrong in (state.amax_history, {"dot": state}, None):
+        with pytest.raises(ValueError, match="same structure as state, the gradient of the loss"):
+            fp8.update_state(state, wrong)
+
+
+def test_inf_reaches_every_gemm_through_the_pallas_kernel():
+    """The kernel backends (GPU-interpret mode on CPU) keep the rule too: an inf in x, w or
+    the cotangent makes the GEMMs that read it non-finite."""
+    import pallas_kernels  # noqa: F401  (importing it registers the kernel backend)
+
+    recipe = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="interpret")
+    x, w, dy = _data(128, 128, 128)
+    run = jax.jit(lambda a, b, g: _fwd_bwd(recipe, a, b, g))
+    finite = [np.all(np.isfinite(np.asarray(t))) for t in run(x, w, dy)]
+    assert finite == [True, True, True]
+    cases = {"x": ((x.at[3, 5].set(jnp.inf), w, dy), (False, True, False)),  # y, dx, dw
+             "w": ((x, w.at[3, 5].set(jnp.inf), dy), (False, False, True)),
+             "cotangent": ((x, w, dy.at[3, 5].set(jnp.inf)), (True, False, False))}
+    for where, (args, expected) in cases.items():
+        got = tuple(bool(np.all(np.isfinite(np.asarray(t)))) for t in run(*args))
+        assert got == expected, where

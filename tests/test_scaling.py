@@ -914,3 +914,49 @@ def test_quantize_with_a_given_amax():
         quantize(jnp.asarray(x), "e4m3", BlockScaling((1, 32)), amax=amax)
     with pytest.raises(ValueError, match=r"needs \(4,\)"):
         quantize(jnp.asarray(x), "e4m3", DelayedScaling(4), state=DelayedScaling(8).init())
+
+
+@pytest.mark.parametrize("how", ["delayed", "given_amax"])
+def test_inf_stays_non_finite_with_a_scale_from_elsewhere(how):
+    """A history's (or a given) amax is finite: the inf element must not clip to E4M3's max
+    (448 * scale, a finite value that hides the overflow); finite elements saturate."""
+    x = jnp.array([1.0, jnp.inf, -jnp.inf, 100.0], jnp.float32)
+    if how == "delayed":
+        recipe = DelayedScaling(history=4)
+        state = recipe.update(recipe.init(), jnp.float32(2.0))
+        sa = quantize(x, "e4m3", recipe, state=state)
+    else:
+        sa = quantize(x, "e4m3", TensorScaling(), amax=jnp.float32(2.0))
+    out = np.asarray(dequantize(sa))
+    assert np.isnan(out[1]) and np.isnan(out[2])
+    # 1.0 with scale 2/448 is 224 on E4M3's grid (exact); 100 saturates at 448 * scale = 2
+    np.testing.assert_array_equal(out[[0, 3]], np.float32([1.0, 448 * np.float32(2 / 448)]))
+
+
+@pytest.mark.parametrize("recipe", [TensorScaling(), AxisScaling(-1), AxisScaling(0),
+                                    BlockScaling((1, 128)), MXScaling(),
+                                    DelayedScaling(history=4)], ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("shape", [(0, 128), (128, 0), (0, 0)])
+def test_empty_arrays_quantize_to_empty_scaled_arrays(recipe, shape):
+    kw = {"state": recipe.init()} if isinstance(recipe, DelayedScaling) else {}
+    x = jnp.ones(shape, jnp.float32)
+    sa = quantize(x, "e4m3", recipe, **kw)
+    assert sa.values.shape == shape and sa.values.dtype == jnp.float8_e4m3fn
+    assert sa.scale.size == 0 and sa.scale.ndim == len(shape)
+    assert dequantize(sa).shape == shape and qdq(x, "e4m3", recipe, **kw).shape == shape
+
+
+@pytest.mark.parametrize("make,err,match", [
+    (lambda: MXScaling(axis=1.5), TypeError, "axis must be an int"),
+    (lambda: MXScaling(block=True), ValueError, "block must be a positive int"),
+    (lambda: TensorScaling(power_of_two=1), TypeError, "power_of_two must be True or False"),
+    (lambda: AxisScaling(axis=True), TypeError, "axis must be an int or a tuple"),
+    (lambda: AxisScaling(power_of_two="no"), TypeError, "power_of_two"),
+    (lambda: BlockScaling(block=(1, True)), ValueError, "block must be a tuple"),
+    (lambda: BlockScaling(power_of_two=None), TypeError, "power_of_two"),
+    (lambda: DelayedScaling(power_of_two="yes"), TypeError, "power_of_two"),
+    (lambda: DelayedScaling(margin=1.0), TypeError, "margin must be an int"),
+])
+def test_recipe_fields_are_validated_at_construction(make, err, match):
+    with pytest.raises(err, match=match):
+        make()

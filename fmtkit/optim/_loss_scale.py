@@ -390,8 +390,10 @@ def loss_scale(opt_state: Any, *, default: float | None = None) -> jax.Array:
       ValueError: no loss scale in the state (and no ``default``), or more than one.
 
     Example:
-      >>> state = optax.chain(optax.clip(1.0), dynamic_loss_scale(optax.sgd(1.0))).init(
-      ...     jnp.zeros(2))
+      >>> # Clipping goes inside the scaler, where the gradients are unscaled: chained before
+      >>> # it, optax.clip would clip the 2^16-times scaled gradients (PyTorch's AMP notes).
+      >>> inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+      >>> state = optax.chain(dynamic_loss_scale(inner)).init(jnp.zeros(2))
       >>> float(loss_scale(state))
       65536.0
     """

@@ -17,7 +17,7 @@ import optax
 import pytest
 from tolerances import rtol
 
-from fmtkit import TensorScaling, optim
+from fmtkit import ScaledArray, TensorScaling, optim
 
 TRANSFORMS = {
     "dynamic_loss_scale": lambda: optim.dynamic_loss_scale(optax.sgd(1e-2), init_scale=4.0),
@@ -163,3 +163,42 @@ def test_no_flax_in_the_optim_package():
     lines = [ln.strip() for f in files for ln in f.read_text().splitlines()]
     assert len(files) >= 6
     assert not any(ln.startswith(("import flax", "from flax")) for ln in lines)
+
+
+def test_inject_hyperparams_works_with_fmtkit_adam():
+    """optax.inject_hyperparams(fmtkit.optim.adamw): every hyperparameter is an explicit
+    keyword, numeric ones arrive as arrays (traced under jit), and the result equals optax's
+    own adamw under the same injection (the same f32 hyperparameters and arithmetic)."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32), "b": jnp.ones(3)}
+    grads = {"w": jnp.linspace(0.5, 2.0, 8, dtype=jnp.float32), "b": jnp.full(3, -0.25)}
+    opt = optax.inject_hyperparams(optim.adamw)(learning_rate=1e-3)
+    ref = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
+    state, ref_state = opt.init(params), ref.init(params)
+    assert float(state.hyperparams["learning_rate"]) == np.float32(1e-3)
+    update = jax.jit(opt.update)
+    with jax.numpy_dtype_promotion("standard"):  # optax's adamw is not strict-promotion clean
+        for _ in range(3):
+            u, state = update(grads, state, params)
+            u_ref, ref_state = ref.update(grads, ref_state, params)
+            for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(u_ref)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol(np.float32))
+    state.hyperparams["learning_rate"] = jnp.asarray(2e-3, jnp.float32)
+    u2, _ = update(grads, state, params)
+    u1, _ = update(grads, state._replace(hyperparams={**state.hyperparams,
+                                                      "learning_rate": jnp.float32(1e-3)}),
+                   params)
+    np.testing.assert_allclose(np.asarray(u2["w"]), 2 * np.asarray(u1["w"]), rtol=1e-6)
+    # array-valued hyperparameters are validated when concrete (init), not when traced
+    with pytest.raises(ValueError, match="b1 must be in"):
+        optax.inject_hyperparams(optim.adam)(learning_rate=1e-3, b1=1.5).init(params)
+    # bf16 parameters: optax stores the hyperparameters in bf16 unless told, where b2 = 0.999
+    # rounds to 1; the error says so. Then a schedule and storage options.
+    bf = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    with pytest.raises(ValueError, match=r"b2 must be in.*hyperparam_dtype=jnp\.float32"):
+        optax.inject_hyperparams(optim.adam)(learning_rate=1e-3).init(bf)
+    sched = optax.inject_hyperparams(optim.adam, hyperparam_dtype=jnp.float32)(
+        learning_rate=optax.linear_schedule(1e-3, 0.0, 10), nu_dtype="fp16", seed=3,
+        rounding="stochastic")
+    u, s = jax.jit(sched.update)(grads, sched.init(params), params)
+    assert isinstance(s.inner_state[0].nu["w"], ScaledArray)  # fp16 nu: scaled by default
+    assert int(s.inner_state[0].seed) == 3 and np.all(np.isfinite(np.asarray(u["w"])))
