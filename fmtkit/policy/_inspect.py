@@ -89,8 +89,9 @@ class MatmulOp:
       kind: ``"forward"``, ``"dgrad"`` or ``"wgrad"`` (a backward matmul outside a policied op
         is ``"dgrad"`` or ``"wgrad"`` by the same shape test, or ``"backward"``).
       dtypes: ``"lhs x rhs -> out"``.
-      flops: 2 x output elements x contraction size, times the length of enclosing scans (a
-        ``while`` body counts once: its trip count is not known from the jaxpr).
+      flops: 2 x output elements x contraction size, times the length of enclosing scans and
+        the grid of an enclosing ``pallas_call`` (a ``while`` body counts once: its trip count
+        is not known from the jaxpr).
       policied: it ran as an op the policy interpreted, under a Policy (or ``Rules.head``).
       reason: why not, when not: ``"no rule"`` (a module the rules leave untouched),
         ``"opaque <primitive>"`` (inside a body the policy cannot interpret, e.g.
@@ -193,8 +194,12 @@ def _walk(jaxpr, prefix: str, visit: Callable, times: int = 1) -> None:
         stack = str(eqn.source_info.name_stack)
         full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
         visit(eqn, full, times)
-        inner = times * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" \
-            else times
+        inner = times
+        if eqn.primitive.name == "scan":
+            inner = times * int(eqn.params.get("length", 1))
+        elif eqn.primitive.name == "pallas_call":  # the kernel body runs once per grid step
+            grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
+            inner = times * math.prod(g for g in grid if isinstance(g, int))
         for sub in jex.jaxprs_in_params(eqn.params):
             _walk(getattr(sub, "jaxpr", sub), full, visit, inner)
 
