@@ -309,8 +309,8 @@ class InnerJit(nn.Module):
             q, k, v = (nn.Dense(16, name=f"{n}{i}")(h) for n in "qkv")
             x = x + _attention(q, k, v)
             w = self.param(f"w{i}", nn.initializers.lecun_normal(), (16, 16))
-            x = x + lax.cond(flag > 0, lambda a: _user_matmul(jax.nn.gelu(a), w),
-                             lambda a: a, x)
+            x = x + lax.cond(flag > 0, lambda a, b: _user_matmul(jax.nn.gelu(a), b),
+                             lambda a, b: a, x, w)
         return nn.Dense(10)(x)
 
 
