@@ -327,3 +327,14 @@ def test_fp32_is_the_unwrapped_model_bit_for_bit():
     got = jax.jit(jax.value_and_grad(loss(with_policy(model, "fp32").apply)))(variables)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("api, name", [("linen", "lm"), ("nnx", "moe")])
+def test_report_share_is_one_on_reference_models(api, name):
+    from policy_testlib import build
+
+    case = build(api, name)
+    report = inspect_policy(with_policy(case.model, "bf16-mixed"), *case.inputs,
+                            loss_fn=case.loss_fn)
+    assert report.matmul_ops and report.policied_fraction() == 1.0, report.unpolicied()
+    assert {m.kind for m in report.matmul_ops} == {"forward", "dgrad", "wgrad"}
