@@ -371,15 +371,23 @@ class Analysis:
                        upcast=all(f.upcast for f in col)) for col in zip(*branches)]
 
     def _while_facts(self, eqn, args, chain, idp, dims):
+        """A carry's facts hold for its initial value and every iteration's: the body is
+        walked to a fixpoint (a generate loop's logits, written into a buffer the loop
+        returns, make its head), its delayed-FP8 slots created by the last walk only."""
         cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         (cj, _), (bj, _) = _open(eqn.params["cond_jaxpr"]), _open(eqn.params["body_jaxpr"])
-        dep = frozenset().union(*(a.dep for a in args))
-        carry = [_Facts(dep=dep) for _ in args[cn + bn:]]
+        carry = [_Facts(const=a.const, dep=a.dep, head=a.head) for a in args[cn + bn:]]
+        saved = dict(self.sites), dict(self.site_shapes), dict(self._count)
+        for _ in range(8):  # facts only grow (sets, and const turning False): few rounds
+            self.sites, self.site_shapes, self._count = (dict(d) for d in saved)
+            outs = self._walk(bj, [*args[cn:cn + bn], *carry], chain, (*idp, 1), dims)
+            new = [_Facts(const=c.const and o.const, dep=c.dep | o.dep, head=c.head | o.head)
+                   for c, o in zip(carry, outs)]
+            if new == carry:
+                break
+            carry = new
         self._walk(cj, [*args[:cn], *carry], chain, (*idp, 0), dims)
-        inner = self._walk(bj, [*args[cn:cn + bn], *carry], chain, (*idp, 1), dims)
-        dep = dep.union(*(f.dep for f in inner))
-        const = all(a.const for a in args)
-        return [_Facts(dep=dep, const=const)] * len(eqn.outvars)
+        return carry
 
     def _shard_map_facts(self, eqn, args, chain, idp, dims):
         return self._walk(_open(eqn.params["jaxpr"])[0], args, chain, idp, dims)

@@ -145,12 +145,13 @@ def test_nested_jit_keeps_its_out_shardings():
 def test_fori_loop_value_matches_hand_cast_reference():
     """The loop carry keeps its traced dtype (f32); the matmul in the body is bf16."""
     def model(params, x, n):
-        return lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ params["w"]), x)
+        return lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ params["w"]), x) @ params["o"]
 
-    def reference(params, x, n):
-        w = params["w"].astype(BF16)
-        return lax.fori_loop(0, n, lambda i, a: jnp.tanh(
+    def reference(params, x, n):  # the head: bf16 operands, f32 logits
+        w, o = params["w"].astype(BF16), params["o"].astype(BF16)
+        h = lax.fori_loop(0, n, lambda i, a: jnp.tanh(
             lax.dot(a.astype(BF16), w, preferred_element_type=BF16)).astype(F32), x)
+        return lax.dot(h.astype(BF16), o, preferred_element_type=F32)
 
     got = jax.jit(with_policy(model, "bf16-mixed"))(PARAMS, X, jnp.int32(3))
     want = jax.jit(reference)(PARAMS, X, jnp.int32(3))
@@ -247,6 +248,9 @@ def test_report_forward_only_generate_loop():
     assert {m.kind for m in report.matmul_ops} == {"forward"}
     fp8 = [m for m in report.matmul_ops if not m.head]
     assert fp8 and all(m.dtypes.startswith("float8_e4m3fn x float8_e4m3fn") for m in fp8)
+    # The logits written into the returned buffer are the head, found through the loop.
+    assert [m.dtypes for m in report.matmul_ops if m.head] == [
+        "bfloat16 x bfloat16 -> float32"]
     assert set(report.params.values()) == {("float32", "-")}
 
 
