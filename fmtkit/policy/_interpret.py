@@ -18,10 +18,14 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    precision-sensitive ops in f32, the rest following their inputs; module outputs are cast to
    the module's ``output_dtype`` and their cotangents rounded through ``grad_dtype``. The
    interpretation is ordinary JAX code, so ``jit``, ``grad`` and ``vmap`` around it work and
-   the backward pass is JAX's own transpose of the policied forward pass. ``jit`` bodies are
-   inlined; ``scan``, ``remat`` and ``custom_jvp`` bodies are interpreted and rebuilt
-   (``lax.scan``, ``jax.checkpoint``, a ``custom_jvp`` whose tangent is the original rule's);
-   ``while``, ``cond`` and ``custom_vjp`` bodies run as traced (inputs cast back).
+   the backward pass is JAX's own transpose of the policied forward pass. Every primitive
+   that holds a body is interpreted and rebuilt: ``jit`` (kept as a ``jit`` with its
+   shardings), ``scan``, ``remat``, ``custom_jvp`` (the tangent is the original rule's),
+   ``cond``/``switch`` (outputs in the widest dtype the branches give), ``while`` (the carry
+   in its traced dtypes), ``shard_map`` (same mesh and specs), ``custom_vjp`` (the user's
+   forward rule interpreted; the user's backward rule on residuals and cotangents in their
+   traced dtypes). Any other body (``pallas_call``, a primitive this module does not know)
+   runs as traced, inputs cast back, with one warning per module and primitive.
 
 Why re-interpretation rather than intercepting ``Primitive.bind`` as the model runs (qwix's
 way): changing a dtype while user code still runs breaks its Python-level dtype logic
