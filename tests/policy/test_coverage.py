@@ -342,3 +342,27 @@ def test_report_share_is_one_on_reference_models(api, name):
                             loss_fn=case.loss_fn)
     assert report.matmul_ops and report.policied_fraction() == 1.0, report.unpolicied()
     assert {m.kind for m in report.matmul_ops} == {"forward", "dgrad", "wgrad"}
+
+
+class Branchy(nn.Module):
+    """linen's lifted ``nn.cond`` with a Dense in each branch; rules match inside them."""
+
+    @nn.compact
+    def __call__(self, x, flag):
+        a, b = nn.Dense(8, name="keep"), nn.Dense(8, name="low")
+        h = nn.cond(flag > 0, lambda mdl, v: a(v), lambda mdl, v: b(v), self, x)
+        return nn.Dense(3, name="out")(jnp.tanh(h))
+
+
+def test_linen_cond_branches_follow_module_rules():
+    rules = [("keep", "p=f32,c=f32"), ("", "p=f32,c=bf16")]
+    model = with_policy(Branchy(), rules)
+    flag = jnp.int32(1)
+    variables = model.init(jax.random.key(0), X, flag)
+    closed = jax.make_jaxpr(jax.grad(
+        lambda v: jnp.sum(model.apply(v, X, flag))))(variables)
+    found = [m for m in _matmuls(closed) if not _is_head(m)]
+    # Forward, dgrad and wgrad of each branch's Dense: "keep" in f32, "low" in bf16.
+    assert {m[1:3] for m in found} == {(BF16, BF16), (F32, F32)}
+    assert sum(m[1:3] == (BF16, BF16) for m in found) == sum(m[1:3] == (F32, F32)
+                                                             for m in found)
