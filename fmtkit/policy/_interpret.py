@@ -363,7 +363,6 @@ class Analysis:
                                head=heads if floating else frozenset(), upcast=upcast))
         return outs
 
-
     # -- bodies of control flow (see ``_BODIES``); each walks what the Interpreter runs ------
     def _cond_facts(self, eqn, args, chain, idp, dims):
         branches = [self._walk(br.jaxpr, args[1:], chain, (*idp, b), dims)
@@ -421,9 +420,9 @@ def _open(jaxpr) -> tuple[Any, Sequence[Any]]:
     return jaxpr, ()
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
 def _holds_matmul(jaxpr) -> bool:
-    """Whether a jaxpr (or any body inside it) has a matmul or a body the policy cannot see."""
+    """Whether a jaxpr (or any body inside it) has a matmul."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _ops.MATMUL:
             return True
@@ -918,11 +917,14 @@ class Interpreter:
         """A user's ``jax.custom_vjp``: the forward rule interpreted under the policy (it also
         gives the primal outputs); the user's backward rule runs on the residuals and
         cotangents in their traced dtypes, its results cast to the inputs' dtypes."""
+        traced_in = [v.aval.dtype for v in eqn.invars]
+        if (all(not _is_float_value(x) or x.dtype == d for x, d in zip(invals, traced_in))
+                and not _holds_matmul(_open(eqn.params["call_jaxpr"])[0])):
+            return _bind(eqn, invals)  # nothing to change: JAX's own primal and rules
         parts = self.vjp_parts(eqn)
         if parts is None:
             return None
         traced_out = [v.aval.dtype for v in eqn.outvars]
-        traced_in = [v.aval.dtype for v in eqn.invars]
         res_dtypes = [v.aval.dtype for v in parts.fwd.outvars[:parts.num_res]]
         consts = invals[:parts.num_consts]
         n = len(invals) - parts.num_consts
