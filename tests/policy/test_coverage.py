@@ -366,3 +366,58 @@ def test_linen_cond_branches_follow_module_rules():
     assert {m[1:3] for m in found} == {(BF16, BF16), (F32, F32)}
     assert sum(m[1:3] == (BF16, BF16) for m in found) == sum(m[1:3] == (F32, F32)
                                                              for m in found)
+
+
+_TWO_DEVICES = r'''
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxpr_utils import iter_eqns
+from fmtkit.policy import with_policy
+
+mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+def model(p, x):
+    h = jax.shard_map(lambda a, w: jax.lax.psum(jnp.tanh(a @ w), "d"), mesh=mesh,
+                      in_specs=(P("d"), P()), out_specs=P())(x, p["w"])
+    h = jax.jit(lambda a: a * 2, out_shardings=NamedSharding(mesh, P()))(h)
+    return h @ p["o"]
+
+rng = np.random.default_rng(0)
+p = {"w": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32),
+     "o": jnp.asarray(rng.standard_normal((8, 3)), jnp.float32)}
+x = jax.device_put(jnp.asarray(rng.standard_normal((4, 8)), jnp.float32),
+                   NamedSharding(mesh, P("d")))
+loss = lambda f: jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(f(p, x))))
+want, got = loss(model)(p, x), loss(with_policy(model, "fp32"))(p, x)
+same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+closed = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(with_policy(model, "bf16-mixed")(p, x))))(
+    p, x)
+inside = [e for e in iter_eqns(closed) if e.primitive.name == "shard_map"]
+dots = sorted({str(d.invars[0].aval.dtype) + "x" + str(d.invars[1].aval.dtype)
+               for e in inside for d in iter_eqns(e.params["jaxpr"])
+               if d.primitive.name == "dot_general"})
+print(json.dumps({"fp32_same": same, "shard_map_dots": dots}))
+'''
+
+
+def test_shard_map_on_two_devices():
+    """A real two-device mesh (a subprocess: the suite keeps one device): psum inside the
+    body, a nested jit with out_shardings; "fp32" bit for bit, bf16 inside shard_map."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=2 "
+                        "--xla_allow_excess_precision=false")
+    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests),
+                                         env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _TWO_DEVICES], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"fp32_same": True, "shard_map_dots": ["bfloat16xbfloat16"]}
