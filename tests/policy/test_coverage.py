@@ -421,3 +421,21 @@ def test_shard_map_on_two_devices():
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"fp32_same": True, "shard_map_dots": ["bfloat16xbfloat16"]}
+
+
+def test_report_nnx_positional_bool_and_integer_input():
+    from flax import nnx
+
+    class Tagged(nnx.Module):
+        def __init__(self, rngs):
+            self.emb = nnx.Embed(11, 8, rngs=rngs)
+            self.lin = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, tokens, train):
+            h = self.emb(tokens)
+            return self.lin(jnp.tanh(h) if train else h)
+
+    tokens = jnp.asarray(RNG.integers(0, 11, (2, 5)), jnp.int32)
+    report = inspect_policy(with_policy(Tagged(nnx.Rngs(0)), "bf16-mixed"), tokens, True)
+    assert report.policied_fraction() == 1.0
+    assert report.modules["lin"].head["forward"] == ("bfloat16 x bfloat16 -> float32",)
