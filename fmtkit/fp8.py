@@ -801,7 +801,9 @@ def _core_bwd(recipe, out_dtype, res, g):
         gq_m = _operand(g.T, recipe.grad_format, tg, recipe, d_g, mp)
     xq_m = _backward_operand(x_res, recipe.x_format, tx, recipe, hist[0], amax_x, k, mp)
     dw = _gemm(gq_m, xq_m, recipe)[:n, :k].astype(w_dtype)
-    observed = jnp.zeros_like(hist).at[:, 0].set(jnp.stack([amax_x, amax_w, amax_g]))
+    observed = jnp.zeros_like(hist)  # only a delayed recipe's history observes the amaxes
+    if recipe.delayed:  # (elsewhere a per-shard amax under shard_map would not type-check)
+        observed = observed.at[:, 0].set(jnp.stack([amax_x, amax_w, amax_g]))
     return dx, dw, observed
 
 

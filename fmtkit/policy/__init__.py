@@ -6,14 +6,15 @@ the output head's policy (found by role) and the model outputs' dtype; ``with_po
 applies them **per operation**, autocast-style (``_ops`` has the op table, ``_interpret`` the
 mechanism: the traced jaxpr re-interpreted under the rules); ``module_paths`` lists the paths
 to write rules against; ``inspect_policy`` reads back, from the jaxpr of the gradient, what
-each op class of each module computed in.
+each op class of each module computed in, and lists every matmul and convolution with its
+FLOPs and whether it ran under the policy (``MatmulOp``).
 
 This package is the only part of fmtkit that imports Flax, and it does so lazily: the
 adapters are loaded when a model is first given.
 """
 
 from fmtkit.policy._apply import module_paths, with_policy
-from fmtkit.policy._inspect import ModuleReport, PolicyReport, inspect_policy
+from fmtkit.policy._inspect import MatmulOp, ModuleReport, PolicyReport, inspect_policy
 from fmtkit.policy._policy import (
     Policy,
     Rules,
@@ -25,6 +26,7 @@ from fmtkit.policy._policy import (
 
 __all__ = [
     "Fp8State",
+    "MatmulOp",
     "ModuleReport",
     "Policy",
     "PolicyReport",

@@ -11,19 +11,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 
 from fmtkit.policy import _interpret, _ops
 from fmtkit.policy._apply import flax_kind
 from fmtkit.policy._policy import Policy, Rules, is_floating
 
-__all__ = ["ModuleReport", "PolicyReport", "inspect_policy"]
+__all__ = ["MatmulOp", "ModuleReport", "PolicyReport", "inspect_policy"]
 
 _OP_RX = re.compile(re.escape(_interpret.OP_SCOPE) + r"(\d+)")
 _FP8_KINDS = ("float8", "float6", "float4")
@@ -79,6 +80,37 @@ class ModuleReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class MatmulOp:
+    """One matmul or convolution equation of the inspected computation.
+
+    Attributes:
+      path: the module it was written in (``""``: the model itself or no module).
+      primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+      kind: ``"forward"``, ``"dgrad"`` or ``"wgrad"`` (a backward matmul outside a policied op
+        is ``"dgrad"`` or ``"wgrad"`` by the same shape test, or ``"backward"``).
+      dtypes: ``"lhs x rhs -> out"``.
+      flops: 2 x output elements x contraction size, times the length of enclosing scans and
+        the grid of an enclosing ``pallas_call`` (a ``while`` body counts once: its trip count
+        is not known from the jaxpr).
+      policied: it ran as an op the policy interpreted, under a Policy (or ``Rules.head``).
+      reason: why not, when not: ``"no rule"`` (a module the rules leave untouched),
+        ``"opaque <primitive>"`` (inside a body the policy cannot interpret, e.g.
+        ``pallas_call``), ``"custom_vjp backward"`` (a user's backward rule, run as written
+        on its residuals), ``"outside the policy"`` (an unwrapped model).
+      head: it is the output head's matmul.
+    """
+
+    path: str
+    primitive: str
+    kind: str
+    dtypes: str
+    flops: int
+    policied: bool
+    reason: str = ""
+    head: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class PolicyReport:
     """Per-module dtypes of one forward + backward pass (``inspect_policy``'s result).
 
@@ -87,12 +119,34 @@ class PolicyReport:
       params: full parameter path -> (stored, gradient) dtype.
       output_dtypes: dtypes of the model's floating outputs.
       loss_dtype: dtype of the loss.
+      matmul_ops: every matmul and convolution of the traced computation (forward, and
+        backward unless ``backward=False``), each with its FLOPs and whether it ran under
+        the policy (``MatmulOp``); those it did not are listed too, flagged.
+      opaque: ``(module path, primitive)`` of every body the policy ran as traced.
     """
 
     modules: Mapping[str, ModuleReport]
     params: Mapping[str, tuple[str, str]]
     output_dtypes: tuple[str, ...]
     loss_dtype: str
+    matmul_ops: tuple[MatmulOp, ...] = ()
+    opaque: tuple[tuple[str, str], ...] = ()
+
+    def policied_fraction(self, kind: str | None = None) -> float:
+        """The share of matmul FLOPs (of one ``kind``, default all) that ran under the
+        policy: 1.0 when every matmul and convolution did (nan when there are none).
+
+        Example: ``assert inspect_policy(model, x).policied_fraction() == 1.0``.
+        """
+        if kind is not None and kind not in (*MATMUL_KINDS, "backward"):
+            raise ValueError(f"kind must be None or one of {MATMUL_KINDS}, got {kind!r}.")
+        sel = [m for m in self.matmul_ops if kind is None or m.kind == kind]
+        total = sum(m.flops for m in sel)
+        return sum(m.flops for m in sel if m.policied) / total if total else float("nan")
+
+    def unpolicied(self) -> list[MatmulOp]:
+        """The matmuls and convolutions that did not run under the policy."""
+        return [m for m in self.matmul_ops if not m.policied]
 
     def matmuls(self, kind: str = "forward", *, head: bool = False) -> list[tuple[str, str]]:
         """All ``(module path, matmul)`` pairs of one kind (forward, dgrad, wgrad)."""
@@ -119,6 +173,13 @@ class PolicyReport:
             for name, (stored, grad) in m.params.items():
                 lines.append(f"{'':<4}{name}: stored {stored}, grad {grad}")
         lines.append(f"outputs: {','.join(self.output_dtypes)}; loss: {self.loss_dtype}")
+        if self.matmul_ops:
+            total = sum(m.flops for m in self.matmul_ops)
+            lines.append(f"matmul FLOPs under the policy: {self.policied_fraction():.1%} "
+                         f"of {total:,}")
+        for m in self.unpolicied():
+            lines.append(f"  not policied ({m.reason}): {m.path or '(model)'} {m.primitive} "
+                         f"{m.kind} {m.dtypes}, {m.flops:,} FLOPs")
         return "\n".join(lines)
 
 
@@ -126,13 +187,33 @@ def _dtype(v) -> str:
     return str(v.aval.dtype) if hasattr(v.aval, "dtype") else "-"
 
 
-def _walk(jaxpr, prefix: str, visit: Callable) -> None:
+def _walk(jaxpr, prefix: str, visit: Callable, times: int = 1) -> None:
+    """Calls ``visit(eqn, full name stack, times)`` on every equation, sub-jaxprs included
+    (``times``: the product of the enclosing scans' lengths)."""
     for eqn in jaxpr.eqns:
         stack = str(eqn.source_info.name_stack)
         full = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
-        visit(eqn, full)
+        visit(eqn, full, times)
+        inner = times
+        if eqn.primitive.name == "scan":
+            inner = times * int(eqn.params.get("length", 1))
+        elif eqn.primitive.name == "pallas_call":  # the kernel body runs once per grid step
+            grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
+            inner = times * math.prod(g for g in grid if isinstance(g, int))
         for sub in jex.jaxprs_in_params(eqn.params):
-            _walk(sub, full, visit)
+            _walk(getattr(sub, "jaxpr", sub), full, visit, inner)
+
+
+def matmul_flops(eqn) -> int:
+    """2 x (output elements) x (contraction size) of a ``dot_general`` or convolution."""
+    out = eqn.outvars[0].aval
+    if eqn.primitive.name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval
+        return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in lhs_contract)
+    rhs = eqn.invars[1].aval
+    out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
+    return 2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1)
 
 
 def _key_str(entry) -> str:
@@ -144,13 +225,13 @@ def _key_str(entry) -> str:
 
 def _param_table(params, grads) -> dict[str, tuple[str, str]]:
     flat_p = jax.tree_util.tree_flatten_with_path(params)[0]
-    flat_g = jax.tree.leaves(grads)
+    flat_g = jax.tree.leaves(grads) if grads is not None else [None] * len(flat_p)
     out = {}
     for (path, p), g in zip(flat_p, flat_g):
         parts = [_key_str(k) for k in path]
         while parts and parts[-1] in ("value", "raw_value", "_raw_value"):
             parts.pop()
-        out["/".join(parts)] = (str(p.dtype), str(g.dtype))
+        out["/".join(parts)] = (str(p.dtype), "-" if g is None else str(g.dtype))
     return out
 
 
@@ -166,7 +247,9 @@ def _default_loss(out) -> jax.Array:
 
 
 def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
-                   loss_fn: Callable[[Any], jax.Array] | None = None,
+                   loss_fn: Callable[[Any], jax.Array] | None = None, backward: bool = True,
+                   argnums: int | Sequence[int] | None = None,
+                   rngs: Mapping[str, Any] | None = None,
                    **kwargs: Any) -> PolicyReport:
     """Reports the dtypes a model computes in, per module and op class, from the jaxpr.
 
@@ -174,20 +257,35 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
     the parameters and attributes each equation, forward and backward, to the op it came
     from: matmuls as forward / data gradient (dgrad) / weight gradient (wgrad), the output
     head, exp/log/rsqrt and reductions, and each module's outputs and parameter gradients.
+    Every matmul and convolution is listed with its FLOPs (``PolicyReport.matmul_ops``),
+    those that did not run under the policy flagged, so a test can assert
+    ``report.policied_fraction() == 1.0``.
 
     Args:
       model: a linen or NNX model or a function, wrapped by ``with_policy`` or not (unwrapped:
         what it computes as written).
       *inputs: example inputs (arrays or ``jax.ShapeDtypeStruct``; an ``nnx.Rngs`` for NNX
-        models that take one).
+        models that take one). Leaves that are not arrays (a Python ``bool`` flag, a string)
+        are static: passed as they are, never traced.
       variables: linen only: the variables (default: ``jax.eval_shape`` of ``init``, so no
         memory is used). Gradients are taken with respect to ``variables["params"]``.
       loss_fn: maps the model's output to a scalar (default: the f32 sum of its floating
         outputs).
+      backward: False traces the forward pass only (inference; models with a ``while`` loop,
+        which JAX cannot differentiate): parameter gradient dtypes are then ``"-"``.
+      argnums: functions only: the positional inputs to differentiate (default: every one);
+        only their floating leaves are differentiated (integer token ids and PRNG keys are
+        inputs, never differentiated).
+      rngs: linen only: RNG streams for ``init`` and ``apply`` (default
+        ``{"dropout": jax.random.key(1)}``), e.g. ``{"noise": key}``.
       **kwargs: keyword arguments of the model call (e.g. ``train=True``).
 
     Returns:
       A ``PolicyReport``; ``print`` it for a table.
+
+    Raises:
+      TypeError: ``variables``/``rngs`` for a model that is not linen; ``argnums`` for a
+        model that is not a function, or out of range.
 
     Example:
       >>> import jax.numpy as jnp, flax.linen as nn
@@ -195,26 +293,46 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
       >>> report = inspect_policy(with_policy(nn.Dense(4), "bf16-mixed"), jnp.ones((2, 3)))
       >>> report.modules[""].head["forward"], report.params["kernel"]
       (('bfloat16 x bfloat16 -> float32',), ('float32', 'float32'))
+      >>> report.policied_fraction()
+      1.0
     """
     from fmtkit.policy._apply import with_policy
 
     kind = flax_kind(model)
     loss_fn = loss_fn or _default_loss
+    if not isinstance(backward, bool):
+        raise TypeError(f"backward must be a bool, got {type(backward).__name__}.")
+    if argnums is not None and kind != "function":
+        raise TypeError("argnums is for functions; a Flax model is differentiated with respect "
+                        "to its parameters.")
+    if rngs is not None and kind != "linen":
+        raise TypeError("rngs is for linen models (an NNX model takes an nnx.Rngs input).")
+    # Non-array leaves of the inputs are static: closed over, never traced.
+    in_leaves, in_tree = jax.tree.flatten(inputs)
+    dynamic = [_is_input_array(x) for x in in_leaves]
+
+    def rebuild(arrays):
+        it = iter(arrays)
+        return jax.tree.unflatten(in_tree, [next(it) if d else x
+                                            for x, d in zip(in_leaves, dynamic)])
+
+    in_arrays = [x for x, d in zip(in_leaves, dynamic) if d]
     if kind == "linen":
         from fmtkit.policy import _linen
 
         wrapped = model if isinstance(model, _linen.PolicyModel) else _linen.PolicyModel(
             inner=model, rules=Rules())
+        streams = dict(rngs) if rngs is not None else {"dropout": jax.random.key(1)}
         if variables is None:
-            keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-            variables = jax.eval_shape(lambda ins: wrapped.init(keys, *ins, **kwargs), inputs)
+            keys = {"params": jax.random.key(0), **streams}
+            variables = jax.eval_shape(
+                lambda arrs: wrapped.init(keys, *rebuild(arrs), **kwargs), in_arrays)
         params = variables["params"]
         rest = {k: v for k, v in variables.items() if k != "params"}
         mutable = [k for k in rest if k != _linen.FP8_COLLECTION] or False
-        rngs = {"dropout": jax.random.key(1)}
 
-        def f(params, rest, ins):
-            out = wrapped.apply({**rest, "params": params}, *ins, rngs=rngs,
+        def f(params, rest, arrs):
+            out = wrapped.apply({**rest, "params": params}, *rebuild(arrs), rngs=streams,
                                 mutable=mutable, **kwargs)
             out = out[0] if mutable else out
             return loss_fn(out), out
@@ -229,24 +347,32 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
         is_node = nnx.graph.is_graph_node
         nodes = [x for x in inputs if is_node(x)]
         graphdef, params, rest = nnx.split((wrapped, *nodes), nnx.Param, ...)
-        arrays = tuple(None if is_node(x) else x for x in inputs)
         node_at = [is_node(x) for x in inputs]
+        plain = tuple(None if is_node(x) else x for x in inputs)
+        p_leaves, p_tree = jax.tree.flatten(plain)
+        p_dyn = [_is_input_array(x) for x in p_leaves]
+        arrays = [x for x, d in zip(p_leaves, p_dyn) if d]
 
-        def f(params, rest, ins):
+        def nnx_f(params, rest, arrs):
             merged, *merged_nodes = nnx.merge(graphdef, params, rest)
+            it = iter(arrs)
+            ins = jax.tree.unflatten(p_tree, [next(it) if d else x
+                                              for x, d in zip(p_leaves, p_dyn)])
 
             def loss(m, *ns):
                 it = iter(ns)
                 out = m(*[next(it) if n else x for x, n in zip(ins, node_at)], **kwargs)
                 return loss_fn(out), out
 
+            if not backward:
+                return loss(merged, *merged_nodes), None
             # NNX's own transform, with the graph-node inputs as its arguments: it lets the
             # call update BatchNorm statistics and RNG counts, which jax.value_and_grad
             # refuses (Variables mutated from another trace level).
             return nnx.value_and_grad(loss, has_aux=True)(merged, *merged_nodes)
 
         with _interpret.recording() as rec:
-            closed, shapes = jax.make_jaxpr(f, return_shape=True)(params, rest, arrays)
+            closed, shapes = jax.make_jaxpr(nnx_f, return_shape=True)(params, rest, arrays)
         (loss_shape, out_shapes), grad_shapes = shapes
         table = _param_table(nnx.state(wrapped, nnx.Param), grad_shapes)
         return _assemble(closed, rec, table, out_shapes, loss_shape)
@@ -254,20 +380,50 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
         if variables is not None:
             raise TypeError("variables is for linen models.")
         wrapped = model if getattr(model, "_fmtkit_rules", None) else with_policy(model, Rules())
-        params, rest = inputs, None
+        positions = _argnums(argnums, len(inputs))
+        # Differentiated: the floating array leaves of the chosen positional inputs.
+        leaf_pos = [i for i, x in enumerate(inputs) for _ in jax.tree.leaves(x)]
+        diff = [d and p in positions and _is_float_input(x)
+                for x, d, p in zip(in_leaves, dynamic, leaf_pos)]
+        with_path = jax.tree_util.tree_flatten_with_path(inputs)[0]
+        params = {"/".join(_key_str(k) for k in path): x
+                  for (path, x), dd in zip(with_path, diff) if dd}
+        rest = [x for x, d, dd in zip(in_leaves, dynamic, diff) if d and not dd]
 
-        def f(params, rest, ins):
-            del rest, ins
-            out = wrapped(*params, **kwargs)
+        def f(params, rest, arrs):
+            del arrs
+            it_p, it_r = iter(params.values()), iter(rest)
+            full = [(next(it_p) if dd else next(it_r)) if d else x
+                    for x, d, dd in zip(in_leaves, dynamic, diff)]
+            out = wrapped(*jax.tree.unflatten(in_tree, full), **kwargs)
             return loss_fn(out), out
 
-        inputs = ()
+        in_arrays = ()
 
+    traced = jax.value_and_grad(f, has_aux=True) if backward else (
+        lambda *a: (f(*a), None))
     with _interpret.recording() as rec:
-        closed, shapes = jax.make_jaxpr(jax.value_and_grad(f, has_aux=True),
-                                        return_shape=True)(params, rest, inputs)
+        closed, shapes = jax.make_jaxpr(traced, return_shape=True)(params, rest, in_arrays)
     (loss_shape, out_shapes), grad_shapes = shapes
     return _assemble(closed, rec, _param_table(params, grad_shapes), out_shapes, loss_shape)
+
+
+def _is_input_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _is_float_input(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _argnums(argnums, n: int) -> frozenset[int]:
+    if argnums is None:
+        return frozenset(range(n))
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not all(isinstance(i, int) and -n <= i < n for i in nums):
+        raise TypeError(f"argnums must be ints in [-{n}, {n}) for {n} positional inputs, "
+                        f"got {argnums!r}.")
+    return frozenset(i % n for i in nums)
 
 
 def _matmul_kind(eqn, rec: _interpret.OpRecord, backward: bool) -> str:
@@ -293,23 +449,35 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
     for path in rec.modules:
         entry(path)
 
-    def visit(eqn, stack: str):
+    found_ops: list[MatmulOp] = []
+
+    def visit(eqn, stack: str, times: int):
         found = _OP_RX.findall(stack)
-        if not found:
-            return
-        op = rec.ops[int(found[-1])]
-        a = entry(op.path)
-        backward = "transpose(" in stack
         name = eqn.primitive.name
-        if name in _ops.MATMUL and op.primitive in _ops.MATMUL:
-            d = (f"{_dtype(eqn.invars[0])} x {_dtype(eqn.invars[1])} -> "
-                 f"{_dtype(eqn.outvars[0])}")
+        backward = "transpose(" in stack
+        op = rec.ops[int(found[-1])] if found else None
+        if name in _ops.MATMUL and (op is None or op.primitive not in _ops.MATMUL):
+            found_ops.append(MatmulOp(
+                path=op.path if op else "", primitive=name,
+                kind="backward" if backward else "forward", dtypes=_matmul_dtypes(eqn),
+                flops=matmul_flops(eqn) * times, policied=False,
+                reason=_not_policied(op)))
+            return
+        if op is None:
+            return
+        a = entry(op.path)
+        if name in _ops.MATMUL:
+            d = _matmul_dtypes(eqn)
             kind = _matmul_kind(eqn, op, backward)
             table = a["head" if op.head else "matmuls"].setdefault(kind, [])
             if op.head:
                 a["head_policy"] = op.policy
             if d not in table:
                 table.append(d)
+            found_ops.append(MatmulOp(
+                path=op.path, primitive=name, kind=kind, dtypes=d,
+                flops=matmul_flops(eqn) * times, policied=op.policy is not None,
+                reason="" if op.policy is not None else "no rule", head=op.head))
         elif not list(jex.jaxprs_in_params(eqn.params)):
             ops = a["grad_ops" if backward else "ops"]
             ops.setdefault(name, set()).update(_dtype(v) for v in eqn.outvars)
@@ -336,4 +504,20 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
     out_dtypes = tuple(sorted({str(s.dtype) for s in jax.tree.leaves(out_shapes)
                                if jnp.issubdtype(s.dtype, jnp.floating)}))
     return PolicyReport(modules=MappingProxyType(modules), params=MappingProxyType(param_table),
-                        output_dtypes=out_dtypes, loss_dtype=str(loss_shape.dtype))
+                        output_dtypes=out_dtypes, loss_dtype=str(loss_shape.dtype),
+                        matmul_ops=tuple(found_ops), opaque=tuple(dict.fromkeys(rec.opaque)))
+
+
+def _matmul_dtypes(eqn) -> str:
+    return f"{_dtype(eqn.invars[0])} x {_dtype(eqn.invars[1])} -> {_dtype(eqn.outvars[0])}"
+
+
+def _not_policied(op: _interpret.OpRecord | None) -> str:
+    """Why a matmul that is not an interpreted matmul op ran as traced."""
+    if op is None:
+        return "outside the policy"
+    if op.primitive == "custom_vjp_call":
+        return "custom_vjp backward"
+    if op.primitive == "custom_jvp_call":
+        return "custom_jvp rule"
+    return f"opaque {op.primitive}"

@@ -18,10 +18,14 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    precision-sensitive ops in f32, the rest following their inputs; module outputs are cast to
    the module's ``output_dtype`` and their cotangents rounded through ``grad_dtype``. The
    interpretation is ordinary JAX code, so ``jit``, ``grad`` and ``vmap`` around it work and
-   the backward pass is JAX's own transpose of the policied forward pass. ``jit`` bodies are
-   inlined; ``scan``, ``remat`` and ``custom_jvp`` bodies are interpreted and rebuilt
-   (``lax.scan``, ``jax.checkpoint``, a ``custom_jvp`` whose tangent is the original rule's);
-   ``while``, ``cond`` and ``custom_vjp`` bodies run as traced (inputs cast back).
+   the backward pass is JAX's own transpose of the policied forward pass. Every primitive
+   that holds a body is interpreted and rebuilt: ``jit`` (kept as a ``jit`` with its
+   shardings), ``scan``, ``remat``, ``custom_jvp`` (the tangent is the original rule's),
+   ``cond``/``switch`` (outputs in the widest dtype the branches give), ``while`` (the carry
+   in its traced dtypes), ``shard_map`` (same mesh and specs), ``custom_vjp`` (the user's
+   forward rule interpreted; the user's backward rule on residuals and cotangents in their
+   traced dtypes). Any other body (``pallas_call``, a primitive this module does not know)
+   runs as traced, inputs cast back, with one warning per module and primitive.
 
 Why re-interpretation rather than intercepting ``Primitive.bind`` as the model runs (qwix's
 way): changing a dtype while user code still runs breaks its Python-level dtype logic
@@ -128,6 +132,7 @@ class Recorder:
     ops: list[OpRecord] = dataclasses.field(default_factory=list)
     exits: dict[str, set] = dataclasses.field(default_factory=dict)  # path -> output dtypes
     modules: dict[str, tuple[str, Policy | None]] = dataclasses.field(default_factory=dict)
+    opaque: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, prim)
 
 
 class _Active(threading.local):
@@ -332,7 +337,12 @@ class Analysis:
                     and name == "dot_general" and info.projection and not info.batched):
                 self.sites[idp] = self._new_site(module, dims, policy.fp8.history)
             return [_Facts(dep=dep | {idp}, head=frozenset({idp}))] * n_out
-        if list(jex.jaxprs_in_params(eqn.params)):  # while, cond, custom_vjp, ...: opaque
+        body = _BODIES.get(name)
+        if body is not None:
+            outs = getattr(self, body)(eqn, args, chain, idp, dims)
+            if outs is not None:
+                return outs
+        if list(jex.jaxprs_in_params(eqn.params)):  # pallas_call, unknown bodies: opaque
             return [_Facts(dep=dep, const=const)] * n_out
         heads = frozenset().union(*(a.head for a in args))
         if heads:
@@ -352,6 +362,106 @@ class Analysis:
             outs.append(_Facts(param=param, const=const, dep=dep,
                                head=heads if floating else frozenset(), upcast=upcast))
         return outs
+
+    # -- bodies of control flow (see ``_BODIES``); each walks what the Interpreter runs ------
+    def _cond_facts(self, eqn, args, chain, idp, dims):
+        branches = [self._walk(br.jaxpr, args[1:], chain, (*idp, b), dims)
+                    for b, br in enumerate(eqn.params["branches"])]
+        extra = args[0].dep
+        return [_Facts(param=all(f.param for f in col), const=all(f.const for f in col),
+                       dep=extra.union(*(f.dep for f in col)),
+                       head=frozenset().union(*(f.head for f in col)),
+                       upcast=all(f.upcast for f in col)) for col in zip(*branches)]
+
+    def _while_facts(self, eqn, args, chain, idp, dims):
+        """A carry's facts hold for its initial value and every iteration's: the body is
+        walked to a fixpoint (a generate loop's logits, written into a buffer the loop
+        returns, make its head), its delayed-FP8 slots created by the last walk only."""
+        cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        (cj, _), (bj, _) = _open(eqn.params["cond_jaxpr"]), _open(eqn.params["body_jaxpr"])
+        carry = [_Facts(const=a.const, dep=a.dep, head=a.head) for a in args[cn + bn:]]
+        saved = dict(self.sites), dict(self.site_shapes), dict(self._count)
+        for _ in range(8):  # facts only grow (sets, and const turning False): few rounds
+            self.sites, self.site_shapes, self._count = (dict(d) for d in saved)
+            outs = self._walk(bj, [*args[cn:cn + bn], *carry], chain, (*idp, 1), dims)
+            new = [_Facts(const=c.const and o.const, dep=c.dep | o.dep, head=c.head | o.head)
+                   for c, o in zip(carry, outs)]
+            if new == carry:
+                break
+            carry = new
+        self._walk(cj, [*args[:cn], *carry], chain, (*idp, 0), dims)
+        return carry
+
+    def _shard_map_facts(self, eqn, args, chain, idp, dims):
+        return self._walk(_open(eqn.params["jaxpr"])[0], args, chain, idp, dims)
+
+    def _custom_vjp_facts(self, eqn, args, chain, idp, dims):
+        parts = self._modules.vjp_parts(eqn)
+        if parts is None:
+            return None
+        outs = self._walk(parts.fwd, args[parts.num_consts:], chain, idp, dims)
+        return outs[parts.num_res:]
+
+
+# Primitives holding a body that the policy interprets: name -> handler (``Analysis`` method
+# ``<handler>_facts``, ``Interpreter`` method ``_<handler>``). ``jit``, ``scan``, ``remat``
+# and ``custom_jvp`` are dispatched before (they were first). Any other primitive with a body
+# runs as traced, with one warning per module and primitive.
+_BODIES = {
+    "cond": "_cond_facts", "while": "_while_facts", "shard_map": "_shard_map_facts",
+    "custom_vjp_call": "_custom_vjp_facts",
+}
+
+
+def _open(jaxpr) -> tuple[Any, Sequence[Any]]:
+    """(open jaxpr, consts) of a Jaxpr or ClosedJaxpr parameter."""
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        return jaxpr.jaxpr, jaxpr.consts
+    return jaxpr, ()
+
+
+@functools.lru_cache(maxsize=256)
+def _holds_matmul(jaxpr) -> bool:
+    """Whether a jaxpr (or any body inside it) has a matmul."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _ops.MATMUL:
+            return True
+        if any(_holds_matmul(_open(sub)[0]) for sub in jex.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpParts:
+    """A ``custom_vjp_call`` taken apart: the user's forward rule as a jaxpr (inputs: the
+    primal inputs after ``num_consts`` consts; outputs: ``num_res`` residuals, then the
+    primal outputs), which residuals are forwarded inputs, and the user's backward rule."""
+
+    fwd: Any
+    fwd_consts: Sequence[Any]
+    num_consts: int
+    num_res: int
+    forwarded: tuple[int | None, ...]  # per residual: the input it is, or None (computed)
+    bwd: Any
+
+
+def _vjp_parts(eqn) -> VjpParts | None:
+    """JAX keeps a custom VJP's forward rule as a thunk that traces it (``fwd_jaxpr_thunk``,
+    called as JAX's own ``lift_fwd`` does) and the backward as a flat function of (residuals,
+    cotangents) -> (input cotangents, logs): private structure, so None (the primitive then
+    runs as traced, with a warning) if it is not what jax 0.11 has."""
+    try:
+        p = eqn.params
+        nc = int(p["num_consts"])
+        nonzero = [_floating(v.aval.dtype) for v in eqn.invars[nc:]]
+        fwd, consts = p["fwd_jaxpr_thunk"].call_wrapped(*nonzero)
+        _, res_tree, forwarded = p["out_trees"]()
+        num_res = res_tree.num_leaves - sum(f is not None for f in forwarded)
+        if len(fwd.outvars) != num_res + len(eqn.outvars) or len(fwd.invars) != len(nonzero):
+            return None
+        return VjpParts(fwd, tuple(consts), nc, num_res, tuple(forwarded), p["bwd"])
+    except Exception:  # any change of JAX's internals: run as traced (and warn)
+        return None
 
 
 def _scan_counts(eqn) -> tuple[int, int, int] | None:
@@ -433,6 +543,7 @@ class Interpreter:
         self.record = record
         self._policies: dict[int | None, tuple[Policy | None, bool]] = {}
         self._warned: set[str] = set()
+        self._vjp: dict[int, tuple[Any, VjpParts | None]] = {}
         self.analysis: Analysis | None = None
 
     # -- rules ----------------------------------------------------------------------------
@@ -532,17 +643,21 @@ class Interpreter:
                  else contextlib.nullcontext())
         with scope:
             if name in _ops.INLINE_CALLS:
-                inner = eqn.params["jaxpr"]
-                return self._walk(inner.jaxpr, inner.consts, invals, [chain] * len(invals),
-                                  chain, idp, fp8_local)
+                return self._jit(eqn, invals, chain, idp, fp8_local)
             if name == "custom_jvp_call":
                 return self._custom_jvp(eqn, invals, chain, idp, fp8_local)
             if name in _ops.REMAT:
                 return self._checkpoint(eqn, invals, chain, idp, fp8_local)
             if name == "scan" and _scan_counts(eqn) is not None:
                 return self._scan(eqn, invals, chain, idp, fp8_local)
+            body = _BODIES.get(name)
+            if body is not None:
+                outs = getattr(self, body.removesuffix("_facts"))(eqn, invals, chain, idp,
+                                                                  fp8_local)
+                if outs is not None:
+                    return outs
             if list(jex.jaxprs_in_params(eqn.params)):
-                return _bind(eqn, [_cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
+                return self._opaque(eqn, invals, chain)
             policy = self.policy_of(chain[-1] if chain else None)
             if name in _ops.MATMUL and policy is not None:
                 return [self._matmul(eqn, invals, chain, idp, idprefix, policy, fp8_local)]
@@ -669,7 +784,8 @@ class Interpreter:
 
     def _custom_jvp(self, eqn, invals, chain, idp, fp8_local):
         traced = [v.aval.dtype for v in eqn.invars]
-        if all(not _is_float_value(x) or x.dtype == d for x, d in zip(invals, traced)):
+        if (all(not _is_float_value(x) or x.dtype == d for x, d in zip(invals, traced))
+                and not _holds_matmul(eqn.params["call_jaxpr"].jaxpr)):
             return _bind(eqn, invals)  # dtypes as traced: the original, custom rule and all
         body = eqn.params["call_jaxpr"]
 
@@ -690,6 +806,163 @@ class Interpreter:
             return out, [_cast(t, o.dtype) for t, o in zip(t_out, out)]
 
         return policied(*invals)
+
+    # -- bodies of control flow ------------------------------------------------------------
+    def vjp_parts(self, eqn) -> VjpParts | None:
+        """``_vjp_parts`` once per equation (the Analysis and the evaluation share it)."""
+        key = id(eqn)
+        if key not in self._vjp:
+            self._vjp[key] = (eqn, _vjp_parts(eqn))  # the eqn is kept so its id stays unique
+        return self._vjp[key][1]
+
+    def _opaque(self, eqn, invals, chain):
+        """A primitive whose body the policy cannot interpret (``pallas_call``, an unknown
+        primitive): it runs as traced, inputs cast back, with one warning per module and
+        primitive; ``inspect_policy`` lists its matmuls as not policied."""
+        name = eqn.primitive.name
+        path = self.path(chain[-1] if chain else None)
+        self._warn(f"opaque:{path}:{name}",
+                   f"Primitive {name!r} in module {path or '<root>'!r} holds a body the policy "
+                   "does not interpret: it runs as traced (its matmuls in their traced dtypes, "
+                   "no FP8). inspect_policy lists its matmuls as not policied.")
+        if self.record is not None:
+            self.record.opaque.append((path, name))
+        return _bind(eqn, [_cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
+
+    def _jit(self, eqn, invals, chain, idp, fp8_local):
+        """A nested ``jit`` is kept as a ``jit`` of its interpreted body, with the same
+        ``in_shardings``/``out_shardings`` (inlining it changed XLA's fusion of the
+        gradient: ~1e-7 differences under "fp32"); other call primitives are inlined."""
+        inner = eqn.params["jaxpr"]
+
+        def body(*xs):
+            return tuple(self._walk(inner.jaxpr, inner.consts, list(xs), [chain] * len(xs),
+                                    chain, idp, fp8_local))
+
+        if eqn.primitive.name not in ("pjit", "jit"):
+            return list(body(*invals))
+        p = eqn.params
+        jitted = jax.jit(body, in_shardings=tuple(p["in_shardings"]),
+                         out_shardings=tuple(p["out_shardings"]),
+                         keep_unused=p["keep_unused"])
+        jitted.__name__ = p.get("name", "jit")  # for the jaxpr's readers
+        return list(jitted(*invals))
+
+    def _cond(self, eqn, invals, chain, idp, fp8_local):
+        """``cond``/``switch``: each branch interpreted; an output gets the widest of the
+        dtypes the branches give it (``lax.switch`` needs one type)."""
+        ops = invals[1:]
+        n = len(ops)
+
+        def branch(b, br):
+            def fn(*xs):
+                return self._walk(br.jaxpr, br.consts, list(xs), [chain] * n, chain,
+                                  (*idp, b), fp8_local)
+            return fn
+
+        fns = [branch(b, br) for b, br in enumerate(eqn.params["branches"])]
+        record, self.record = self.record, None  # dtypes only: nothing recorded
+        try:
+            shapes = [jax.eval_shape(fn, *ops) for fn in fns]
+        finally:
+            self.record = record
+        targets = [functools.reduce(_wider, [s[j].dtype for s in shapes])
+                   if all(_floating(s[j].dtype) for s in shapes) else None
+                   for j in range(len(eqn.outvars))]
+
+        def cast(fn):
+            return lambda *xs: [o if t is None else _cast(o, t) for o, t in zip(fn(*xs),
+                                                                             targets)]
+
+        return list(lax.switch(invals[0], [cast(fn) for fn in fns], *ops))
+
+    def _while(self, eqn, invals, chain, idp, fp8_local):
+        """``while`` (``fori_loop`` with a traced bound): body and condition interpreted, the
+        carry kept in its traced dtypes (as ``scan``'s; a loop needs one carry type)."""
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        (cj, cc), (bj, bc) = _open(p["cond_jaxpr"]), _open(p["body_jaxpr"])
+        cconsts, bconsts = invals[:cn], invals[cn:cn + bn]
+        dtypes = [v.aval.dtype for v in eqn.invars[cn + bn:]]
+        init = [_cast(x, d) for x, d in zip(invals[cn + bn:], dtypes)]
+
+        def cond_fn(carry):
+            args = [*cconsts, *carry]
+            return self._walk(cj, cc, args, [chain] * len(args), chain, (*idp, 0),
+                              fp8_local)[0]
+
+        def body_fn(carry):
+            args = [*bconsts, *carry]
+            outs = self._walk(bj, bc, args, [chain] * len(args), chain, (*idp, 1), fp8_local)
+            return [_cast(o, d) for o, d in zip(outs, dtypes)]
+
+        return list(lax.while_loop(cond_fn, body_fn, init))
+
+    def _shard_map(self, eqn, invals, chain, idp, fp8_local):
+        """``shard_map``: the body interpreted, rebuilt with the same mesh, specs and manual
+        axes."""
+        p = eqn.params
+        body, consts = _open(p["jaxpr"])
+
+        def fn(*xs):
+            return tuple(self._walk(body, consts, list(xs), [chain] * len(xs), chain, idp,
+                                    fp8_local))
+
+        mapped = jax.shard_map(fn, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                               out_specs=tuple(p["out_specs"]), check_vma=p["check_vma"],
+                               axis_names=set(p["newly_manual_axes"]))
+        return list(mapped(*invals))
+
+    def _custom_vjp(self, eqn, invals, chain, idp, fp8_local):
+        """A user's ``jax.custom_vjp``: the forward rule interpreted under the policy (it also
+        gives the primal outputs); the user's backward rule runs on the residuals and
+        cotangents in their traced dtypes, its results cast to the inputs' dtypes."""
+        traced_in = [v.aval.dtype for v in eqn.invars]
+        if (all(not _is_float_value(x) or x.dtype == d for x, d in zip(invals, traced_in))
+                and not _holds_matmul(_open(eqn.params["call_jaxpr"])[0])):
+            return _bind(eqn, invals)  # nothing to change: JAX's own primal and rules
+        parts = self.vjp_parts(eqn)
+        if parts is None:
+            return None
+        traced_out = [v.aval.dtype for v in eqn.outvars]
+        res_dtypes = [v.aval.dtype for v in parts.fwd.outvars[:parts.num_res]]
+        consts = invals[:parts.num_consts]
+        n = len(invals) - parts.num_consts
+
+        def forward(xs):
+            outs = self._walk(parts.fwd, parts.fwd_consts, list(xs), [chain] * n, chain, idp,
+                              fp8_local)
+            computed = iter(_cast(r, d) for r, d in zip(outs[:parts.num_res], res_dtypes))
+            full = [*consts, *xs]
+            res = [next(computed) if f is None else _cast(full[f], traced_in[f])
+                   for f in parts.forwarded]
+            return outs[parts.num_res:], res
+
+        @jax.custom_vjp
+        def policied(*xs):
+            return forward(xs)[0]
+
+        in_dtypes = [getattr(x, "dtype", None) for x in invals[parts.num_consts:]]
+
+        def fwd(*xs):
+            outs, res = forward(xs)
+            return outs, res
+
+        def bwd(res, cts):
+            cts = [_cast(g, d) for g, d in zip(cts, traced_out)]
+            grads, _logs = parts.bwd.call_wrapped(*res, *cts)
+            out = []
+            for g, d in zip(grads, in_dtypes):
+                if d is None or not _floating(d):
+                    out.append(None)
+                elif not hasattr(g, "dtype"):  # JAX's symbolic zero
+                    out.append(jnp.zeros(g.aval.shape, d))
+                else:
+                    out.append(_cast(g, d))
+            return tuple(out)
+
+        policied.defvjp(fwd, bwd)
+        return list(policied(*invals[parts.num_consts:]))
 
     def _checkpoint(self, eqn, invals, chain, idp, fp8_local):
         body = eqn.params["jaxpr"]

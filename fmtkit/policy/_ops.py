@@ -60,8 +60,9 @@ VIEW_OPS = frozenset({
     "expand_dims", "slice", "dynamic_slice", "copy", "copy_p", "reduce_precision",
 })
 
-# Primitives whose sub-jaxprs the interpreter enters (the rest run as written, their inputs
-# cast back to the dtypes they were traced with).
+# Call primitives whose bodies the interpreter enters (``_interpret`` handles the other
+# bodies: scan, remat, cond, while, shard_map, custom_jvp/vjp; any primitive with a body it
+# does not know runs as written, inputs cast back, with a warning).
 INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 # jax.checkpoint / nn.remat / nnx.remat (the primitive is "remat2" in jax 0.11).
 REMAT = frozenset({"checkpoint", "remat2", "remat"})
