@@ -832,7 +832,8 @@ def dot_general(recipe: str | FP8Recipe = "blockwise", *, name: str | None = Non
             raise ValueError(f"{where}: delayed scaling supports dots without batch dims "
                              "(Dense, DenseGeneral); use a current-scaling recipe for batched "
                              "einsums.")
-        core = functools.partial(_core, recipe)
+        # A recipe subclass may bring its own custom-VJP core (fmtkit.fp4.FP4Recipe).
+        core = functools.partial(getattr(type(recipe), "gemm_core", _core), recipe)
         for _ in range(nbatch):
             core = jax.vmap(core, in_axes=(0, 0, None))
         y = core(x, w, hist)
