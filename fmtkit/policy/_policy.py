@@ -126,9 +126,9 @@ class Policy:
         r = p if self.reduce_dtype is None else _dtype_name(self.reduce_dtype, "reduce_dtype")
         object.__setattr__(self, "reduce_dtype", r)
         if self.fp8 is not None:
-            from fmtkit import fp8 as _fp8  # no flax, no cycle: fp8 imports only the core
+            from fmtkit import fp4 as _fp4  # no flax, no cycle: fp4/fp8 import only the core
 
-            object.__setattr__(self, "fp8", _fp8.get_recipe(self.fp8))
+            object.__setattr__(self, "fp8", _fp4.get_recipe(self.fp8))  # FP8 and FP4 names
 
     @classmethod
     def parse(cls, spec: str) -> Policy:
@@ -427,6 +427,13 @@ _FP8_PRESETS = {
     for name in ("current", "delayed", "rowwise", "blockwise", "mxfp8")
 }
 
+_FP4_PRESETS = {
+    name: (f"bf16-mixed, with the FP4 recipe {name!r} (fmtkit.fp4) on every projection matmul "
+           "(every block: keep the last blocks in BF16 with fmtkit.policy.keep_blocks).",
+           _fp8(name))
+    for name in ("nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d", "mxfp4")
+}
+
 _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
     "fp32": ("Everything in float32 (the reference).",
              Rules((), default="p=f32,c=f32,o=f32,g=f32", check_unmatched=False)),
@@ -445,6 +452,7 @@ _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
         "run in f32 (their outputs are f32 until the next matmul).",
         Rules((), default="p=bf16,c=bf16,o=bf16,g=bf16", check_unmatched=False)),
     **_FP8_PRESETS,
+    **_FP4_PRESETS,
 })
 
 
