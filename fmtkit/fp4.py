@@ -283,8 +283,11 @@ def hadamard_matrix(n: int = 16) -> np.ndarray:
 def rht_matrix(seed: int = 0, n: int = 16) -> np.ndarray:
     """``R = diag(s) H_n / sqrt(n)`` with a sign vector ``s`` drawn from ``seed`` (NumPy's
     PCG64, stable across platforms and releases), float64 [n, n]; ``R Rᵀ = I``."""
-    signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0]), size=n)
-    return signs[:, None] * hadamard_matrix(n)
+    return _rht_signs(seed, n)[:, None] * hadamard_matrix(n)
+
+
+def _rht_signs(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).choice(np.array([-1.0, 1.0]), size=n)
 
 
 def random_hadamard_transform(t: jax.typing.ArrayLike, *, seed: int = 0,
@@ -302,9 +305,20 @@ def random_hadamard_transform(t: jax.typing.ArrayLike, *, seed: int = 0,
     if t.ndim == 0 or t.shape[-1] % size:
         raise ValueError(f"t's last dim ({t.shape[-1:] or 'scalar'}) must be a multiple of "
                          f"size={size}.")
-    r = jnp.asarray(rht_matrix(seed, size), jnp.float32)
-    tiles = t.astype(jnp.float32).reshape(*t.shape[:-1], t.shape[-1] // size, size)
-    return jnp.matmul(tiles, r, precision=lax.Precision.HIGHEST).reshape(t.shape)
+    hadamard_matrix(size)  # validates size
+    signs = jnp.asarray(_rht_signs(seed, size), jnp.float32)
+    lead = t.shape[:-1]
+    v = t.astype(jnp.float32).reshape(*lead, t.shape[-1] // size, size)
+    v = v * signs.reshape((1,) * (v.ndim - 1) + (size,))
+    # Fast Walsh-Hadamard transform: log2(size) butterfly stages (I ⊗ H2 ⊗ I_h for h = 1, 2,
+    # 4, ...; their product is Sylvester's H), adds and subtracts, so no matmul appears in
+    # the jaxpr besides the GEMMs (what TE's kernels do too), then the exact 1 / sqrt(size).
+    h = 1
+    while h < size:
+        b = v.reshape(*lead, -1, size // (2 * h), 2, h)
+        v = jnp.stack([b[..., 0, :] + b[..., 1, :], b[..., 0, :] - b[..., 1, :]], axis=-2)
+        h *= 2
+    return (v.reshape(t.shape) * jnp.float32(1.0 / math.sqrt(size))).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -308,9 +308,8 @@ def test_three_gemms_take_fp4_operands(name, block):
                                               argnums=(0, 1)))(x, w)
     sizes = fp4_gemms(jaxpr)
     assert len(sizes) == 3 and set(sizes) == {block}  # fwd, dgrad, wgrad; per-block partials
-    assert not [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"
-                and e.invars[0].aval.dtype == jnp.float32 and e.invars[0].aval.ndim == 2
-                and e.invars[0].aval.shape[-1] == 64]  # no unquantized GEMM on the side
+    # No other matmul on the side (the RHT is a butterfly of adds, not a matmul).
+    assert sum(e.primitive.name == "dot_general" for e in iter_eqns(jaxpr)) == 3
 
 
 def test_non_finite_in_non_finite_out():
