@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jaxpr_utils import iter_eqns
+from jaxpr_utils import fp4_gemms, iter_eqns
 
 from fmtkit import fp4, fp8
 
@@ -247,57 +247,6 @@ def test_ingredients_change_what_they_should():
     np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(dx))
     other = _jit_fwd_bwd(dataclasses.replace(fp4.RECIPES["nvfp4"], sr_seed=1), *_data())
     assert not np.array_equal(np.asarray(other[1]), np.asarray(dx))  # the seed matters
-
-
-def _fp4_fed(eqn, producers, depth=8):
-    """Whether each operand of ``eqn`` comes from a float4_e2m1fn value through at most
-    ``depth`` layout / widening equations (convert, reshape, pad, transpose, slice)."""
-    passthrough = {"convert_element_type", "reshape", "pad", "transpose", "slice",
-                   "broadcast_in_dim", "squeeze", "dynamic_slice", "copy"}
-
-    def fed(var, d):
-        if getattr(var.aval, "dtype", None) == jnp.float4_e2m1fn:
-            return True
-        src = producers.get(var) if isinstance(var, jax.extend.core.Var) else None
-        if d == 0 or src is None:
-            return False
-        # A nested jit counts as layout when it keeps its operand's narrow dtype (XLA's
-        # dynamic_index_in_dim, jnp.pad); anything else ends the chain.
-        keeps = src.primitive.name == "jit" and src.outvars[0].aval.dtype == getattr(
-            src.invars[0].aval, "dtype", None)
-        if src.primitive.name not in passthrough and not keeps:
-            return False
-        return any(fed(v, d - 1) for v in src.invars if isinstance(v, jax.extend.core.Var))
-
-    return [fed(v, depth) for v in eqn.invars[:2]]
-
-
-def fp4_gemms(closed_jaxpr) -> list[int]:
-    """Contraction size of every dot_general (in any sub-jaxpr) fed FP4 operands on both sides;
-    asserts no dot mixes an FP4 operand with a wider one."""
-    out = []
-    jaxprs = [closed_jaxpr.jaxpr] + [sub for e in iter_eqns(closed_jaxpr)
-                                     for sub in _subs(e)]
-    for jx in jaxprs:
-        producers = {o: e for e in jx.eqns for o in e.outvars}
-        for e in jx.eqns:
-            if e.primitive.name != "dot_general":
-                continue
-            fed = _fp4_fed(e, producers)
-            assert fed[0] == fed[1], e
-            if fed[0]:
-                (lc, _), _ = e.params["dimension_numbers"]
-                out.append(int(np.prod([e.invars[0].aval.shape[d] for d in lc])))
-    return out
-
-
-def _subs(eqn):
-    for v in eqn.params.values():
-        for item in v if isinstance(v, tuple | list) else (v,):
-            if isinstance(item, jax.extend.core.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jax.extend.core.Jaxpr):
-                yield item
 
 
 @pytest.mark.parametrize("name,block", [("nvfp4", 16), ("mxfp4", 32)])
