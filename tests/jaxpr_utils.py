@@ -269,8 +269,9 @@ def compute_fraction(found: list[Matmul], dtype, *, backward: bool) -> float:
 
 
 def _fp4_fed(eqn, producers, depth=8):
-    """Whether each operand of ``eqn`` comes from a float4_e2m1fn value through at most
-    ``depth`` layout / widening equations (convert, reshape, pad, transpose, slice)."""
+    """Whether each operand of ``eqn`` is an 8-bit (or narrower) array that comes from a
+    float4_e2m1fn value through at most ``depth`` layout / widening equations (convert,
+    reshape, pad, transpose, slice)."""
     passthrough = {"convert_element_type", "reshape", "pad", "transpose", "slice",
                    "broadcast_in_dim", "squeeze", "dynamic_slice", "copy"}
 
@@ -288,7 +289,9 @@ def _fp4_fed(eqn, producers, depth=8):
             return False
         return any(fed(v, d - 1) for v in src.invars if isinstance(v, jax.extend.core.Var))
 
-    return [fed(v, depth) for v in eqn.invars[:2]]
+    # The dot itself must take 8-bit-or-narrower operands: an E2M1 array widened to f32 and
+    # dotted there would be a quantize-dequantize GEMM, not an FP4 one.
+    return [jnp.dtype(v.aval.dtype).itemsize == 1 and fed(v, depth) for v in eqn.invars[:2]]
 
 
 def fp4_gemms(closed_jaxpr) -> list[int]:
