@@ -88,6 +88,7 @@ __all__ = [
     "hadamard_matrix",
     "mxfp4_quantize",
     "nvfp4_quantize",
+    "quantization_stats",
     "random_hadamard_transform",
     "rht_matrix",
 ]
@@ -608,3 +609,49 @@ def dot_general(recipe: str | FP4Recipe = "nvfp4", *, name: str | None = None):
       (32, 16)
     """
     return fp8.dot_general(get_recipe(recipe), name=name)
+
+
+def quantization_stats(t: jax.typing.ArrayLike, recipe: str | FP4Recipe = "nvfp4",
+                       operand: Literal["x", "w", "grad"] = "x") -> dict[str, jax.Array]:
+    """What one GEMM operand loses to a recipe's FP4 quantization (telemetry, in-jit).
+
+    ``t`` is laid out ``[free, contraction]`` (x: [tokens, K]; w: [N, K], a Flax kernel
+    transposed; grad: [tokens, N]), zero-padded to its blocks, and quantized as the forward
+    (x, w) or dgrad (grad) GEMM does (stochastic rounding with a fixed key).
+
+    Returns:
+      f32 scalars: ``sqnr_db`` (10 log10 of signal over quantization-error power),
+      ``saturated_blocks`` (share of blocks with an element beyond ±6 after scaling, clipped:
+      an E4M3 block scale rounded down, or MX's "floor" rule), ``underflow_blocks`` (share of
+      nonzero blocks that dequantize to all zeros: an E4M3 scale of 0, or every element
+      under half of E2M1's smallest step), ``zero_fraction`` (share of nonzero elements
+      quantized to 0).
+    """
+    recipe = get_recipe(recipe)
+    if not isinstance(recipe, FP4Recipe):
+        raise TypeError(f"quantization_stats needs an FP4 recipe, got {recipe.name!r}.")
+    if operand not in ("x", "w", "grad"):
+        raise ValueError(f"operand must be 'x', 'w' or 'grad', got {operand!r}.")
+    t = check_floating(t, "t").astype(jnp.float32)
+    if t.ndim != 2:
+        raise ValueError(f"t must be 2-D [free, contraction], got shape {t.shape}.")
+    spec, rounding = getattr(recipe, f"{operand}_tile"), getattr(recipe, f"{operand}_rounding")
+    f, c = _tile(spec)
+    t = _pad2(t, _up(t.shape[0], f), _up(t.shape[1], c))
+    role = {"x": 0, "w": 1, "grad": 2}[operand]
+    q = _quantize_operand(t, recipe, spec, rounding, role)
+    deq = q.dequantize()
+    dec = q.block_scale.astype(jnp.float32) * q.tensor_scale  # decode scale per block
+    a = _blocks(jnp.abs(t), q.block)
+    axes = tuple(range(1, 2 * t.ndim, 2))
+    sat = jnp.any(a > jnp.float32(_E2M1_MAX) * _scale_view(dec, q.block), axis=axes)
+    nonzero = jnp.any(a > 0, axis=axes)
+    dead = nonzero & ~jnp.any(_blocks(deq, q.block) != 0, axis=axes)
+    err = jnp.sum(jnp.square(deq - t))
+    n_nz = jnp.maximum(jnp.sum(t != 0), 1)
+    return {
+        "sqnr_db": 10 * jnp.log10(jnp.sum(jnp.square(t)) / err),
+        "saturated_blocks": jnp.mean(sat.astype(jnp.float32)),
+        "underflow_blocks": jnp.sum(dead) / jnp.maximum(jnp.sum(nonzero), 1),
+        "zero_fraction": jnp.sum((t != 0) & (deq == 0)) / n_nz,
+    }
