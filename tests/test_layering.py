@@ -38,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "fmtkit.optim": {*CORE},
     # Policies place FP8 recipes on modules: policy -> fp8, never the reverse.
     "fmtkit.policy": {*CORE, "fmtkit.fp8", "fmtkit.fp4"},
-    "fmtkit.memory": {*CORE, "fmtkit.optim"},
+    "fmtkit.memory": {*CORE, "fmtkit.optim", "fmtkit.fp4"},
     # The package facade re-exports the public names of every core module.
     "fmtkit": {*CORE, "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8", "fmtkit.fp4",
                "fmtkit.optim",
