@@ -502,13 +502,22 @@ def _up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+_BLACKWELL_KINDS = ("B100", "B200", "B300", "GB200", "GB300")  # compute capability 10.x
+
+
 def _on_blackwell() -> bool:
-    try:
+    """Whether this trace targets a Blackwell GPU: an abstract mesh's device (cross-lowering
+    without one), else the default device."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is None:
+        if jax.default_backend() != "gpu":
+            return False
         device = jax.devices()[0]
-    except RuntimeError:  # pragma: no cover - no backend
-        return False
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")
-                                            ).startswith("10")
+        cc = getattr(device, "compute_capability", None)
+        if cc is not None:
+            return str(cc).split(".")[0] == "10"
+    return device.platform == "gpu" and any(
+        k in getattr(device, "device_kind", "") for k in _BLACKWELL_KINDS)
 
 
 def _uses_scaled_matmul(recipe: FP4Recipe, a: FP4Array, b: FP4Array) -> bool:

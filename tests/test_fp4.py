@@ -291,3 +291,18 @@ def test_recipe_validation_and_names():
     assert str(dataclasses.replace(fp4.RECIPES["nvfp4"], rht_seed=5)) == "nvfp4(rht_seed=5)"
     with pytest.raises(TypeError, match="no fmtkit\\.scaling equivalent"):
         fp4.RECIPES["nvfp4"].scaling("x")
+
+
+def _lower_for(kind, fn, *args):
+    dev = jax.sharding.AbstractDevice(device_kind=kind, platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_nvfp4_lowers_to_the_native_block_scaled_dot_on_blackwell_only():
+    # No Blackwell here: the recipe is lowered for an abstract B200 (three block-scaled dots:
+    # forward, dgrad, wgrad) and an H200 (none: the emulated FP8 GEMMs).
+    x, w, dy = (jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in _data(64, 128, 32))
+    fn = functools.partial(_jit_fwd_bwd, fp4.RECIPES["nvfp4"])
+    assert _lower_for("NVIDIA B200", fn, x, w, dy).count("block_scaled_dot") == 3
+    assert "block_scaled_dot" not in _lower_for("NVIDIA H200", fn, x, w, dy)
