@@ -21,8 +21,11 @@ outlier-features       bf16-mixed, fp8-current, fp8-delayed,   per-tensor worse 
                        fp8-rowwise, fp8-blockwise, fp8-mxfp8   blockwise, MX
 =====================  ======================================  ==============================
 
-``--policies`` (and/or ``--regime``) instead runs one group: those setups (default all) in
-that regime (default none), reference fp32 when it is among them, else the first. ``--full``
+``--policies`` (and/or ``--regime``) instead runs one group: those setups (default all but
+the FP4 ones) in that regime (default none), reference fp32 when it is among them, else the
+first. ``--regime fp4-training`` runs ``studies.fp4_training.GROUP`` by default: bf16-mixed,
+fp8-blockwise, NVFP4 with and without each ingredient, every layer in FP4, and MXFP4, on a
+4-block model, with per-GEMM FP4 telemetry (``studies.fp4_training``). ``--full``
 runs the contrasts longer and larger (the "small" model, 400 steps, 5 seeds).
 
 Per setup: final loss (mean training loss, nats/byte, of the last 10% of the steps) as mean
@@ -96,7 +99,7 @@ class Config:
     Attributes:
       policies: the setups to train (comma- or space-separated), in table order; see
         studies.train.SETUPS. Empty (default): the contrast groups (module docstring), or
-        every setup when ``--regime`` is given.
+        with ``--regime`` every setup but the FP4 ones (fp4-training: its own group).
       full: the contrasts with the "small" model, 400 steps and 5 seeds (longer).
       checkpoint_dir: checkpoints go to CHECKPOINT_DIR/<timestamp>/<regime>/<setup>/.
       resume: continue an earlier run: its checkpoint folder, or its results folder.
@@ -157,7 +160,8 @@ class Config:
         the FP4 ones."""
         if not self.policies and self.train.regime == "none":
             return CONTRASTS
-        default = fp4_training.GROUP if self.train.regime == "fp4-training" else DEFAULT_SETUPS
+        default = (fp4_training.GROUP if self.train.regime == "fp4-training"
+                   else DEFAULT_SETUPS)
         return ((self.train.regime, self.policies or default),)
 
     def workers(self) -> int:

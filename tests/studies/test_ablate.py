@@ -145,7 +145,7 @@ def test_seeds_regime_full_and_stdlib_options_parse():
     c = inv.config
     assert c.train.seeds == 5 and c.train.regime == "late-training"
     assert c.train.data == "stdlib" and c.full
-    assert c.groups() == (("late-training", tuple(ablate.SETUPS)),)
+    assert c.groups() == (("late-training", ablate.DEFAULT_SETUPS),)
     full = c.train_config()
     assert (full.model_size, full.steps, full.seeds) == ("small", 400, 5)
     assert full.seed_list == (0, 1, 2, 3, 4)
