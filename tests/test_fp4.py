@@ -306,3 +306,18 @@ def test_nvfp4_lowers_to_the_native_block_scaled_dot_on_blackwell_only():
     fn = functools.partial(_jit_fwd_bwd, fp4.RECIPES["nvfp4"])
     assert _lower_for("NVIDIA B200", fn, x, w, dy).count("block_scaled_dot") == 3
     assert "block_scaled_dot" not in _lower_for("NVIDIA H200", fn, x, w, dy)
+
+
+def test_batched_dimension_numbers_and_bf16_inputs():
+    # A batched einsum ("bmk,bkn->bmn"): the core runs vmapped per batch element; bf16 inputs
+    # come out bf16 (the wrapper's rule) and track the float64 product like the 2-D case.
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(3, 16, 48)).astype(np.float32)
+    b = rng.normal(size=(3, 48, 8)).astype(np.float32)
+    dn = (((2,), (1,)), ((0,), (0,)))
+    dg = fp4.dot_general("nvfp4")
+    out = jax.jit(lambda a, b: dg(a, b, dn))(jnp.asarray(a, jnp.bfloat16),
+                                             jnp.asarray(b, jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16 and out.shape == (3, 16, 8)
+    ref = np.einsum("bmk,bkn->bmn", a.astype(np.float64), b.astype(np.float64))
+    assert _sqnr(ref, np.asarray(out, np.float32)) > 11.0
