@@ -7,14 +7,12 @@ seed 0 with the batch after the last step, at the initial parameters and at each
 trained parameters:
 
 * per GEMM operand of every linear layer that runs in FP4 (its input x and its weight w, as
-  the forward GEMM quantizes them): ``fmtkit.fp4.quantization_stats`` (SQNR, share of blocks
-  whose scaled elements saturate at ±6 or that underflow to zeros);
+  the forward GEMM quantizes them, and the loss gradient at its output, dy, as the dgrad GEMM
+  does; x and dy from the plain f32 model): ``fmtkit.fp4.quantization_stats`` (SQNR, share
+  of blocks whose scaled elements saturate at ±6 or that underflow to zeros);
 * ``grad_noise_ratio``: the norm of the BF16 weight gradient of the FP4 layers over the norm
   of the FP4 gradient's difference from it (``studies.regimes.grad_noise_ratio``; below
   about sqrt(3), "FP4 All the Way" finds FP4 training stops helping).
-
-The gradient operand (dy) of the backward GEMMs is not captured here (it would need a hook
-inside the backward pass); its quantization is part of the gradient-noise ratio.
 """
 
 from __future__ import annotations
@@ -57,6 +55,35 @@ def _linear_inputs(cfg: TrainConfig, params: Any, tokens: jax.Array) -> dict[str
     with nn.intercept_methods(grab):
         TransformerLM(cfg.model_config()).apply({"params": params}, tokens)
     return {k: v.reshape(tokens.size, -1) for k, v in found.items()}
+
+
+def _output_grads(cfg: TrainConfig, params: Any, tokens: jax.Array) -> dict[str, jax.Array]:
+    """Module path -> the loss gradient at the output of every Dense / DenseGeneral of the
+    plain model (what its dgrad and wgrad GEMMs read), as ``[tokens, features]``: Flax's
+    ``perturb`` on each output, differentiated."""
+    def hook(next_fun, args, kwargs, context):
+        y = next_fun(*args, **kwargs)
+        if context.method_name == "__call__" and isinstance(
+                context.module, nn.Dense | nn.DenseGeneral):
+            y = context.module.perturb("dy", y)
+        return y
+
+    model = TransformerLM(cfg.model_config())
+    with nn.intercept_methods(hook):
+        zeros = jax.eval_shape(model.init, jax.random.key(0), tokens)["perturbations"]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+
+    def loss(pert):
+        with nn.intercept_methods(hook):
+            logits = model.apply({"params": params, "perturbations": pert}, tokens)
+        return lm_loss(logits.astype(jnp.float32), tokens)
+
+    grads = jax.jit(jax.grad(loss))(zeros)
+    out = {}
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        names = [getattr(k, "key", str(k)) for k in path][:-1]  # drop the "dy" leaf name
+        out["/".join(names)] = g.reshape(tokens.size, -1)
+    return out
 
 
 def _fp4_layers(name: str, cfg: TrainConfig, paths: list[str]) -> dict[str, fp4.FP4Recipe]:
@@ -117,7 +144,8 @@ def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
       tokens: one batch ``[batch, seq_len]``.
 
     Returns:
-      ``{setup: {"layers": {path: {"x": stats, "w": stats}} (at the trained parameters),
+      ``{setup: {"layers": {path: {"x": stats, "w": stats, "grad": stats}} (at the trained
+      parameters),
       "grad_noise_ratio": {"initial": r0, "trained": r1}}}`` with floats.
     """
     ref_grad = _grad_fn(build_model(get_setup(REFERENCE), cfg))
@@ -127,6 +155,7 @@ def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
             continue
         params = jax.tree.map(lambda x: x.astype(jnp.float32), trained[name])
         inputs = _linear_inputs(cfg, params, tokens)
+        out_grads = _output_grads(cfg, params, tokens)
         layers = _fp4_layers(name, cfg, list(inputs))
         if not layers:
             continue
@@ -136,6 +165,8 @@ def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
                 "x": {k: float(v) for k, v in _stats(inputs[path], recipe, "x").items()},
                 "w": {k: float(v) for k, v in _stats(_kernel(params, path), recipe,
                                                      "w").items()},
+                "grad": {k: float(v) for k, v in _stats(out_grads[path], recipe,
+                                                        "grad").items()},
             }
         grad = _grad_fn(build_model(get_setup(name), cfg))
         ratio = {}
@@ -153,7 +184,7 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
     lines = []
     for name, d in info.items():
         parts = []
-        for op in ("x", "w"):
+        for op in ("x", "w", "grad"):
             vals = [s[op] for s in d["layers"].values()]
             parts.append(
                 f"{op} SQNR {np.median([v['sqnr_db'] for v in vals]):.1f} dB, saturated "
