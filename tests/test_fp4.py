@@ -321,3 +321,22 @@ def test_batched_dimension_numbers_and_bf16_inputs():
     assert out.dtype == jnp.bfloat16 and out.shape == (3, 16, 8)
     ref = np.einsum("bmk,bkn->bmn", a.astype(np.float64), b.astype(np.float64))
     assert _sqnr(ref, np.asarray(out, np.float32)) > 11.0
+
+
+def test_backward_gemms_equal_float64_products_of_their_quantized_operands():
+    # nvfp4-no-sr (all RNE, so the test can rebuild each operand): dgrad reads dy in 1x16
+    # blocks along N and the forward's 16x16 weight blocks transposed; wgrad reads dyᵀ and xᵀ
+    # along the tokens, both rotated by the RHT, in 1x16 blocks. Shapes pad every dim.
+    x, w, dy = _data()  # m=40, k=72, n=24
+    _, dx, dw = _fwd_bwd("nvfp4-no-sr")
+
+    def deq(t, block=(1, 16)):
+        return np.asarray(fp4.nvfp4_quantize(t, block).dequantize(), np.float64)
+
+    gq = deq(jnp.pad(dy, ((0, 0), (0, 8))))  # N 24 -> 32
+    wq = deq(jnp.pad(w.T, ((0, 8), (0, 8))), (16, 16))  # [N, K] 32 x 80
+    np.testing.assert_allclose(np.asarray(dx), (gq @ wq)[:, :72], rtol=2e-5, atol=2e-5)
+    a = fp4.random_hadamard_transform(jnp.pad(dy.T, ((0, 0), (0, 8))))  # tokens 40 -> 48
+    b = fp4.random_hadamard_transform(jnp.pad(x.T, ((0, 0), (0, 8))))
+    ref = (deq(a) @ deq(b).T).T  # dw [N, K] -> the kernel's [K, N]
+    np.testing.assert_allclose(np.asarray(dw), ref, rtol=2e-5, atol=2e-5)
