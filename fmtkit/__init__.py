@@ -4,7 +4,7 @@ Exact formats and casts, scaling recipes, telemetry, precision policies for Flax
 scaling and master weights, FP8 matmuls and kernels, and studies.
 """
 
-from fmtkit import distributed, fp8, memory, optim, telemetry
+from fmtkit import distributed, fp4, fp8, memory, optim, telemetry
 from fmtkit.casting import cast
 from fmtkit.formats import FORMATS, Decomposition, Format, decompose, get_format
 from fmtkit.policy import (
@@ -48,6 +48,7 @@ __all__ = [
     "decompose",
     "dequantize",
     "distributed",
+    "fp4",
     "fp8",
     "get_format",
     "get_preset",

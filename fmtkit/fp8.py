@@ -927,7 +927,9 @@ def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precisi
         # answer, zeros of the output shape (empty, or a sum over nothing); no GEMM to run.
         y = jnp.zeros(out_shape, out_dtype)
     else:
-        core = functools.partial(_core, recipe, _gemm_dtype(out_dtype))
+        # A recipe subclass may bring its own custom-VJP core (fmtkit.fp4.FP4Recipe).
+        core = functools.partial(getattr(type(recipe), "gemm_core", _core), recipe,
+                                 _gemm_dtype(out_dtype))
         for _ in range(nbatch):
             core = jax.vmap(core, in_axes=(0, 0, None))
         y = core(x, w, hist).reshape(out_shape).astype(out_dtype)

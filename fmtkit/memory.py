@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from fmtkit.formats import get_format
+from fmtkit.fp4 import FP4Array
 from fmtkit.optim import MasterWeightsState
 
 __all__ = ["MemoryLedger", "ledger"]
@@ -93,10 +94,23 @@ class MemoryLedger:
 
 
 def _leaf_bytes(x: Any) -> int:
+    """Bytes of one array as stored: sub-byte formats packed (two E2M1 values per byte, as
+    Blackwell and the OCP MX spec store them; NumPy holds them one per byte)."""
+    if isinstance(x, FP4Array):
+        return sum(_leaf_bytes(leaf) for leaf in jax.tree.leaves(x))
     dtype = x.dtype
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # typed PRNG keys
         return _leaf_bytes(jax.eval_shape(jax.random.key_data, x))
-    return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    n = int(np.prod(x.shape, dtype=np.int64))
+    if jnp.issubdtype(dtype, jnp.floating):
+        bits = get_format(dtype).bits
+        if bits < 8:
+            return -(-n * bits // 8)
+    return n * np.dtype(dtype).itemsize
+
+
+def _is_fp4(x: Any) -> bool:
+    return isinstance(x, FP4Array)
 
 
 def _split_state(state: Any) -> tuple[list[Any], list[Any]]:
@@ -130,7 +144,11 @@ def ledger(params: Any, optimizer: optax.GradientTransformation | None = None, *
     """Counts the bytes of params, grads, optimizer state and master copy.
 
     Args:
-      params: the parameter tree: arrays or ``jax.ShapeDtypeStruct`` (nothing is allocated).
+      params: the parameter tree: arrays or ``jax.ShapeDtypeStruct`` (nothing is allocated),
+        or ``fmtkit.fp4.FP4Array`` leaves (FP4 storage: packed E2M1 values, 0.5 byte each,
+        plus their block scales and tensor scale; e.g. ``jax.eval_shape`` of
+        ``fp4.nvfp4_quantize``): NVFP4 costs 0.5 + 1/16 bytes per parameter, MXFP4
+        0.5 + 1/32. Their gradients and optimizer state take the full shape.
       optimizer: an optax transformation; its state is ``jax.eval_shape(optimizer.init,
         params)``. ``None``: no optimizer state.
       param_dtype: store every floating parameter in this dtype instead (a policy's ``p``).
@@ -158,21 +176,28 @@ def ledger(params: Any, optimizer: optax.GradientTransformation | None = None, *
     grad_dtype = _dtype_or_none(grad_dtype, "grad_dtype")
 
     def spec(x, dtype):
+        if _is_fp4(x):  # FP4 storage: values with their scales, counted as stored
+            return x
         x_dtype = jnp.result_type(x)
         if dtype is not None and jnp.issubdtype(x_dtype, jnp.floating):
             x_dtype = dtype
         return jax.ShapeDtypeStruct(jnp.shape(x), x_dtype)
 
-    p_spec = jax.tree.map(lambda x: spec(x, param_dtype), params)
-    g_spec = jax.tree.map(lambda x: spec(x, grad_dtype), p_spec)
-    p_leaves = jax.tree.leaves(p_spec)
+    p_spec = jax.tree.map(lambda x: spec(x, param_dtype), params, is_leaf=_is_fp4)
+    # An FP4-stored parameter's gradient and optimizer state have its full shape (f32, or
+    # grad_dtype): FP4 is a storage / GEMM format, not one to accumulate in.
+    full = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.values.shape, jnp.float32)
+                        if _is_fp4(x) else x, p_spec, is_leaf=_is_fp4)
+    g_spec = jax.tree.map(lambda x: spec(x, grad_dtype), full)
+    p_leaves = jax.tree.leaves(p_spec, is_leaf=_is_fp4)
     masters, others = [], []
     if optimizer is not None:
-        masters, others = _split_state(jax.eval_shape(optimizer.init, p_spec))
+        masters, others = _split_state(jax.eval_shape(optimizer.init, full))
     scalars = [x for x in others if len(x.shape) == 0]
     arrays = [x for x in others if len(x.shape) > 0]
     return MemoryLedger(
-        num_params=sum(int(np.prod(x.shape, dtype=np.int64)) for x in p_leaves),
+        num_params=sum(int(np.prod((x.values if _is_fp4(x) else x).shape, dtype=np.int64))
+                       for x in p_leaves),
         param_bytes=sum(map(_leaf_bytes, p_leaves)),
         grad_bytes=sum(map(_leaf_bytes, jax.tree.leaves(g_spec))),
         master_bytes=sum(map(_leaf_bytes, masters)),

@@ -21,8 +21,11 @@ outlier-features       bf16-mixed, fp8-current, fp8-delayed,   per-tensor worse 
                        fp8-rowwise, fp8-blockwise, fp8-mxfp8   blockwise, MX
 =====================  ======================================  ==============================
 
-``--policies`` (and/or ``--regime``) instead runs one group: those setups (default all) in
-that regime (default none), reference fp32 when it is among them, else the first. ``--full``
+``--policies`` (and/or ``--regime``) instead runs one group: those setups (default all but
+the FP4 ones) in that regime (default none), reference fp32 when it is among them, else the
+first. ``--regime fp4-training`` runs ``studies.fp4_training.GROUP`` by default: bf16-mixed,
+fp8-blockwise, NVFP4 with and without each ingredient, every layer in FP4, and MXFP4, on a
+4-block model, with per-GEMM FP4 telemetry (``studies.fp4_training``). ``--full``
 runs the contrasts longer and larger (the "small" model, 400 steps, 5 seeds).
 
 Per setup: final loss (mean training loss, nats/byte, of the last 10% of the steps) as mean
@@ -68,14 +71,14 @@ import numpy as np
 
 from fmtkit import fp8, qdq
 from fmtkit.telemetry import compare
-from studies import corpus, regimes, stats
+from studies import corpus, fp4_training, regimes, stats
 from studies import seeds as seeds_lib
 from studies._common import format_table, no_progress
 from studies.models import TransformerLM
-from studies.train import SETUPS, TrainConfig, batch_at, load_data
+from studies.train import DEFAULT_SETUPS, SETUPS, TrainConfig, batch_at, load_data
 from studies.training import distributed, mesh, multiseed
 
-__all__ = ["CONTRASTS", "Config", "main", "plot", "run", "summarize"]
+__all__ = ["CONTRASTS", "Config", "gap_curves", "main", "plot", "run", "summarize"]
 
 CONTRASTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("late-training", ("bf16-master", "pure-bf16", "pure-bf16-sr", "pure-bf16-kahan")),
@@ -96,7 +99,7 @@ class Config:
     Attributes:
       policies: the setups to train (comma- or space-separated), in table order; see
         studies.train.SETUPS. Empty (default): the contrast groups (module docstring), or
-        every setup when ``--regime`` is given.
+        with ``--regime`` every setup but the FP4 ones (fp4-training: its own group).
       full: the contrasts with the "small" model, 400 steps and 5 seeds (longer).
       checkpoint_dir: checkpoints go to CHECKPOINT_DIR/<timestamp>/<regime>/<setup>/.
       resume: continue an earlier run: its checkpoint folder, or its results folder.
@@ -152,10 +155,14 @@ class Config:
                              "folder or the results folder of an earlier ablate run).")
 
     def groups(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """(regime, setups) of each group to run (reference first)."""
+        """(regime, setups) of each group to run (reference first); without policies the
+        fp4-training regime runs ``studies.fp4_training.GROUP``, the others every setup but
+        the FP4 ones."""
         if not self.policies and self.train.regime == "none":
             return CONTRASTS
-        return ((self.train.regime, self.policies or tuple(SETUPS)),)
+        default = (fp4_training.GROUP if self.train.regime == "fp4-training"
+                   else DEFAULT_SETUPS)
+        return ((self.train.regime, self.policies or default),)
 
     def workers(self) -> int:
         """Setups trained at once (``parallel`` resolved)."""
@@ -200,7 +207,7 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
     info = None
     if regime == "late-training":
         gcfg, params, info = multiseed.late_training(gcfg, progress, data=data)
-    elif regime == "outlier-features":
+    elif regime in ("outlier-features", "fp4-training"):
         params = multiseed.seed_params(gcfg)  # the regime changes the model's config
 
     def train(name: str) -> tuple[multiseed.SeedsResult, float]:
@@ -222,6 +229,11 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         info = _gemm_input_sqnr(gcfg, seeds_lib.unstack(results[0][0].state)[0].params, data,
                                 names)
         info["per_tensor_vs_fine"] = _per_tensor_vs_fine(rows)
+    elif regime == "fp4-training":
+        tokens = mesh.replicate(batch_at(data, gcfg, gcfg.steps), gcfg.data_parallel)
+        trained = {n: seeds_lib.unstack(res.state)[0].params
+                   for n, (res, _) in zip(names, results)}
+        info = fp4_training.telemetry(gcfg, names, trained, params[0], tokens)
     ref = rows[0]["final_loss"]
     for r in rows:
         gap = stats.compare(ref, r["final_loss"], paired=True)
@@ -315,7 +327,8 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         groups.append({"regime": regime, "reference": names[0], "rows": rows,
                        "late_training": info if regime == "late-training" else None,
                        "gemm_input": info if regime == "outlier-features" else None,
-                       "recovered": _recovered(rows) if regime == "late-training" else None})
+                       "recovered": _recovered(rows) if regime == "late-training" else None,
+                       "fp4": info if regime == "fp4-training" else None})
     names = [r["setup"] for g in groups for r in g["rows"]]
     return {
         "train_config": dataclasses.asdict(cfg),
@@ -389,6 +402,10 @@ def summarize(results: dict[str, Any]) -> str:
                            ", ".join(f"{c['per_tensor']} - {c['fine']} "
                                      f"{stats.format_gap(stats.Gap.from_dict(c['gap']))}"
                                      for c in gi["per_tensor_vs_fine"]))
+        if g.get("fp4"):
+            out.append("  FP4 telemetry (seed 0, batch after the last step; median over the "
+                       "setup's FP4 layers):")
+            out += fp4_training.summary_lines(g["fp4"])
         if g.get("recovered"):
             out.append("  share of pure-bf16's gap to bf16-master recovered: " + ", ".join(
                 f"{k} {100 * v:.0f}%" for k, v in g["recovered"].items()))
@@ -414,9 +431,31 @@ def summarize(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def gap_curves(rows: list[dict[str, Any]], reference: str) -> dict[str, list[list[float]]]:
+    """Setup -> each seed's relative loss gap to the reference over the steps, paired:
+    ``(loss_setup[k, t] - loss_ref[k, t]) / mean_k loss_ref[k, t]`` for seed k (which shares
+    its initial parameters and batches with the reference's seed k). The reference and
+    setups without curves are left out."""
+    curves = multiseed.seed_curves(rows)
+    if reference not in curves:
+        return {}
+    ref = np.asarray(curves[reference], np.float64)
+    out = {}
+    for name, runs in curves.items():
+        if name == reference:
+            continue
+        y = np.asarray(runs, np.float64)
+        n = min(y.shape[1], ref.shape[1])
+        out[name] = ((y[:, :n] - ref[:, :n]) / ref[:, :n].mean(axis=0)).tolist()
+    return out
+
+
 def plot(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Per group: ``loss_<regime>.png`` (mean ± std bands of the loss curves, 10-step
-    moving average) and ``gaps_<regime>.png`` (gap to the reference, ±3 SE whiskers)."""
+    moving average), ``gapcurve_<regime>.png`` (each setup's relative loss gap to the
+    reference over the steps, paired per seed, mean ± std band, 10-step moving average: the
+    raw curves lie on top of each other when gaps are a fraction of a percent) and
+    ``gaps_<regime>.png`` (final gap to the reference, ±3 SE whiskers)."""
     paths = []
     floor = results.get("entropy_floor_nats")
     for g in results["groups"]:
@@ -424,6 +463,13 @@ def plot(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
             multiseed.seed_curves(g["rows"]), out_dir, f"loss_{g['regime']}", smooth=10,
             hline=floor,
             title=f"{g['regime']}: loss, mean ± std over seeds"))
+        gc = gap_curves(g["rows"], g["reference"])
+        if gc:
+            paths.append(stats.plot_seed_bands(
+                gc, out_dir, f"gapcurve_{g['regime']}", smooth=10, hline=0.0,
+                ylabel=f"(loss - {g['reference']}) / {g['reference']}",
+                title=f"{g['regime']}: loss gap to {g['reference']}, paired per seed, "
+                      "mean ± std"))
         gaps = {r["setup"]: stats.Gap.from_dict(r["gap"]) for r in g["rows"]
                 if r["setup"] != g["reference"]}
         if gaps:

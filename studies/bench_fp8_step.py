@@ -2,6 +2,7 @@
 
     fmtkit bench fp8-step [--batch 512] [--width 512] [--layers 3] [--repeats 15]
                           [--models mlp,transformer] [--recipes current,...]
+    fmtkit bench fp8-step --recipes blockwise,mxfp8,nvfp4,mxfp4   # FP4 emulation cost too
 
 Two models, every variant of one model timed in alternation in the same run (median of
 ``--repeats`` after warm-up, ``block_until_ready`` before reading the clock):
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
-from fmtkit import fp8
+from fmtkit import fp4, fp8
 from studies import models
 from studies._bench import time_interleaved, write_results
 
@@ -65,7 +66,7 @@ class _Dense(nn.Module):
         elif self.kind == "flax-fp8":
             y = fp8_ops.Fp8DirectDotGeneralOp(name="fp8_op")(x, w, DN)
         else:
-            recipe = fp8.get_recipe(self.kind)
+            recipe = fp4.get_recipe(self.kind)  # FP8 and FP4 names
             kw = {}
             if recipe.delayed:
                 hist = self.variable("fp8_state", "amax_history",
@@ -143,7 +144,8 @@ def _transformer_variants(args, kinds):
         if kind == "flax-fp8":
             continue
         model = plain if kind == "f32" else with_policy(
-            plain, "bf16-mixed" if kind == "bf16" else f"fp8-{kind}")
+            plain, "bf16-mixed" if kind == "bf16" else
+            kind if kind in fp4.RECIPES else f"fp8-{kind}")
         variables = dict(jax.jit(model.init)(jax.random.key(1), tokens))
         step = _step(lambda v, t, m=model: m.apply(v, t),
                      lambda logits, t: models.lm_loss(logits.astype(jnp.float32), t), args.lr)
@@ -196,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--models: unknown model {m!r}; valid: mlp, transformer")
     recipes = [r for r in args.recipes.split(",") if r]
     for r in recipes:
-        if r not in fp8.RECIPES:
-            p.error(f"--recipes: unknown recipe {r!r}; valid: {', '.join(fp8.RECIPES)}")
+        if r not in fp8.RECIPES and r not in fp4.RECIPES:
+            p.error(f"--recipes: unknown recipe {r!r}; valid: "
+                    f"{', '.join([*fp8.RECIPES, *fp4.RECIPES])}")
     kinds = ["f32", "bf16", *recipes, "flax-fp8"]
 
     results: dict[str, Any] = {"args": vars(args), "targets": TARGETS}

@@ -26,10 +26,14 @@ regime                   applies to                           measured by
                          (``apply``)
 ``TokenGradOutliers``    per-token loss weights               ``token_norm_ratio``
                          (``loss_weights``)
+``FP4Training``          ``TransformerConfig.num_layers``     ``grad_noise_ratio``,
+                         (``apply``); FP4 setups keep their   ``fmtkit.fp4.
+                         last block in BF16                   quantization_stats``
 =======================  ===================================  ==============================
 
 ``REGIMES`` maps the names used on command lines ("late-training", "tokens-per-update",
-"outlier-features", "token-grad-outliers") to the default instances; ``get_regime(name)``.
+"outlier-features", "token-grad-outliers", "fp4-training") to the default instances;
+``get_regime(name)``.
 
 References (cited by the regimes):
   [Brown20] Brown et al., "Language Models are Few-Shot Learners" (GPT-3), 2020: Table 2.1
@@ -82,6 +86,7 @@ __all__ = [
     "FP16_MIN_SUBNORMAL",
     "READERS",
     "REGIMES",
+    "FP4Training",
     "LateTraining",
     "OutlierFeatures",
     "TokenGradOutliers",
@@ -89,6 +94,7 @@ __all__ = [
     "channel_amax",
     "channel_amax_ratio",
     "get_regime",
+    "grad_noise_ratio",
     "stalled_fraction",
     "token_norm_ratio",
     "token_norms",
@@ -535,11 +541,75 @@ def token_norm_ratio(g: jax.typing.ArrayLike) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
+# FP4 training: a stack whose last blocks stay in BF16
+
+
+@dataclasses.dataclass(frozen=True)
+class FP4Training(_Regime):
+    """A stack of blocks deep enough to keep its last ones in BF16 by position, as FP4
+    training does, and the FP4 setups that ablate the NVFP4 recipe's ingredients.
+
+    Magnitudes: the NVFP4 paper's 12B model kept the first 2 and the last 8 of its 62
+    blocks in BF16 (16% of the linear layers), and advises under 15%, mostly at the end
+    [NVFP4, sec. 4.1, App. A.1]. The default ``num_layers=4`` at the tiny model's width
+    (d_model 128) is the shallowest stack in which one kept block (the FP4 setups'
+    ``keep_last=1``) leaves most linear layers in FP4: 25% in BF16, more than the paper's
+    share, and 4x the tiny model's one block of compute.
+
+    Applies to: ``TransformerConfig.num_layers`` (``apply``; an explicit ``--num-layers``
+    wins); the FP4 setups (``studies.training.setups.FP4_SETUPS``) keep their last block
+    in BF16 (``fmtkit.policy.keep_blocks``), except ``nvfp4-all-layers``.
+
+    Measured by: ``fmtkit.fp4.quantization_stats`` on each linear layer's GEMM operands
+    (SQNR, share of blocks that saturate or underflow) and ``grad_noise_ratio`` (the weight
+    gradient's norm over the norm of its FP4-induced error, against the BF16 gradient at the
+    same parameters and batch).
+
+    Expected (literature): vs BF16 at 8B / 1T tokens, MXFP4 ~2.5% and NVFP4 ~1.5% worse in
+    loss [NVFP4, sec. 5]; from 3.43T tokens of a 12B run, removing SR, RHT or 2D weight
+    blocks, or keeping only the last 4 blocks in BF16, each made the loss worse [NVFP4,
+    Fig. 4]; a 1.2B model with every layer in FP4 diverged [NVFP4, App. E.2]. Training in
+    FP4 stops helping once the gradient's norm falls below about sqrt(3) times its
+    quantization noise [FP4AllTheWay]. These are effects of long runs at scale; at 150
+    steps of a 4-block model the study reports which orderings appear and which do not.
+
+    References: [NVFP4] NVIDIA, "Pretraining Large Language Models with NVFP4", 2025
+    (arXiv 2509.25149). [FP4AllTheWay] Chmiel et al., "FP4 All the Way: Fully Quantized
+    Training of LLMs", 2025 (arXiv 2505.19115), abstract.
+    """
+
+    name: ClassVar[str] = "fp4-training"
+    num_layers: int = 4
+
+    def __post_init__(self):
+        _positive(self.num_layers, "num_layers", integer=True)
+        if self.num_layers < 2:
+            raise ValueError(f"num_layers must be >= 2 (one kept block and one in FP4), got "
+                             f"{self.num_layers}.")
+
+    def apply(self, cfg: TransformerConfig) -> TransformerConfig:
+        """``cfg`` with ``num_layers`` blocks."""
+        return dataclasses.replace(cfg, num_layers=self.num_layers)
+
+
+def grad_noise_ratio(reference: Any, grads: Any) -> jax.Array:
+    """``||reference|| / ||grads - reference||`` over the weight matrices (f32 scalar): the
+    gradient's norm over the norm of its quantization noise (inf when they are equal).
+    Below about sqrt(3) the noise hides the descent direction [FP4AllTheWay]."""
+    pairs = [(r, g) for (p, r), g in zip(jax.tree_util.tree_leaves_with_path(reference),
+                                         jax.tree.leaves(grads)) if _is_weight(p, r)]
+    if not pairs:
+        raise ValueError("grad_noise_ratio needs at least one weight matrix.")
+    return _norm([r for r, _ in pairs]) / _norm([g.astype(F32) - r.astype(F32)
+                                                 for r, g in pairs])
+
+
+# ---------------------------------------------------------------------------------------------
 # Registry
 
 REGIMES: Mapping[str, _Regime] = {
     r.name: r for r in (LateTraining(), TokensPerUpdate(), OutlierFeatures(),
-                        TokenGradOutliers())
+                        TokenGradOutliers(), FP4Training())
 }
 """The regimes by command-line name, with their default (literature) magnitudes."""
 

@@ -262,3 +262,52 @@ def compute_fraction(found: list[Matmul], dtype, *, backward: bool) -> float:
     total = sum(m.flops for m in sel)
     good = sum(m.flops for m in sel if m.dtypes == (jnp.dtype(dtype).name,) * 2)
     return good / total if total else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# FP4 GEMMs (fmtkit.fp4): E2M1 operands widened to E4M3 inside the GEMM on XLA backends.
+
+
+def _fp4_fed(eqn, producers, depth=8):
+    """Whether each operand of ``eqn`` is an 8-bit (or narrower) array that comes from a
+    float4_e2m1fn value through at most ``depth`` layout / widening equations (convert,
+    reshape, pad, transpose, slice)."""
+    passthrough = {"convert_element_type", "reshape", "pad", "transpose", "slice",
+                   "broadcast_in_dim", "squeeze", "dynamic_slice", "copy"}
+
+    def fed(var, d):
+        if getattr(var.aval, "dtype", None) == jnp.float4_e2m1fn:
+            return True
+        src = producers.get(var) if isinstance(var, jax.extend.core.Var) else None
+        if d == 0 or src is None:
+            return False
+        # A nested jit counts as layout when it keeps its operand's narrow dtype (XLA's
+        # dynamic_index_in_dim, jnp.pad); anything else ends the chain.
+        keeps = src.primitive.name == "jit" and src.outvars[0].aval.dtype == getattr(
+            src.invars[0].aval, "dtype", None)
+        if src.primitive.name not in passthrough and not keeps:
+            return False
+        return any(fed(v, d - 1) for v in src.invars if isinstance(v, jax.extend.core.Var))
+
+    # The dot itself must take 8-bit-or-narrower operands: an E2M1 array widened to f32 and
+    # dotted there would be a quantize-dequantize GEMM, not an FP4 one.
+    return [jnp.dtype(v.aval.dtype).itemsize == 1 and fed(v, depth) for v in eqn.invars[:2]]
+
+
+def fp4_gemms(closed_jaxpr) -> list[int]:
+    """Contraction size of every dot_general (in any sub-jaxpr) fed FP4 operands on both sides;
+    asserts no dot mixes an FP4 operand with a wider one."""
+    out = []
+    jaxprs = [closed_jaxpr.jaxpr] + [sub for e in iter_eqns(closed_jaxpr)
+                                     for sub in _subjaxprs(e)]
+    for jx in jaxprs:
+        producers = {o: e for e in jx.eqns for o in e.outvars}
+        for e in jx.eqns:
+            if e.primitive.name != "dot_general":
+                continue
+            fed = _fp4_fed(e, producers)
+            assert fed[0] == fed[1], e
+            if fed[0]:
+                (lc, _), _ = e.params["dimension_numbers"]
+                out.append(math.prod(e.invars[0].aval.shape[d] for d in lc))
+    return out

@@ -33,17 +33,21 @@ ALLOWED: dict[str, set[str]] = {
     "fmtkit.telemetry": {*CORE},
     "fmtkit.distributed": {*CORE},
     "fmtkit.fp8": {*CORE},
+    # FP4 recipes are FP8Recipe subclasses run by fp8's dot_general: fp4 -> fp8.
+    "fmtkit.fp4": {*CORE, "fmtkit.fp8"},
     "fmtkit.optim": {*CORE},
     # Policies place FP8 recipes on modules: policy -> fp8, never the reverse.
-    "fmtkit.policy": {*CORE, "fmtkit.fp8"},
-    "fmtkit.memory": {*CORE, "fmtkit.optim"},
+    "fmtkit.policy": {*CORE, "fmtkit.fp8", "fmtkit.fp4"},
+    "fmtkit.memory": {*CORE, "fmtkit.optim", "fmtkit.fp4"},
     # The package facade re-exports the public names of every core module.
-    "fmtkit": {*CORE, "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8", "fmtkit.optim",
+    "fmtkit": {*CORE, "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8", "fmtkit.fp4",
+               "fmtkit.optim",
                "fmtkit.policy", "fmtkit.memory"},
     # A GEMM backend: the core (quantizers, formats) and fp8's backend registry, nothing above.
     "pallas_kernels": {*CORE, "fmtkit.fp8"},
     # The application: anything below it.
     "studies": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
+                "fmtkit.fp4",
                 "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels"},
 }
 

@@ -7,7 +7,7 @@ EXPECTED = {
     "DelayedScalingState", "Format", "MXScaling", "ScaledArray", "TensorScaling", "cast",
     "decompose", "dequantize", "get_format", "qdq", "quantize", "telemetry",
     "Policy", "Rules", "with_policy", "module_paths", "inspect_policy", "list_presets",
-    "get_preset", "fp8", "optim", "memory", "distributed",
+    "get_preset", "fp4", "fp8", "optim", "memory", "distributed",
 }
 
 

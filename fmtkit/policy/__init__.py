@@ -23,6 +23,7 @@ from fmtkit.policy._policy import (
     get_preset,
     list_presets,
 )
+from fmtkit.policy._stack import find_stack, keep_blocks
 
 __all__ = [
     "Fp8State",
@@ -33,8 +34,10 @@ __all__ = [
     "Rules",
     "as_rules",
     "describe_presets",
+    "find_stack",
     "get_preset",
     "inspect_policy",
+    "keep_blocks",
     "list_presets",
     "module_paths",
     "with_policy",

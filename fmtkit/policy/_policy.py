@@ -219,13 +219,14 @@ def _recipe(value: Any) -> Any:
     """An FP8 recipe from a recipe, a name, or ``str(recipe)``'s form ``NAME(field=value,
     ...)`` (fields as Python literals, applied to the named recipe, or to the default recipe
     for a name ``fmtkit.fp8.RECIPES`` lacks, as ``str`` writes them)."""
-    from fmtkit import fp8 as _fp8  # no flax, no cycle: fp8 imports only the core
+    from fmtkit import fp4 as _fp4  # no flax, no cycle: fp4/fp8 import only the core
+    from fmtkit import fp8 as _fp8
 
     match = _RECIPE_TEXT.match(value) if isinstance(value, str) else None
-    if match is None:
-        return _fp8.get_recipe(value.strip() if isinstance(value, str) else value)
+    if match is None:  # FP8 and FP4 names
+        return _fp4.get_recipe(value.strip() if isinstance(value, str) else value)
     name, body = match.group(1), match.group(2)
-    base = _fp8.RECIPES.get(name) or _fp8.FP8Recipe(name=name)
+    base = _fp4.RECIPES.get(name) or _fp8.RECIPES.get(name) or _fp8.Fp8Recipe(name=name)
     try:
         call = ast.parse(f"f({body})", mode="eval").body
         if not isinstance(call, ast.Call) or call.args:
@@ -493,6 +494,13 @@ _FP8_PRESETS = {
     for name in ("current", "delayed", "rowwise", "blockwise", "mxfp8")
 }
 
+_FP4_PRESETS = {
+    name: (f"bf16-mixed, with the FP4 recipe {name!r} (fmtkit.fp4) on every projection matmul "
+           "(every block: keep the last blocks in BF16 with fmtkit.policy.keep_blocks).",
+           _fp8(name))
+    for name in ("nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d", "mxfp4")
+}
+
 _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
     "fp32": ("Everything in float32 (the reference).",
              Rules((), default="p=f32,c=f32,o=f32,g=f32", check_unmatched=False)),
@@ -511,6 +519,7 @@ _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
         "run in f32 (their outputs are f32 until the next matmul).",
         Rules((), default="p=bf16,c=bf16,o=bf16,g=bf16", check_unmatched=False)),
     **_FP8_PRESETS,
+    **_FP4_PRESETS,
 })
 
 

@@ -13,7 +13,7 @@ from studies.models import TransformerConfig
 __all__ = ["MODEL_SIZES", "REGIME_NAMES", "TrainConfig"]
 
 REGIME_NAMES = ("none", "late-training", "tokens-per-update", "outlier-features",
-                "token-grad-outliers")
+                "token-grad-outliers", "fp4-training")
 """``TrainConfig.regime`` values: "none" or a name of ``studies.regimes.REGIMES``."""
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -97,7 +97,7 @@ class TrainConfig:
     aux_loss_weight: float = 0.01
     seeds: int = 3
     regime: Literal["none", "late-training", "tokens-per-update", "outlier-features",
-                    "token-grad-outliers"] = "none"
+                    "token-grad-outliers", "fp4-training"] = "none"
     heldout_windows: int = 64
 
     def __post_init__(self):
@@ -146,6 +146,10 @@ class TrainConfig:
             mcfg = TransformerConfig(max_len=self.seq_len, **MODEL_SIZES[self.model_size])
         if self.num_layers:
             mcfg = dataclasses.replace(mcfg, num_layers=self.num_layers)
+        elif self.regime == "fp4-training":
+            from studies.regimes import FP4Training
+
+            mcfg = FP4Training().apply(mcfg)
         if self.regime == "outlier-features":
             from studies.regimes import OutlierFeatures
 

@@ -14,7 +14,7 @@ import fmtkit
 from fmtkit.fp8 import FP8Recipe
 from fmtkit.policy import Rules, as_rules
 
-__all__ = ["DEFAULT_SETUPS", "SETUPS", "Setup", "get_setup"]
+__all__ = ["DEFAULT_SETUPS", "FP4_SETUPS", "SETUPS", "Setup", "get_setup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,9 @@ class Setup:
       may_diverge: a non-finite loss ends this setup's run as "diverged" instead of raising
         ``StudyError``.
       description: one line for tables and --help.
+      keep_last: the last blocks of the layer stack kept out of the policy's FP8/FP4 recipe
+        (``fmtkit.policy.keep_blocks``: by position, as the NVFP4 paper keeps its last
+        blocks in BF16); the model needs more blocks than this.
     """
 
     name: str
@@ -50,10 +53,14 @@ class Setup:
     grad_format: str = "float32"
     may_diverge: bool = False
     description: str = ""
+    keep_last: int = 0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty str, got {self.name!r}.")
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or \
+                self.keep_last < 0:
+            raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}.")
         if self.update not in ("plain", "master", "stochastic", "kahan"):
             raise ValueError(f"update must be 'plain', 'master', 'stochastic' or 'kahan', got "
                              f"{self.update!r}.")
@@ -97,14 +104,28 @@ def _setups() -> dict[str, Setup]:
     for recipe in ("current", "delayed", "rowwise", "blockwise", "mxfp8"):
         s.append(Setup(f"fp8-{recipe}", f"fp8-{recipe}", grad_format="bfloat16",
                        description=f"bf16-mixed + FP8 {recipe} recipe on the linear layers"))
+    for recipe, what in (("nvfp4", "NVFP4 (RHT, SR gradients, 16x16 weights)"),
+                         ("nvfp4-no-rht", "NVFP4 without the random Hadamard transform"),
+                         ("nvfp4-no-sr", "NVFP4 with RNE gradients (no SR)"),
+                         ("nvfp4-no-2d", "NVFP4 with 1x16 weight blocks (no 2D)"),
+                         ("mxfp4", "MXFP4 (E8M0 32-blocks, RHT, SR gradients)")):
+        s.append(Setup(recipe, recipe, grad_format="bfloat16", keep_last=1,
+                       description=f"bf16-mixed + {what}; last block in BF16"))
+    s.append(Setup("nvfp4-all-layers", "nvfp4", grad_format="bfloat16",
+                   description="bf16-mixed + NVFP4 on every block's linear layers"))
     return {x.name: x for x in s}
 
 
 SETUPS: dict[str, Setup] = _setups()
 """The registered setups (what ``fmtkit ablate --policies`` accepts), in table order."""
 
-DEFAULT_SETUPS: tuple[str, ...] = tuple(SETUPS)
-"""All registered setups: the default of ``fmtkit ablate``."""
+FP4_SETUPS: tuple[str, ...] = ("nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d",
+                                "nvfp4-all-layers", "mxfp4")
+"""The FP4 setups (``fmtkit.fp4``); their model needs a stack of blocks (``keep_last``)."""
+
+DEFAULT_SETUPS: tuple[str, ...] = tuple(n for n in SETUPS if n not in FP4_SETUPS)
+"""The registered setups but the FP4 ones: what ``fmtkit ablate --regime NAME`` trains
+when no policies are given (the fp4-training regime has its own list)."""
 
 
 def get_setup(name: str | Setup) -> Setup:

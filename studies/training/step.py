@@ -27,6 +27,7 @@ import optax
 import fmtkit
 from fmtkit import optim
 from fmtkit.fp8 import update_state as fp8_update_state
+from fmtkit.policy import Rules, keep_blocks
 from studies import regimes
 from studies.models import TransformerConfig, TransformerLM, lm_loss
 from studies.training import mesh
@@ -35,7 +36,7 @@ from studies.training.metrics import step_metrics
 from studies.training.optimizer import make_optimizer
 from studies.training.setups import Setup, get_setup
 
-__all__ = ["TrainState", "build_model", "init_params", "make_train_step"]
+__all__ = ["TrainState", "build_model", "init_params", "make_train_step", "setup_rules"]
 
 F32 = jnp.float32
 
@@ -61,8 +62,29 @@ class TrainState(NamedTuple):
 
 
 def build_model(setup: Setup, cfg: TrainConfig) -> Any:
-    """``fmtkit.with_policy(TransformerLM(cfg.model_config()), setup.policy)``."""
-    return fmtkit.with_policy(TransformerLM(cfg.model_config()), setup.rules())
+    """``fmtkit.with_policy(TransformerLM(cfg.model_config()), setup_rules(setup, cfg))``."""
+    return fmtkit.with_policy(TransformerLM(cfg.model_config()), setup_rules(setup, cfg))
+
+
+def setup_rules(setup: Setup, cfg: TrainConfig) -> Rules:
+    """The setup's rules, with its last ``keep_last`` blocks kept out of its FP8/FP4 recipe
+    (by position in the model's stack, ``fmtkit.policy.keep_blocks``).
+
+    Raises:
+      ValueError: ``keep_last`` not smaller than the model's number of blocks.
+    """
+    mcfg = cfg.model_config()
+    rules = setup.rules()
+    if setup.keep_last:
+        if setup.keep_last >= mcfg.num_layers:
+            raise ValueError(
+                f"setup {setup.name!r} keeps its last {setup.keep_last} block(s) in BF16, so "
+                f"it needs more than {setup.keep_last} blocks; the model has "
+                f"{mcfg.num_layers} (use --regime fp4-training or --num-layers).")
+        dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
+        paths = fmtkit.module_paths(TransformerLM(mcfg), dummy)
+        rules = keep_blocks(rules, paths, last=setup.keep_last)
+    return rules
 
 
 def init_params(cfg: TrainConfig) -> Any:

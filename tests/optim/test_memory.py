@@ -105,3 +105,25 @@ def test_real_arrays_and_report():
 def test_bad_dtype():
     with pytest.raises(TypeError, match="param_dtype"):
         ledger(_params(jnp.float32), None, param_dtype=jnp.int8)
+
+
+def test_fp4_storage_counts_packed_values_and_their_scales():
+    from fmtkit import fp4
+
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    n = 256 * 512
+    nv = jax.eval_shape(lambda t: fp4.nvfp4_quantize(t, (16, 16)), w)
+    mx = jax.eval_shape(fp4.mxfp4_quantize, w)
+    # NVFP4: 4 bits per value + one E4M3 byte per 16x16 block... of 256 values, + the f32
+    # tensor scale; 1x16 blocks: one byte per 16 values. MXFP4: one E8M0 byte per 32.
+    led = ledger({"w": nv})
+    assert led.num_params == n
+    assert led.param_bytes == n // 2 + n // 256 + 4
+    one_d = jax.eval_shape(fp4.nvfp4_quantize, w)
+    assert ledger({"w": one_d}).param_bytes == n // 2 + n // 16 + 4  # 4.5 bits/value
+    assert ledger({"w": mx}).param_bytes == n // 2 + n // 32 + 4  # 4.25 bits (+ a unit f32)
+    # A bare E2M1 array is packed too; gradients and Adam's moments take the full f32 shape.
+    assert ledger({"w": jax.ShapeDtypeStruct((3, 5), jnp.float4_e2m1fn)}
+                         ).param_bytes == 8  # ceil(15 / 2)
+    led = ledger({"w": one_d}, optax.adam(1e-3))
+    assert led.grad_bytes == 4 * n and led.opt_state_bytes == 8 * n

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from studies_testlib import assert_plots, plain
 
-from studies import ablate, cli, corpus, runner
+from studies import ablate, cli, corpus, fp4_training, runner
 from studies.models import TransformerConfig, TransformerLM
 from studies.train import TrainConfig, batch_at, init_params, load_data
 
@@ -28,7 +28,7 @@ def test_fmtkit_ablate_end_to_end(tmp_path, capsys):
     assert rc == 0
     folder = _only_run(tmp_path)
     record = json.loads((folder / "results.json").read_text())
-    assert record["plots"] == ["loss_none.png", "gaps_none.png"]
+    assert record["plots"] == ["loss_none.png", "gapcurve_none.png", "gaps_none.png"]
     assert_plots([folder / p for p in record["plots"]])
 
     res = record["results"]
@@ -131,7 +131,10 @@ def test_registered_and_listed():
     assert ablate.Config().groups() == ablate.CONTRASTS
     assert ablate.Config(policies=("fp32",)).groups() == (("none", ("fp32",)),)
     every = ablate.Config(train=TrainConfig(regime="outlier-features")).groups()
-    assert every == (("outlier-features", tuple(ablate.SETUPS)),)
+    assert every == (("outlier-features", ablate.DEFAULT_SETUPS),)
+    assert not set(ablate.DEFAULT_SETUPS) & set(fp4_training.GROUP[2:])  # FP4: own regime
+    fp4 = ablate.Config(train=TrainConfig(regime="fp4-training")).groups()
+    assert fp4 == (("fp4-training", fp4_training.GROUP),)
     with pytest.raises(ValueError, match="lists a setup twice"):
         ablate.Config(policies=("fp32", "fp32"))
 
@@ -142,7 +145,7 @@ def test_seeds_regime_full_and_stdlib_options_parse():
     c = inv.config
     assert c.train.seeds == 5 and c.train.regime == "late-training"
     assert c.train.data == "stdlib" and c.full
-    assert c.groups() == (("late-training", tuple(ablate.SETUPS)),)
+    assert c.groups() == (("late-training", ablate.DEFAULT_SETUPS),)
     full = c.train_config()
     assert (full.model_size, full.steps, full.seeds) == ("small", 400, 5)
     assert full.seed_list == (0, 1, 2, 3, 4)
@@ -218,3 +221,54 @@ def test_per_tensor_against_finer_tiles_is_paired_per_seed():
     assert g["gap"] == pytest.approx(0.01) and g["significant"] and g["paired"]
     assert g["se"] == pytest.approx(np.std([0.01, 0.011, 0.009], ddof=1) / math.sqrt(3))
     assert got[("fp8-delayed", "fp8-rowwise")]["gap"] == 0.0
+
+
+@pytest.mark.slow  # two setups of a 2-block micro model, 2 steps, 2 seeds, and telemetry
+def test_fp4_regime_smoke_gaps_plots_and_telemetry(tmp_path):
+    # The smallest run of the regime: 2 blocks (the last kept in BF16), 2 steps, 2 seeds.
+    train = TrainConfig(model=MICRO, steps=2, seeds=2, batch=2, seq_len=16, warmup=1,
+                        regime="fp4-training", num_layers=2)
+    res = ablate.run(ablate.Config(policies=("bf16-mixed", "nvfp4"), train=train))
+    (group,) = res["groups"]
+    assert group["regime"] == "fp4-training" and group["reference"] == "bf16-mixed"
+    rows = {r["setup"]: r for r in group["rows"]}
+    assert all(math.isfinite(v) for r in rows.values() for v in r["final_loss"])
+    tele = group["fp4"]
+    assert set(tele) == {"nvfp4"}
+    # Kept by position: the last of 2 blocks is BF16, so Block_0's 6 projections are FP4.
+    assert sorted(tele["nvfp4"]["layers"]) == sorted(
+        f"Block_0/{m}" for m in ("attn/query", "attn/key", "attn/value", "attn/out",
+                                 "MlpBlock_0/Dense_0", "MlpBlock_0/Dense_1"))
+    for s in tele["nvfp4"]["layers"].values():
+        # E2M1 in 16-blocks keeps ~17-21 dB of a Gaussian-like operand.
+        assert 12 < s["w"]["sqnr_db"] < 30 and 12 < s["x"]["sqnr_db"] < 30
+        assert 5 < s["grad"]["sqnr_db"] < 30  # SR: noisier than RNE
+        assert 0 <= s["x"]["saturated_blocks"] <= 1 and s["w"]["underflow_blocks"] == 0
+    assert all(0 < r < math.inf for r in tele["nvfp4"]["grad_noise_ratio"].values())
+    # Gap curves: paired per seed, relative to the reference's mean curve.
+    gc = ablate.gap_curves(group["rows"], "bf16-mixed")
+    ref = np.asarray(rows["bf16-mixed"]["per_seed"][0]["history"]["loss"])
+    nv = np.asarray(rows["nvfp4"]["per_seed"][0]["history"]["loss"])
+    ref_mean = np.mean([p["history"]["loss"] for p in rows["bf16-mixed"]["per_seed"]], axis=0)
+    np.testing.assert_allclose(gc["nvfp4"][0], (nv - ref) / ref_mean, rtol=1e-12)
+    assert "bf16-mixed" not in gc
+    paths = ablate.plot(res, tmp_path)
+    assert [p.name for p in paths] == ["loss_fp4-training.png", "gapcurve_fp4-training.png",
+                                       "gaps_fp4-training.png"]
+    text = ablate.summarize(res)
+    assert "FP4 telemetry" in text and "|g| / |FP4 noise|" in text
+
+
+def test_fp4_setups_keep_the_last_block_by_position():
+    from studies.training.step import setup_rules
+
+    train = TrainConfig(model=MICRO, seq_len=16, batch=2, regime="fp4-training")
+    assert train.model_config().num_layers == 4  # the regime's stack
+    kept = setup_rules(ablate.SETUPS["nvfp4"], train)
+    every = setup_rules(ablate.SETUPS["nvfp4-all-layers"], train)
+    for i in range(4):
+        path = f"Block_{i}/MlpBlock_0/Dense_0"
+        assert (kept.resolve(path).fp8 is None) == (i == 3), path
+        assert every.resolve(path).fp8.name == "nvfp4"
+    with pytest.raises(ValueError, match="needs more than 1 blocks"):
+        setup_rules(ablate.SETUPS["mxfp4"], TrainConfig(model=MICRO, seq_len=16))  # 1 block

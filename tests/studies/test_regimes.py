@@ -325,7 +325,7 @@ def test_token_norms_hand_computed():
 
 def test_registry_and_validation():
     assert list(regimes.REGIMES) == ["late-training", "tokens-per-update", "outlier-features",
-                                     "token-grad-outliers"]
+                                     "token-grad-outliers", "fp4-training"]
     assert regimes.get_regime("late-training") == regimes.LateTraining()
     assert regimes.get_regime("outlier-features").describe() == {
         "regime": "outlier-features", "magnitude": 1e4, "channels": 1, "seed": 0}
@@ -341,5 +341,16 @@ def test_registry_and_validation():
         regimes.OutlierFeatures(channels=5).channel_scale(4)
     with pytest.raises(ValueError, match="fraction must be in"):
         regimes.TokenGradOutliers(fraction=2.0)
+    with pytest.raises(ValueError, match="num_layers must be >= 2"):
+        regimes.FP4Training(num_layers=1)
     for r in regimes.REGIMES.values():
         hash(r)
+
+
+def test_grad_noise_ratio_hand_values():
+    # ||ref|| = 5 (a 3-4 right triangle); the noise is (0, 1): ratio 5. Biases are ignored.
+    ref = {"k": {"kernel": jnp.array([[3.0, 4.0]])}, "b": {"bias": jnp.ones((1, 2))}}
+    got = {"k": {"kernel": jnp.array([[3.0, 5.0]])}, "b": {"bias": jnp.zeros((1, 2))}}
+    assert float(regimes.grad_noise_ratio(ref, got)) == pytest.approx(5.0, rel=1e-7)
+    with pytest.raises(ValueError, match="weight matrix"):
+        regimes.grad_noise_ratio({"bias": jnp.ones((1, 2))}, {"bias": jnp.ones((1, 2))})

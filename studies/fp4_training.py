@@ -1,0 +1,196 @@
+"""The fp4-training regime of ``fmtkit ablate``: NVFP4's ingredients and MXFP4 at laptop scale.
+
+``fmtkit ablate --regime fp4-training`` trains ``GROUP`` (bf16-mixed first, the reference)
+on a 4-block tiny model (``studies.regimes.FP4Training``), several seeds each, and reports
+the paired gaps as for every regime. This module adds the regime's telemetry, measured on
+seed 0 with the batch after the last step, at the initial parameters and at each setup's
+trained parameters:
+
+* per GEMM operand of every linear layer that runs in FP4 (its input x and its weight w, as
+  the forward GEMM quantizes them, and the loss gradient at its output, dy, as the dgrad GEMM
+  does; x and dy from the plain f32 model): ``fmtkit.fp4.quantization_stats`` (SQNR, share
+  of blocks whose scaled elements saturate at ±6 or that underflow to zeros);
+* ``grad_noise_ratio``: the norm of the BF16 weight gradient of the FP4 layers over the norm
+  of the FP4 gradient's difference from it (``studies.regimes.grad_noise_ratio``; below
+  about sqrt(3), "FP4 All the Way" finds FP4 training stops helping).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fmtkit import fp4
+from fmtkit.policy import find_stack
+from studies import regimes
+from studies.models import TransformerLM, lm_loss
+from studies.training.config import TrainConfig
+from studies.training.setups import get_setup
+from studies.training.step import build_model, setup_rules
+
+__all__ = ["GROUP", "REFERENCE", "summary_lines", "telemetry"]
+
+GROUP = ("bf16-mixed", "fp8-blockwise", "nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d",
+         "nvfp4-all-layers", "mxfp4")
+"""The setups of the regime, reference first (the issue's list)."""
+
+REFERENCE = "bf16-mixed"
+
+
+def _linear_inputs(cfg: TrainConfig, params: Any, tokens: jax.Array) -> dict[str, jax.Array]:
+    """Module path -> the input of every Dense / DenseGeneral call of the plain model, as
+    ``[tokens, contraction]``."""
+    found: dict[str, jax.Array] = {}
+
+    def grab(next_fun, args, kwargs, context):
+        if context.method_name == "__call__" and isinstance(
+                context.module, nn.Dense | nn.DenseGeneral) and args:
+            found["/".join(context.module.path)] = args[0]
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(grab):
+        TransformerLM(cfg.model_config()).apply({"params": params}, tokens)
+    return {k: v.reshape(tokens.size, -1) for k, v in found.items()}
+
+
+def _output_grads(cfg: TrainConfig, params: Any, tokens: jax.Array) -> dict[str, jax.Array]:
+    """Module path -> the loss gradient at the output of every Dense / DenseGeneral of the
+    plain model (what its dgrad and wgrad GEMMs read), as ``[tokens, features]``: Flax's
+    ``perturb`` on each output, differentiated."""
+    def hook(next_fun, args, kwargs, context):
+        y = next_fun(*args, **kwargs)
+        if context.method_name == "__call__" and isinstance(
+                context.module, nn.Dense | nn.DenseGeneral):
+            y = context.module.perturb("dy", y)
+        return y
+
+    model = TransformerLM(cfg.model_config())
+    with nn.intercept_methods(hook):
+        zeros = jax.eval_shape(model.init, jax.random.key(0), tokens)["perturbations"]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+
+    def loss(pert):
+        with nn.intercept_methods(hook):
+            logits = model.apply({"params": params, "perturbations": pert}, tokens)
+        return lm_loss(logits.astype(jnp.float32), tokens)
+
+    grads = jax.jit(jax.grad(loss))(zeros)
+    out = {}
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        names = [getattr(k, "key", str(k)) for k in path][:-1]  # drop the "dy" leaf name
+        out["/".join(names)] = g.reshape(tokens.size, -1)
+    return out
+
+
+def _fp4_layers(name: str, cfg: TrainConfig, paths: list[str]) -> dict[str, fp4.FP4Recipe]:
+    """Module path -> FP4 recipe, for the setup's linear layers that run in FP4."""
+    rules = setup_rules(get_setup(name), cfg)
+    prefix, _ = find_stack(paths)  # the blocks' layers (the head is found by role, not path)
+    out = {}
+    for path in paths:
+        if not path.startswith(prefix):
+            continue
+        pol = rules.resolve(path, ())
+        if pol is not None and isinstance(pol.fp8, fp4.FP4Recipe):
+            out[path] = pol.fp8
+    return out
+
+
+def _kernel(params: Any, path: str) -> jax.Array:
+    node = params
+    for part in path.split("/"):
+        node = node[part]
+    k = node["kernel"]
+    # Flax kernels are [in..., out...]; the GEMM's w is [out, in] (contraction minor).
+    n_in = k.ndim - 1 if k.ndim == 2 else (1 if path.endswith(("query", "key", "value"))
+                                            else 2)
+    k2 = k.reshape(int(np.prod(k.shape[:n_in])), -1)
+    return k2.T
+
+
+def _grad_fn(model: Any) -> Any:
+    """The jitted parameter gradient of the LM loss (one compile per model)."""
+    return jax.jit(jax.grad(lambda p, tokens: lm_loss(
+        model.apply({"params": p}, tokens).astype(jnp.float32), tokens)))
+
+
+_stats = jax.jit(fp4.quantization_stats, static_argnums=(1, 2))
+
+
+def _select(tree: Any, paths: list[str]) -> dict[str, Any]:
+    """``{path: {"kernel": kernel}}`` of the given modules (weight matrices only)."""
+    out = {}
+    for path in paths:
+        node = tree
+        for part in path.split("/"):
+            node = node[part]
+        out[path] = {"kernel": node["kernel"]}
+    return out
+
+
+def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
+              initial: Any, tokens: jax.Array) -> dict[str, Any]:
+    """The regime's telemetry (module docstring) for every FP4 setup among ``names``.
+
+    Args:
+      cfg: the group's training configuration (regime applied).
+      names: the group's setups.
+      trained: setup -> seed 0's trained f32-comparable parameters.
+      initial: seed 0's initial parameters (shared by every setup).
+      tokens: one batch ``[batch, seq_len]``.
+
+    Returns:
+      ``{setup: {"layers": {path: {"x": stats, "w": stats, "grad": stats}} (at the trained
+      parameters),
+      "grad_noise_ratio": {"initial": r0, "trained": r1}}}`` with floats.
+    """
+    ref_grad = _grad_fn(build_model(get_setup(REFERENCE), cfg))
+    out: dict[str, Any] = {}
+    for name in names:
+        if name not in trained:
+            continue
+        params = jax.tree.map(lambda x: x.astype(jnp.float32), trained[name])
+        inputs = _linear_inputs(cfg, params, tokens)
+        out_grads = _output_grads(cfg, params, tokens)
+        layers = _fp4_layers(name, cfg, list(inputs))
+        if not layers:
+            continue
+        stats = {}
+        for path, recipe in layers.items():
+            stats[path] = {
+                "x": {k: float(v) for k, v in _stats(inputs[path], recipe, "x").items()},
+                "w": {k: float(v) for k, v in _stats(_kernel(params, path), recipe,
+                                                     "w").items()},
+                "grad": {k: float(v) for k, v in _stats(out_grads[path], recipe,
+                                                        "grad").items()},
+            }
+        grad = _grad_fn(build_model(get_setup(name), cfg))
+        ratio = {}
+        for when, p in (("initial", initial), ("trained", params)):
+            g_ref = _select(ref_grad(p, tokens), list(layers))
+            g = _select(grad(p, tokens), list(layers))
+            ratio[when] = float(regimes.grad_noise_ratio(g_ref, g))
+        out[name] = {"layers": stats, "grad_noise_ratio": ratio}
+    return out
+
+
+def summary_lines(info: dict[str, Any]) -> list[str]:
+    """Lines under the regime's table: per setup, the median over its FP4 layers of each
+    operand's SQNR and block shares, and the gradient-noise ratio."""
+    lines = []
+    for name, d in info.items():
+        parts = []
+        for op in ("x", "w", "grad"):
+            vals = [s[op] for s in d["layers"].values()]
+            parts.append(
+                f"{op} SQNR {np.median([v['sqnr_db'] for v in vals]):.1f} dB, saturated "
+                f"{100 * np.median([v['saturated_blocks'] for v in vals]):.1f}% / underflow "
+                f"{100 * np.median([v['underflow_blocks'] for v in vals]):.2f}% of blocks")
+        r = d["grad_noise_ratio"]
+        lines.append(f"  {name}: {'; '.join(parts)}; |g| / |FP4 noise| {r['initial']:.2f} at "
+                     f"init, {r['trained']:.2f} trained ({len(d['layers'])} FP4 layers)")
+    return lines
