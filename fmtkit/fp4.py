@@ -83,7 +83,7 @@ __all__ = [
     "FP4Array",
     "FP4Recipe",
     "dequantize",
-    "dot_general",
+    "dot_general_fn",
     "get_recipe",
     "hadamard_matrix",
     "mxfp4_quantize",
