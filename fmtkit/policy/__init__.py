@@ -14,6 +14,7 @@ adapters are loaded when a model is first given.
 
 from fmtkit.policy._apply import module_paths, with_policy
 from fmtkit.policy._inspect import ModuleReport, PolicyReport, inspect_policy
+from fmtkit.policy._interpret import mark_head
 from fmtkit.policy._policy import (
     Policy,
     Rules,
@@ -34,6 +35,7 @@ __all__ = [
     "get_preset",
     "inspect_policy",
     "list_presets",
+    "mark_head",
     "module_paths",
     "with_policy",
 ]

@@ -57,12 +57,15 @@ from jax import lax
 
 from fmtkit import fp8
 from fmtkit.policy import _ops
-from fmtkit.policy._policy import Policy, Rules
+from fmtkit.policy._policy import Policy, Rules, ancestor_types
 
 MODULE_SCOPE = "fmtkit_module_"
 OP_SCOPE = "fmtkit_op_"
 GRAD_SCOPE = "fmtkit_grad_round_"
+HEAD_SCOPE = "fmtkit_head_output"
 _MODULE_RX = re.compile(MODULE_SCOPE + r"(\d+)")
+# Sums through which the head's chain passes scalar terms (``loss + aux_weight * aux_loss``).
+_LOSS_SUMS = frozenset({"add", "sub", "add_any"})
 _F32 = np.dtype(np.float32)
 
 # ---------------------------------------------------------------------------------------------
@@ -173,6 +176,29 @@ def module_scope(path: str, type_names: Sequence[str]):
     return jax.named_scope(f"{MODULE_SCOPE}{reg.index(path, type_names)}")
 
 
+def mark_head(logits: Any) -> Any:
+    """Names the model's main output: the matmuls it derives from are the output head.
+
+    By default ``with_policy`` finds the head from the first floating output leaf (auxiliary
+    outputs and loss terms never move it). A model whose main output is not its first leaf
+    (a dict ``{"aux": ..., "logits": ...}``, whose leaves are sorted by key) or whose head
+    feeds further computation calls ``mark_head`` on the logits; then only the values so
+    marked decide the head. Outside a policied trace it returns ``logits`` unchanged (no
+    operation); inside, each array passes through an identity ``copy`` in a named scope the
+    analysis reads.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from fmtkit.policy import mark_head
+      >>> mark_head(jnp.ones(2)).tolist()
+      [1.0, 1.0]
+    """
+    if _ACTIVE.registry is None:
+        return logits
+    with jax.named_scope(HEAD_SCOPE):
+        return jax.tree.map(lambda t: jnp.array(t, copy=True), logits)
+
+
 def _chain(eqn, prefix: tuple[int, ...]) -> tuple[int, ...]:
     found = _MODULE_RX.findall(str(eqn.source_info.name_stack))
     return prefix + tuple(int(i) for i in found) if found else prefix
@@ -215,6 +241,8 @@ class _Facts:
     dep: frozenset = frozenset()  # every matmul upstream
     head: frozenset = frozenset()  # matmuls this value derives from transparently
     upcast: bool = False  # the author's cast of a narrower float to f32
+    data: bool = False  # depends on a floating input that is not a parameter
+    scalar: bool = False  # one element (a loss term, a metric), or a broadcast of one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,11 +271,22 @@ class Analysis:
         self._modules = modules  # module index -> path and Policy
         self._count: dict[str, int] = {}
         jaxpr = closed.jaxpr
-        ins = [_Facts(param=bool(p), const=not _floating(v.aval.dtype))
+        self._dot_dep: dict[tuple, frozenset] = {}  # matmul -> every matmul upstream of it
+        self._marked: set = set()  # head candidates of the values given to ``mark_head``
+        self.marked = False  # whether the model called ``mark_head``
+        ins = [_Facts(param=bool(p), const=not _floating(v.aval.dtype),
+                      data=_floating(v.aval.dtype) and not p)
                for v, p in zip(jaxpr.invars, param_inputs)]
         outs = self._walk(jaxpr, ins, (), (), ())
-        heads = frozenset().union(*(f.head for f, h in zip(outs, head_outputs) if h))
+        if self.marked:
+            heads = frozenset(self._marked)
+        else:  # the main output is the first floating output leaf; the rest are auxiliary
+            first = next((f for f, h in zip(outs, head_outputs) if h), _NO_FACTS)
+            heads = first.head
         heads = {d for d in heads if self.dots[d].projection}
+        # The head is the last matmul: a candidate upstream of another one (a router's gating
+        # Dense, whose softmax feeds an aux loss added to the main loss) is not a head.
+        heads = {d for d in heads if not any(d in self._dot_dep[e] for e in heads if e != d)}
         for d in heads:
             self.dots[d] = dataclasses.replace(self.dots[d], head=True)
             if modules.head_applies(self.dots[d].module):  # the head stays out of FP8
@@ -305,6 +344,10 @@ class Analysis:
         dep = frozenset().union(*(a.dep for a in args))
         const = all(a.const for a in args)
         n_out = len(eqn.outvars)
+        data = any(a.data for a in args)
+        if HEAD_SCOPE in str(eqn.source_info.name_stack):
+            self.marked = True
+            self._marked.update(*(a.head for a in args))
         if name in _ops.INLINE_CALLS:
             return self._walk(eqn.params["jaxpr"].jaxpr, args, chain, idp, dims)
         if name == "custom_jvp_call":
@@ -313,31 +356,37 @@ class Analysis:
             return self._walk(eqn.params["jaxpr"], args, chain, idp, dims)
         if name == "scan" and _scan_counts(eqn) is not None:
             n0, n1, _ = _scan_counts(eqn)
-            body = [a if not (n0 <= j < n0 + n1) else _Facts(dep=a.dep)
+            body = [a if not (n0 <= j < n0 + n1) else _Facts(dep=a.dep, data=a.data)
                     for j, a in enumerate(args)]
             before = set(self.sites.values())
             inner = self._walk(eqn.params["jaxpr"].jaxpr, body, chain, idp,
                                (*dims, int(eqn.params["length"])))
             self.scan_sites[idp] = [k for k in self.sites.values() if k not in before]
             dep = dep.union(*(f.dep for f in inner))
-            return [_Facts(dep=dep, const=const)] * n_out
+            return [_Facts(dep=dep, const=const, data=data)] * n_out
         if name in _ops.MATMUL:
             (_lc, _rc), (lb, _) = (eqn.params["dimension_numbers"] if name == "dot_general"
                                  else (((), ()), ((), ())))
             module = chain[-1] if chain else None
             info = DotInfo(module, any(a.param for a in args[:2]), bool(lb))
             self.dots[idp] = info
+            self._dot_dep[idp] = dep
             policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
                     and name == "dot_general" and info.projection and not info.batched):
                 self.sites[idp] = self._new_site(module, dims, policy.fp8.history)
-            return [_Facts(dep=dep | {idp}, head=frozenset({idp}))] * n_out
+            return [_Facts(dep=dep | {idp}, head=frozenset({idp}), data=data)] * n_out
         if list(jex.jaxprs_in_params(eqn.params)):  # while, cond, custom_vjp, ...: opaque
-            return [_Facts(dep=dep, const=const)] * n_out
+            return [_Facts(dep=dep, const=const, data=data)] * n_out
         heads = frozenset().union(*(a.head for a in args))
         if heads:
+            # A value stays on the head's chain when combined with constants, parameters or
+            # anything computed from parameters alone (an L2 penalty), values downstream of
+            # the same matmul, and, in a sum, scalar terms (an aux loss, a metric).
+            term = name in _LOSS_SUMS
             heads = frozenset(d for d in heads
-                              if all(a.const or a.param or d in a.dep for a in args))
+                              if all(a.const or a.param or not a.data or d in a.dep
+                                     or (term and a.scalar) for a in args))
         view = name in _ops.VIEW_OPS and bool(args)
         param = view and args[0].param
         # The author's upcast of an activation (``y.astype(jnp.float32)``), seen through views;
@@ -349,8 +398,10 @@ class Analysis:
         outs = []
         for v in eqn.outvars:
             floating = _floating(v.aval.dtype)
+            scalar = int(np.prod(getattr(v.aval, "shape", ()))) == 1 or (view and args[0].scalar)
             outs.append(_Facts(param=param, const=const, dep=dep,
-                               head=heads if floating else frozenset(), upcast=upcast))
+                               head=heads if floating else frozenset(), upcast=upcast,
+                               data=data, scalar=scalar))
         return outs
 
 
@@ -444,7 +495,8 @@ class Interpreter:
         if module not in self._policies:
             info = (self.registry.modules[module] if module is not None
                     else ModuleInfo("", ()))
-            i = self.rules.match(info.path, info.type_names)
+            i = self.rules.match(info.path, info.type_names,
+                                 ancestor_types(info.path, self.registry.visited()))
             self._policies[module] = ((self.rules.default, False) if i is None
                                       else (self.rules.rules[i][1], True))
         return self._policies[module]

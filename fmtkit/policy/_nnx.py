@@ -33,7 +33,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fmtkit.policy import _interpret
-from fmtkit.policy._policy import Rules, has_delayed_fp8, is_floating, report_unmatched
+from fmtkit.policy._policy import (
+    Rules,
+    ancestor_types,
+    has_delayed_fp8,
+    is_floating,
+    report_unmatched,
+)
 
 
 class Fp8State(nnx.Variable):
@@ -112,8 +118,10 @@ def collect_paths(model: nnx.Module) -> dict[str, tuple[str, ...]]:
 
 def store_params(model: nnx.Module, rules: Rules) -> None:
     """Stores each module's own Params in its rule's ``param_dtype`` (in place)."""
+    paths = collect_paths(model)
     for parts, module in nnx.iter_modules(model):
-        policy = rules.resolve("/".join(str(p) for p in parts), type_names(type(module)))
+        path = "/".join(str(p) for p in parts)
+        policy = rules.resolve(path, type_names(type(module)), ancestor_types(path, paths))
         if policy is None:
             continue
         for value in list(vars(module).values()):
