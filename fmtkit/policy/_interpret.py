@@ -243,6 +243,9 @@ class _Facts:
     upcast: bool = False  # the author's cast of a narrower float to f32
     data: bool = False  # depends on a floating input that is not a parameter
     scalar: bool = False  # one element (a loss term, a metric), or a broadcast of one
+    # (traced dtype, idpath of the cast) of the author's narrowing cast this value has been
+    # through since (``x.astype(bf16)`` before a dispatch), None if it has not
+    narrowed: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +277,9 @@ class Analysis:
         self._dot_dep: dict[tuple, frozenset] = {}  # matmul -> every matmul upstream of it
         self._marked: set = set()  # head candidates of the values given to ``mark_head``
         self.marked = False  # whether the model called ``mark_head``
+        # round-trip cast (a widening back to the dtype before the author's narrowing) ->
+        # idpath of that narrowing cast
+        self.round_trips: dict[tuple, tuple] = {}
         ins = [_Facts(param=bool(p), const=not _floating(v.aval.dtype),
                       data=_floating(v.aval.dtype) and not p)
                for v, p in zip(jaxpr.invars, param_inputs)]
@@ -345,6 +351,7 @@ class Analysis:
         const = all(a.const for a in args)
         n_out = len(eqn.outvars)
         data = any(a.data for a in args)
+        narrowed = next((a.narrowed for a in args if a.narrowed is not None), None)
         if HEAD_SCOPE in str(eqn.source_info.name_stack):
             self.marked = True
             self._marked.update(*(a.head for a in args))
@@ -375,7 +382,10 @@ class Analysis:
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
                     and name == "dot_general" and info.projection and not info.batched):
                 self.sites[idp] = self._new_site(module, dims, policy.fp8.history)
-            return [_Facts(dep=dep | {idp}, head=frozenset({idp}), data=data)] * n_out
+            # A projection makes a new value; a matmul of activations (a dispatch einsum)
+            # moves the narrowed value along.
+            return [_Facts(dep=dep | {idp}, head=frozenset({idp}), data=data,
+                           narrowed=None if info.projection else narrowed)] * n_out
         if list(jex.jaxprs_in_params(eqn.params)):  # while, cond, custom_vjp, ...: opaque
             return [_Facts(dep=dep, const=const, data=data)] * n_out
         heads = frozenset().union(*(a.head for a in args))
@@ -395,13 +405,24 @@ class Analysis:
             name == "convert_element_type" and eqn.params["new_dtype"] == _F32
             and _floating(eqn.invars[0].aval.dtype)
             and np.dtype(eqn.invars[0].aval.dtype).itemsize < 4))
+        if name == "convert_element_type" and _floating(eqn.invars[0].aval.dtype) \
+                and _floating(eqn.params["new_dtype"]):
+            src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+            if dst.itemsize < src.itemsize and not param:  # the author narrows an activation
+                narrowed = narrowed or (src, idp)
+            elif dst.itemsize > src.itemsize and narrowed is not None:
+                if dst == narrowed[0]:  # back to its own earlier dtype: a round trip
+                    self.round_trips[idp] = narrowed[1]
+                    upcast = False
+                narrowed = None
         outs = []
         for v in eqn.outvars:
             floating = _floating(v.aval.dtype)
             scalar = int(np.prod(getattr(v.aval, "shape", ()))) == 1 or (view and args[0].scalar)
             outs.append(_Facts(param=param, const=const, dep=dep,
                                head=heads if floating else frozenset(), upcast=upcast,
-                               data=data, scalar=scalar))
+                               data=data, scalar=scalar,
+                               narrowed=narrowed if floating else None))
         return outs
 
 
@@ -484,6 +505,7 @@ class Interpreter:
         self.record = record
         self._policies: dict[int | None, tuple[Policy | None, bool]] = {}
         self._warned: set[str] = set()
+        self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
         self.analysis: Analysis | None = None
 
     # -- rules ----------------------------------------------------------------------------
@@ -593,6 +615,8 @@ class Interpreter:
                 return self._checkpoint(eqn, invals, chain, idp, fp8_local)
             if name == "scan" and _scan_counts(eqn) is not None:
                 return self._scan(eqn, invals, chain, idp, fp8_local)
+            if name in _ops.DTYPE_EXACT:  # bit patterns: on the traced dtypes
+                return _bind(eqn, [_cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if list(jex.jaxprs_in_params(eqn.params)):
                 return _bind(eqn, [_cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             policy = self.policy_of(chain[-1] if chain else None)
@@ -602,7 +626,7 @@ class Interpreter:
                 return _bind(eqn, [_cast(x, _F32) if _is_float_value(x)
                                    and x.dtype.itemsize < 4 else x for x in invals])
             if name == "convert_element_type":
-                return [self._convert(eqn, invals[0])]
+                return [self._convert(eqn, invals[0], idp, policy)]
             return _bind(eqn, self._follow(eqn, invals, idprefix, policy))
 
     def _follow(self, eqn, invals, idprefix, policy):
@@ -640,11 +664,19 @@ class Interpreter:
                 out[j] = _cast(out[j], target)
         return out
 
-    @staticmethod
-    def _convert(eqn, x):
+    def _convert(self, eqn, x, idp, policy):
+        """An author's cast, applied as written; except a round trip's way back
+        (``x.astype(bf16)``, a dispatch, ``.astype(f32)``), which restores the dtype the
+        value had here before its narrowing (the compute dtype, in a policied module)."""
         src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+        if _is_float_value(x):
+            self._before_cast[idp] = x.dtype
         if _floating(src) and src == dst:
             return x  # a weak-type change in the trace: the value follows its input
+        narrowing = self.analysis.round_trips.get(idp)
+        if (narrowing is not None and policy is not None
+                and narrowing in self._before_cast and _is_float_value(x)):
+            return _cast(x, self._before_cast[narrowing])
         return _bind(eqn, [x])[0]
 
     def _matmul(self, eqn, invals, chain, idp, idprefix, policy, fp8_local):
