@@ -12,7 +12,8 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    operand is a view of a parameter (a *projection*, what FP8 recipes target: Dense,
    DenseGeneral, Einsum, Linear, LinearGeneral, ``x @ w`` with a parameter), whether it is the
    model's *output head* (by role, below), and the delayed-FP8 amax-history slots it needs
-   (one per projection per layer: inside a ``scan`` the slot gets a leading layer axis).
+   (one per projection per layer: inside a ``scan`` the slot gets a leading layer axis; a
+   batched projection, per-expert GEMMs ``"egcd,edf->egcf"``, one history per expert).
 3. **Interpret** (``Interpreter``). Every equation is bound again with the dtypes the rules
    give it (op classes in ``_ops``): matmuls on the compute dtype (or the FP8 recipe),
    precision-sensitive ops in f32, the rest following their inputs; module outputs are cast to
@@ -36,6 +37,19 @@ breaks the chain, and so does any other matmul. The matmuls that the model's out
 from transparently, with a parameter operand, are the head: lm1b's ``logitdense``, a
 tied-embedding ``attend``, a CNN's classifier, whatever their names. A model whose output is
 a hidden state has no head.
+
+Roles are stable under additions: the head is searched from the first floating output leaf
+only (an auxiliary output, a dict of MoE metrics, never makes a second head), or from the
+values passed to ``mark_head`` where the model calls it; a sum keeps the head's chain through
+scalar terms (an aux loss) and anything computed from parameters alone (an L2 penalty); and
+of two candidates the one upstream of the other (a router's gating Dense feeding the loss
+through its softmax) is not the head.
+
+**Round trips.** ``x.astype(bf16)``, a dispatch, ``.astype(x.dtype)`` (MoE code saving
+bandwidth) is not the author asking for f32: a widening cast back to the dtype a value had
+before the author's own narrowing (through anything but a projection) restores the dtype the
+value had at that point of the policied run. Only a widening of a value the model made
+narrow (a bf16 projection's output, bf16 parameters or inputs) is an upcast the policy keeps.
 """
 
 from __future__ import annotations
@@ -269,7 +283,7 @@ class Analysis:
         self.dots: dict[tuple, DotInfo] = {}
         self.facts: dict[tuple, _Facts] = {}
         self.sites: dict[tuple, str] = {}  # idpath of a delayed-FP8 matmul -> slot name
-        self.site_shapes: dict[str, tuple[int, ...]] = {}  # slot -> [*layers, 3, history]
+        self.site_shapes: dict[str, tuple[int, ...]] = {}  # slot -> [*layers, *batch, 3, history]
         self.scan_sites: dict[tuple, list[str]] = {}  # idpath of a scan -> slots inside
         self._modules = modules  # module index -> path and Policy
         self._count: dict[str, int] = {}
@@ -380,8 +394,10 @@ class Analysis:
             self._dot_dep[idp] = dep
             policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
-                    and name == "dot_general" and info.projection and not info.batched):
-                self.sites[idp] = self._new_site(module, dims, policy.fp8.history)
+                    and name == "dot_general" and info.projection):
+                # A batched projection (per-expert GEMMs) has one history per batch element.
+                batch = tuple(int(eqn.invars[0].aval.shape[d]) for d in lb)
+                self.sites[idp] = self._new_site(module, (*dims, *batch), policy.fp8.history)
             # A projection makes a new value; a matmul of activations (a dispatch einsum)
             # moves the narrowed value along.
             return [_Facts(dep=dep | {idp}, head=frozenset({idp}), data=data,
@@ -713,9 +729,7 @@ class Interpreter:
         if recipe.delayed:
             key = self.analysis.sites.get(idp)
             if key is None or key not in fp8_local:
-                reason = ("it has batch dimensions (delayed scaling keeps one amax per "
-                          "tensor of a plain GEMM)" if info.batched else
-                          "no amax history was passed for it (initialize the policied model "
+                reason = ("no amax history was passed for it (initialize the policied model "
                           "and pass its 'fp8_state')")
                 self._warn(path, f"FP8 recipe {recipe} skipped for a matmul in module "
                                  f"{path or '<root>'!r}: {reason}; it runs in {cdt.name}.")
@@ -866,7 +880,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
 def fp8_slots(traced: Traced, rules: Rules, main: Sequence[bool | str] | None = None
               ) -> dict[str, tuple[int, ...]]:
     """Shapes of the delayed-FP8 amax histories ``rules`` need for this trace, by slot name
-    (``"<module path>:dot<i>"``; shape ``[*layers, 3, history]``); ``main`` as in ``run``."""
+    (``"<module path>:dot<i>"``; shape ``[*layers, *batch, 3, history]``: a leading axis per
+    enclosing ``scan`` and per batch dimension of the dot); ``main`` as in ``run``."""
     main = [True] * len(traced.out_avals) if main is None else main
     interp = Interpreter(rules, traced.registry)
     return interp.analyze(traced.closed, traced.params,
