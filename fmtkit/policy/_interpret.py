@@ -410,9 +410,14 @@ class Analysis:
             # anything computed from parameters alone (an L2 penalty), values downstream of
             # the same matmul, and, in a sum, scalar terms (an aux loss, a metric).
             term = name in _LOSS_SUMS
-            heads = frozenset(d for d in heads
-                              if all(a.const or a.param or not a.data or d in a.dep
-                                     or (term and a.scalar) for a in args))
+            if term and all(a.scalar for a in args):
+                # A sum of loss terms: the head comes from the first term that has one (the
+                # main loss written first; an aux loss from another projection adds none).
+                heads = next((a.head for a in args if a.head), frozenset())
+            else:
+                heads = frozenset(d for d in heads
+                                  if all(a.const or a.param or not a.data or d in a.dep
+                                         or (term and a.scalar) for a in args))
         view = name in _ops.VIEW_OPS and bool(args)
         param = view and args[0].param
         # The author's upcast of an activation (``y.astype(jnp.float32)``), seen through views;
