@@ -41,9 +41,9 @@ a hidden state has no head.
 Roles are stable under additions: the head is searched from the first floating output leaf
 only (an auxiliary output, a dict of MoE metrics, never makes a second head), or from the
 values passed to ``mark_head`` where the model calls it; a sum keeps the head's chain through
-scalar terms (an aux loss) and anything computed from parameters alone (an L2 penalty); and
-of two candidates the one upstream of the other (a router's gating Dense feeding the loss
-through its softmax) is not the head.
+anything computed from parameters alone (an L2 penalty), and a sum of scalar loss terms takes
+the head of its first term that has one (the main loss, written first; an aux loss from a
+router or a probe adds no head).
 
 **Round trips.** ``x.astype(bf16)``, a dispatch, ``.astype(x.dtype)`` (MoE code saving
 bandwidth) is not the author asking for f32: a widening cast back to the dtype a value had
@@ -288,7 +288,6 @@ class Analysis:
         self._modules = modules  # module index -> path and Policy
         self._count: dict[str, int] = {}
         jaxpr = closed.jaxpr
-        self._dot_dep: dict[tuple, frozenset] = {}  # matmul -> every matmul upstream of it
         self._marked: set = set()  # head candidates of the values given to ``mark_head``
         self.marked = False  # whether the model called ``mark_head``
         # round-trip cast (a widening back to the dtype before the author's narrowing) ->
@@ -304,9 +303,6 @@ class Analysis:
             first = next((f for f, h in zip(outs, head_outputs) if h), _NO_FACTS)
             heads = first.head
         heads = {d for d in heads if self.dots[d].projection}
-        # The head is the last matmul: a candidate upstream of another one (a router's gating
-        # Dense, whose softmax feeds an aux loss added to the main loss) is not a head.
-        heads = {d for d in heads if not any(d in self._dot_dep[e] for e in heads if e != d)}
         for d in heads:
             self.dots[d] = dataclasses.replace(self.dots[d], head=True)
             if modules.head_applies(self.dots[d].module):  # the head stays out of FP8
@@ -391,7 +387,6 @@ class Analysis:
             module = chain[-1] if chain else None
             info = DotInfo(module, any(a.param for a in args[:2]), bool(lb))
             self.dots[idp] = info
-            self._dot_dep[idp] = dep
             policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
                     and name == "dot_general" and info.projection):
