@@ -55,6 +55,8 @@ class Mlp(nn.Module):
             return {"a_features": h, "logits": mark_head(logits)}
         if self.aux == "dict_unmarked":
             return {"a_features": h, "logits": logits}
+        if self.aux == "scaled":  # CLIP's learned logit scale: computed from a parameter alone
+            return logits * jnp.exp(self.param("logit_scale", nn.initializers.zeros, ()))
         return logits
 
 
@@ -73,6 +75,10 @@ def test_aux_outputs_leave_the_logits_bit_identical(mlp_params):
     ref = _logits("none", plain)
     for aux in ("features", "dict"):
         np.testing.assert_array_equal(np.asarray(_logits(aux, mlp_params)), np.asarray(ref))
+    # No second head: the feature and probe projections keep bf16 outputs.
+    dots = _dots(lambda p: with_policy(Mlp("features"), "bf16-mixed").apply({"params": p}, X),
+                 mlp_params)
+    assert {d[2]: d[3] for d in dots} == {(8, 16): BF16, (16, 6): F32, (16, 3): BF16}, dots
     # The hand-cast reference of bf16-mixed: bf16 hidden layer, bf16 x bf16 -> f32 head.
     p = jax.tree.map(lambda t: t.astype(BF16), plain)
     h = jax.nn.relu(jnp.dot(X.astype(BF16), p["hidden"]["kernel"]) + p["hidden"]["bias"][None])
@@ -95,6 +101,13 @@ def test_the_first_output_leaf_is_the_main_output_unless_marked(mlp_params):
     assert (BF16, BF16, (8, 16), F32, (4, 8)) in dots("dict_unmarked")  # negative control
     assert head_out not in dots("dict_unmarked")
     assert mark_head(X) is X  # outside a policied trace: nothing happens
+
+
+def test_a_value_computed_from_parameters_alone_keeps_the_head():
+    model = with_policy(Mlp("scaled"), "bf16-mixed")
+    params = model.init(jax.random.key(0), X)["params"]
+    dots = _dots(lambda p: model.apply({"params": p}, X), params)
+    assert {d[2]: d[3] for d in dots} == {(8, 16): BF16, (16, 6): F32}, dots
 
 
 def _ce(logits, labels):
@@ -128,7 +141,7 @@ def test_l2_and_aux_loss_terms_keep_the_head(mlp_params, terms):
     assert head_fwd in base and head_fwd in extra
     assert main(base) == main(extra)  # every dtype unchanged
     if "aux" in terms:  # the aux loss's projection is not made a second head
-        assert (BF16, BF16, (16, 3), BF16, (4, 16)) in extra
+        assert {d[3] for d in extra if d[2] == (16, 3)} == {BF16}, extra
 
 
 # ---------------------------------------------------------------------------------------------
