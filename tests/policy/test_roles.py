@@ -320,6 +320,11 @@ def test_a_round_trip_follows_the_compute_dtype_but_an_upcast_is_kept():
     model = with_policy(RoundTrip(), Rules((), default="c=bf16"))
     dots = _dots(lambda v: model.apply(v, X, idx), variables)
     assert [d[:2] for d in dots] == [(BF16, BF16), (BF16, BF16), (F32, F32)], dots
+    # The way back restores the compute dtype the value had (bf16): no f32 copy is made.
+    widened = [e for e in iter_eqns(jax.make_jaxpr(lambda v: model.apply(v, X, idx))(variables))
+               if e.primitive.name == "convert_element_type" and e.outvars[0].aval.dtype == F32
+               and e.invars[0].aval.shape == (3, 8)]
+    assert not widened, widened
     # Under f32 compute the round trip is the author's rounding, kept exactly.
     out = with_policy(RoundTrip(), "fp32").apply(variables, X, idx)
     np.testing.assert_array_equal(np.asarray(out[0]),
