@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from jax import lax
 from jaxpr_utils import COTANGENT, DATA, PARAM, iter_eqns, label_eqns, matmuls
 
@@ -85,6 +86,26 @@ def test_aux_outputs_leave_the_logits_bit_identical(mlp_params):
     hand = (jnp.dot(h, p["out"]["kernel"], preferred_element_type=F32)
             + p["out"]["bias"][None].astype(F32))
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(hand))
+
+
+class NnxMlp(nnx.Module):
+    def __init__(self, aux: bool, *, rngs: nnx.Rngs):
+        self.aux = aux
+        self.hidden = nnx.Linear(8, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 6, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.hidden(x))
+        logits = self.out(h)
+        return (logits, {"features": h}) if self.aux else logits
+
+
+def test_nnx_aux_outputs_leave_the_logits_bit_identical():
+    plain = with_policy(NnxMlp(False, rngs=nnx.Rngs(0)), "bf16-mixed")
+    aux = with_policy(NnxMlp(True, rngs=nnx.Rngs(0)), "bf16-mixed")
+    np.testing.assert_array_equal(np.asarray(aux(X)[0]), np.asarray(plain(X)))
+    dots = _dots(lambda x: aux(x)[0], X)
+    assert {d[2]: d[3] for d in dots} == {(8, 16): BF16, (16, 6): F32}, dots
 
 
 def test_the_first_output_leaf_is_the_main_output_unless_marked(mlp_params):
