@@ -257,7 +257,7 @@ class _Facts:
     upcast: bool = False  # the author's cast of a narrower float to f32
     data: bool = False  # depends on a floating input that is not a parameter
     scalar: bool = False  # one element (a loss term, a metric), or a broadcast of one
-    # (traced dtype, idpath of the cast) of the author's narrowing cast this value has been
+    # (traced dtype, idpath, module chain) of the author's narrowing cast this value has been
     # through since (``x.astype(bf16)`` before a dispatch), None if it has not
     narrowed: tuple | None = None
 
@@ -425,9 +425,12 @@ class Analysis:
                 and _floating(eqn.params["new_dtype"]):
             src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
             if dst.itemsize < src.itemsize and not param:  # the author narrows an activation
-                narrowed = narrowed or (src, idp)
+                narrowed = narrowed or (src, idp, chain)
             elif dst.itemsize > src.itemsize and narrowed is not None:
-                if dst == narrowed[0]:  # back to its own earlier dtype: a round trip
+                # Back to its own earlier dtype, in the module that narrowed it: a round trip.
+                # (A layer's own output cast, LayerNorm(dtype=bf16), then the caller's
+                # ``.astype(f32)``, is a value the model made narrow: an upcast.)
+                if dst == narrowed[0] and chain == narrowed[2]:
                     self.round_trips[idp] = narrowed[1]
                     upcast = False
                 narrowed = None

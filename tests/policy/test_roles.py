@@ -330,7 +330,8 @@ class RoundTrip(nn.Module):
     @nn.compact
     def __call__(self, x, idx):
         w = self.param("w", nn.initializers.lecun_normal(), (8, 8))
-        y = jnp.take(x.astype(BF16), idx, axis=0).astype(x.dtype)  # round trip
+        h = nn.Dense(8, name="proj")(x)  # f32 in the trace, bf16 under c=bf16
+        y = jnp.take(h.astype(BF16), idx, axis=0).astype(h.dtype)  # round trip
         z = jnp.dot(x.astype(BF16), w.astype(BF16)).astype(F32)  # made bf16, then upcast
         return y @ w, z @ w
 
@@ -340,8 +341,8 @@ def test_a_round_trip_follows_the_compute_dtype_but_an_upcast_is_kept():
     variables = RoundTrip().init(jax.random.key(0), X, idx)
     model = with_policy(RoundTrip(), Rules((), default="c=bf16"))
     dots = _dots(lambda v: model.apply(v, X, idx), variables)
-    assert [d[:2] for d in dots] == [(BF16, BF16), (BF16, BF16), (F32, F32)], dots
-    # The way back restores the compute dtype the value had (bf16): no f32 copy is made.
+    assert [d[:2] for d in dots] == [(BF16, BF16)] * 3 + [(F32, F32)], dots
+    # The way back restores the dtype the value had here before (bf16): no f32 copy.
     widened = [e for e in iter_eqns(jax.make_jaxpr(lambda v: model.apply(v, X, idx))(variables))
                if e.primitive.name == "convert_element_type" and e.outvars[0].aval.dtype == F32
                and e.invars[0].aval.shape == (3, 8)]
