@@ -47,9 +47,10 @@ router or a probe adds no head).
 
 **Round trips.** ``x.astype(bf16)``, a dispatch, ``.astype(x.dtype)`` (MoE code saving
 bandwidth) is not the author asking for f32: a widening cast back to the dtype a value had
-before the author's own narrowing (through anything but a projection) restores the dtype the
-value had at that point of the policied run. Only a widening of a value the model made
-narrow (a bf16 projection's output, bf16 parameters or inputs) is an upcast the policy keeps.
+before the author's own narrowing, in the same module and through anything but a projection,
+restores the dtype the value had at that point of the policied run. Only a widening of a value
+the model made narrow (a bf16 projection's output, a layer's ``dtype=bf16`` output cast,
+bf16 parameters or inputs) is an upcast the policy keeps.
 """
 
 from __future__ import annotations
