@@ -687,7 +687,7 @@ class Interpreter:
     def _convert(self, eqn, x, idp, policy):
         """An author's cast, applied as written; except a round trip's way back
         (``x.astype(bf16)``, a dispatch, ``.astype(f32)``), which restores the dtype the
-        value had here before its narrowing (the compute dtype, in a policied module)."""
+        value had before its narrowing in this run (bf16 for a bf16 module's activation)."""
         src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
         if _is_float_value(x):
             self._before_cast[idp] = x.dtype
