@@ -526,6 +526,7 @@ class Interpreter:
         self._policies: dict[int | None, tuple[Policy | None, bool]] = {}
         self._warned: set[str] = set()
         self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
+        self._visited: dict[str, tuple[str, ...]] | None = None  # path -> class names
         self.analysis: Analysis | None = None
 
     # -- rules ----------------------------------------------------------------------------
@@ -537,8 +538,10 @@ class Interpreter:
         if module not in self._policies:
             info = (self.registry.modules[module] if module is not None
                     else ModuleInfo("", ()))
+            if self._visited is None:
+                self._visited = self.registry.visited()
             i = self.rules.match(info.path, info.type_names,
-                                 ancestor_types(info.path, self.registry.visited()))
+                                 ancestor_types(info.path, self._visited))
             self._policies[module] = ((self.rules.default, False) if i is None
                                       else (self.rules.rules[i][1], True))
         return self._policies[module]
