@@ -898,30 +898,30 @@ def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precisi
         raise TypeError(f"{where}: {e}") from None
     out_dtype = preferred_element_type or (
         lhs.dtype if lhs.dtype == rhs.dtype else jnp.float32)
-    if recipe.delayed:
-        if fp8_state is None:
-            raise ValueError(f"{where}: recipe {recipe.name!r} is delayed: pass fp8_state= "
-                             "(see fmtkit.fp8.init_state) or use the Flax module wrappers.")
-        hist = jnp.asarray(fp8_state.amax_history)
-        if hist.shape != (3, recipe.history):
-            extra = (" A stack of layers (nn.scan / nnx.scan) keeps one history per "
-                     "layer, [L, 3, history]: scan over the fp8_state collection too "
-                     "(linen: variable_axes={'params': 0, 'fp8_state': 0}) so each "
-                     "layer's dot sees its own slice." if hist.ndim == 3 else "")
-            raise ValueError(f"{where}: fp8_state.amax_history has shape {hist.shape}; "
-                             f"this dot needs (3, {recipe.history}) (rows x, w, grad)."
-                             + extra)
-    else:
-        hist = jnp.zeros((3, 1), jnp.float32)
+    if recipe.delayed and fp8_state is None:
+        raise ValueError(f"{where}: recipe {recipe.name!r} is delayed: pass fp8_state= "
+                         "(see fmtkit.fp8.init_state) or use the Flax module wrappers.")
     try:
         x, w, nbatch, out_shape = _canonicalize(lhs, rhs, dimension_numbers)
     except (ValueError, TypeError, IndexError) as e:
         raise ValueError(f"{where}: bad dimension_numbers {dimension_numbers!r} for "
                          f"lhs {lhs.shape} and rhs {rhs.shape}: {e}") from None
-    if nbatch and recipe.delayed:
-        raise ValueError(f"{where}: delayed scaling supports dots without batch dims "
-                         "(Dense, DenseGeneral); use a current-scaling recipe for batched "
-                         "einsums.")
+    if recipe.delayed:
+        # A batched dot (per-expert GEMMs, "egcd,edf->egcf") keeps one history per batch
+        # element, [*batch, 3, history]: each expert's weights get their own scale.
+        hist = jnp.asarray(fp8_state.amax_history)
+        need = (*x.shape[:nbatch], 3, recipe.history)
+        if hist.shape != need:
+            extra = (" A stack of layers (nn.scan / nnx.scan) keeps one history per "
+                     "layer, [L, 3, history]: scan over the fp8_state collection too "
+                     "(linen: variable_axes={'params': 0, 'fp8_state': 0}) so each "
+                     "layer's dot sees its own slice." if hist.ndim == len(need) + 1
+                     else "")
+            raise ValueError(f"{where}: fp8_state.amax_history has shape {hist.shape}; "
+                             f"this dot needs {need} (one history per batch element; "
+                             "rows x, w, grad)." + extra)
+    else:
+        hist = jnp.zeros((3, 1), jnp.float32)
     if x.size == 0 or w.size == 0:
         # An empty operand (no tokens, an empty contraction, no features): lax.dot_general's
         # answer, zeros of the output shape (empty, or a sum over nothing); no GEMM to run.
@@ -931,7 +931,7 @@ def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precisi
         core = functools.partial(getattr(type(recipe), "gemm_core", _core), recipe,
                                  _gemm_dtype(out_dtype))
         for _ in range(nbatch):
-            core = jax.vmap(core, in_axes=(0, 0, None))
+            core = jax.vmap(core, in_axes=(0, 0, 0 if recipe.delayed else None))
         y = core(x, w, hist).reshape(out_shape).astype(out_dtype)
     if out_sharding is not None:
         y = jax.sharding.reshard(y, out_sharding)

@@ -365,7 +365,7 @@ def test_errors_name_the_module():
     with pytest.raises(ValueError, match=f"{name}.*shape \\(2, 3, 1024\\).*variable_axes"):
         fp8.dot_general("delayed", name=name)(jnp.ones((4, 4)), jnp.ones((4, 4)), DN,
                                               fp8_state=stacked)
-    with pytest.raises(ValueError, match=f"{name}.*batch dims"):
+    with pytest.raises(ValueError, match=f"{name}.*needs \\(2, 3, 1024\\) .one history per batch"):
         fp8.dot_general("delayed", name=name)(
             jnp.ones((2, 4, 4)), jnp.ones((2, 4, 4)), (((2,), (1,)), ((0,), (0,))),
             fp8_state=fp8.init_state())

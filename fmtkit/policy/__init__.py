@@ -15,6 +15,7 @@ adapters are loaded when a model is first given.
 
 from fmtkit.policy._apply import module_paths, with_policy
 from fmtkit.policy._inspect import MatmulOp, ModuleReport, PolicyReport, inspect_policy
+from fmtkit.policy._interpret import mark_head
 from fmtkit.policy._policy import (
     Policy,
     Rules,
@@ -39,6 +40,7 @@ __all__ = [
     "inspect_policy",
     "keep_blocks",
     "list_presets",
+    "mark_head",
     "module_paths",
     "with_policy",
 ]

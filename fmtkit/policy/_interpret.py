@@ -12,7 +12,8 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    operand is a view of a parameter (a *projection*, what FP8 recipes target: Dense,
    DenseGeneral, Einsum, Linear, LinearGeneral, ``x @ w`` with a parameter), whether it is the
    model's *output head* (by role, below), and the delayed-FP8 amax-history slots it needs
-   (one per projection per layer: inside a ``scan`` the slot gets a leading layer axis).
+   (one per projection per layer: inside a ``scan`` the slot gets a leading layer axis; a
+   batched projection, per-expert GEMMs ``"egcd,edf->egcf"``, one history per expert).
 3. **Interpret** (``Interpreter``). Every equation is bound again with the dtypes the rules
    give it (op classes in ``_ops``): matmuls on the compute dtype (or the FP8 recipe),
    precision-sensitive ops in f32, the rest following their inputs; module outputs are cast to
@@ -40,6 +41,20 @@ breaks the chain, and so does any other matmul. The matmuls that the model's out
 from transparently, with a parameter operand, are the head: lm1b's ``logitdense``, a
 tied-embedding ``attend``, a CNN's classifier, whatever their names. A model whose output is
 a hidden state has no head.
+
+Roles are stable under additions: the head is searched from the first floating output leaf
+only (an auxiliary output, a dict of MoE metrics, never makes a second head), or from the
+values passed to ``mark_head`` where the model calls it; a sum keeps the head's chain through
+anything computed from parameters alone (an L2 penalty), and a sum of scalar loss terms takes
+the head of its first term that has one (the main loss, written first; an aux loss from a
+router or a probe adds no head).
+
+**Round trips.** ``x.astype(bf16)``, a dispatch, ``.astype(x.dtype)`` (MoE code saving
+bandwidth) is not the author asking for f32: a widening cast back to the dtype a value had
+before the author's own narrowing, in the same module and through anything but a projection,
+restores the dtype the value had at that point of the policied run. Only a widening of a value
+the model made narrow (a bf16 projection's output, a layer's ``dtype=bf16`` output cast,
+bf16 parameters or inputs) is an upcast the policy keeps.
 """
 
 from __future__ import annotations
@@ -61,12 +76,15 @@ from jax import lax
 
 from fmtkit import fp8
 from fmtkit.policy import _ops
-from fmtkit.policy._policy import Policy, Rules
+from fmtkit.policy._policy import Policy, Rules, ancestor_types
 
 MODULE_SCOPE = "fmtkit_module_"
 OP_SCOPE = "fmtkit_op_"
 GRAD_SCOPE = "fmtkit_grad_round_"
+HEAD_SCOPE = "fmtkit_head_output"
 _MODULE_RX = re.compile(MODULE_SCOPE + r"(\d+)")
+# Sums through which the head's chain passes scalar terms (``loss + aux_weight * aux_loss``).
+_LOSS_SUMS = frozenset({"add", "sub", "add_any"})
 _F32 = np.dtype(np.float32)
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +196,29 @@ def module_scope(path: str, type_names: Sequence[str]):
     return jax.named_scope(f"{MODULE_SCOPE}{reg.index(path, type_names)}")
 
 
+def mark_head(logits: Any) -> Any:
+    """Names the model's main output: the matmuls it derives from are the output head.
+
+    By default ``with_policy`` finds the head from the first floating output leaf (auxiliary
+    outputs and loss terms never move it). A model whose main output is not its first leaf
+    (a dict ``{"aux": ..., "logits": ...}``, whose leaves are sorted by key) or whose head
+    feeds further computation calls ``mark_head`` on the logits; then only the values so
+    marked decide the head. Outside a policied trace it returns ``logits`` unchanged (no
+    operation); inside, each array passes through an identity ``copy`` in a named scope the
+    analysis reads.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from fmtkit.policy import mark_head
+      >>> mark_head(jnp.ones(2)).tolist()
+      [1.0, 1.0]
+    """
+    if _ACTIVE.registry is None:
+        return logits
+    with jax.named_scope(HEAD_SCOPE):
+        return jax.tree.map(lambda t: jnp.array(t, copy=True), logits)
+
+
 def _chain(eqn, prefix: tuple[int, ...]) -> tuple[int, ...]:
     found = _MODULE_RX.findall(str(eqn.source_info.name_stack))
     return prefix + tuple(int(i) for i in found) if found else prefix
@@ -220,6 +261,11 @@ class _Facts:
     dep: frozenset = frozenset()  # every matmul upstream
     head: frozenset = frozenset()  # matmuls this value derives from transparently
     upcast: bool = False  # the author's cast of a narrower float to f32
+    data: bool = False  # depends on a floating input that is not a parameter
+    scalar: bool = False  # one element (a loss term, a metric), or a broadcast of one
+    # (traced dtype, idpath, module chain) of the author's narrowing cast this value has been
+    # through since (``x.astype(bf16)`` before a dispatch), None if it has not
+    narrowed: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,15 +289,25 @@ class Analysis:
         self.dots: dict[tuple, DotInfo] = {}
         self.facts: dict[tuple, _Facts] = {}
         self.sites: dict[tuple, str] = {}  # idpath of a delayed-FP8 matmul -> slot name
-        self.site_shapes: dict[str, tuple[int, ...]] = {}  # slot -> [*layers, 3, history]
+        self.site_shapes: dict[str, tuple[int, ...]] = {}  # slot -> [*layers, *batch, 3, history]
         self.scan_sites: dict[tuple, list[str]] = {}  # idpath of a scan -> slots inside
         self._modules = modules  # module index -> path and Policy
         self._count: dict[str, int] = {}
         jaxpr = closed.jaxpr
-        ins = [_Facts(param=bool(p), const=not _floating(v.aval.dtype))
+        self._marked: set = set()  # head candidates of the values given to ``mark_head``
+        self.marked = False  # whether the model called ``mark_head``
+        # round-trip cast (a widening back to the dtype before the author's narrowing) ->
+        # idpath of that narrowing cast
+        self.round_trips: dict[tuple, tuple] = {}
+        ins = [_Facts(param=bool(p), const=not _floating(v.aval.dtype),
+                      data=_floating(v.aval.dtype) and not p)
                for v, p in zip(jaxpr.invars, param_inputs)]
         outs = self._walk(jaxpr, ins, (), (), ())
-        heads = frozenset().union(*(f.head for f, h in zip(outs, head_outputs) if h))
+        if self.marked:
+            heads = frozenset(self._marked)
+        else:  # the main output is the first floating output leaf; the rest are auxiliary
+            first = next((f for f, h in zip(outs, head_outputs) if h), _NO_FACTS)
+            heads = first.head
         heads = {d for d in heads if self.dots[d].projection}
         for d in heads:
             self.dots[d] = dataclasses.replace(self.dots[d], head=True)
@@ -310,6 +366,11 @@ class Analysis:
         dep = frozenset().union(*(a.dep for a in args))
         const = all(a.const for a in args)
         n_out = len(eqn.outvars)
+        data = any(a.data for a in args)
+        narrowed = next((a.narrowed for a in args if a.narrowed is not None), None)
+        if HEAD_SCOPE in str(eqn.source_info.name_stack):
+            self.marked = True
+            self._marked.update(*(a.head for a in args))
         if name in _ops.INLINE_CALLS:
             return self._walk(eqn.params["jaxpr"].jaxpr, args, chain, idp, dims)
         if name == "custom_jvp_call":
@@ -318,14 +379,14 @@ class Analysis:
             return self._walk(eqn.params["jaxpr"], args, chain, idp, dims)
         if name == "scan" and _scan_counts(eqn) is not None:
             n0, n1, _ = _scan_counts(eqn)
-            body = [a if not (n0 <= j < n0 + n1) else _Facts(dep=a.dep)
+            body = [a if not (n0 <= j < n0 + n1) else _Facts(dep=a.dep, data=a.data)
                     for j, a in enumerate(args)]
             before = set(self.sites.values())
             inner = self._walk(eqn.params["jaxpr"].jaxpr, body, chain, idp,
                                (*dims, int(eqn.params["length"])))
             self.scan_sites[idp] = [k for k in self.sites.values() if k not in before]
             dep = dep.union(*(f.dep for f in inner))
-            return [_Facts(dep=dep, const=const)] * n_out
+            return [_Facts(dep=dep, const=const, data=data)] * n_out
         if name in _ops.MATMUL:
             (_lc, _rc), (lb, _) = (eqn.params["dimension_numbers"] if name == "dot_general"
                                  else (((), ()), ((), ())))
@@ -334,20 +395,35 @@ class Analysis:
             self.dots[idp] = info
             policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
-                    and name == "dot_general" and info.projection and not info.batched):
-                self.sites[idp] = self._new_site(module, dims, policy.fp8.history)
-            return [_Facts(dep=dep | {idp}, head=frozenset({idp}))] * n_out
+                    and name == "dot_general" and info.projection):
+                # A batched projection (per-expert GEMMs) has one history per batch element.
+                batch = tuple(int(eqn.invars[0].aval.shape[d]) for d in lb)
+                self.sites[idp] = self._new_site(module, (*dims, *batch), policy.fp8.history)
+            # A projection makes a new value; a matmul of activations (a dispatch einsum)
+            # moves the narrowed value along.
+            return [_Facts(dep=dep | {idp}, head=frozenset({idp}), data=data,
+                           narrowed=None if info.projection else narrowed)] * n_out
         body = _BODIES.get(name)
         if body is not None:
             outs = getattr(self, body)(eqn, args, chain, idp, dims)
             if outs is not None:
                 return outs
         if list(jex.jaxprs_in_params(eqn.params)):  # pallas_call, unknown bodies: opaque
-            return [_Facts(dep=dep, const=const)] * n_out
+            return [_Facts(dep=dep, const=const, data=data)] * n_out
         heads = frozenset().union(*(a.head for a in args))
         if heads:
-            heads = frozenset(d for d in heads
-                              if all(a.const or a.param or d in a.dep for a in args))
+            # A value stays on the head's chain when combined with constants, parameters or
+            # anything computed from parameters alone (an L2 penalty), values downstream of
+            # the same matmul, and, in a sum, scalar terms (an aux loss, a metric).
+            term = name in _LOSS_SUMS
+            if term and all(a.scalar for a in args):
+                # A sum of loss terms: the head comes from the first term that has one (the
+                # main loss written first; an aux loss from another projection adds none).
+                heads = next((a.head for a in args if a.head), frozenset())
+            else:
+                heads = frozenset(d for d in heads
+                                  if all(a.const or a.param or not a.data or d in a.dep
+                                         or (term and a.scalar) for a in args))
         view = name in _ops.VIEW_OPS and bool(args)
         param = view and args[0].param
         # The author's upcast of an activation (``y.astype(jnp.float32)``), seen through views;
@@ -356,11 +432,27 @@ class Analysis:
             name == "convert_element_type" and eqn.params["new_dtype"] == _F32
             and _floating(eqn.invars[0].aval.dtype)
             and np.dtype(eqn.invars[0].aval.dtype).itemsize < 4))
+        if name == "convert_element_type" and _floating(eqn.invars[0].aval.dtype) \
+                and _floating(eqn.params["new_dtype"]):
+            src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+            if dst.itemsize < src.itemsize and not param:  # the author narrows an activation
+                narrowed = narrowed or (src, idp, chain)
+            elif dst.itemsize > src.itemsize and narrowed is not None:
+                # Back to its own earlier dtype, in the module that narrowed it: a round trip.
+                # (A layer's own output cast, LayerNorm(dtype=bf16), then the caller's
+                # ``.astype(f32)``, is a value the model made narrow: an upcast.)
+                if dst == narrowed[0] and chain == narrowed[2]:
+                    self.round_trips[idp] = narrowed[1]
+                    upcast = False
+                narrowed = None
         outs = []
         for v in eqn.outvars:
             floating = _floating(v.aval.dtype)
+            scalar = int(np.prod(getattr(v.aval, "shape", ()))) == 1 or (view and args[0].scalar)
             outs.append(_Facts(param=param, const=const, dep=dep,
-                               head=heads if floating else frozenset(), upcast=upcast))
+                               head=heads if floating else frozenset(), upcast=upcast,
+                               data=data, scalar=scalar,
+                               narrowed=narrowed if floating else None))
         return outs
 
     # -- bodies of control flow (see ``_BODIES``); each walks what the Interpreter runs ------
@@ -371,7 +463,8 @@ class Analysis:
         return [_Facts(param=all(f.param for f in col), const=all(f.const for f in col),
                        dep=extra.union(*(f.dep for f in col)),
                        head=frozenset().union(*(f.head for f in col)),
-                       upcast=all(f.upcast for f in col)) for col in zip(*branches)]
+                       upcast=all(f.upcast for f in col), data=any(f.data for f in col),
+                       scalar=all(f.scalar for f in col)) for col in zip(*branches)]
 
     def _while_facts(self, eqn, args, chain, idp, dims):
         """A carry's facts hold for its initial value and every iteration's: the body is
@@ -379,12 +472,14 @@ class Analysis:
         returns, make its head), its delayed-FP8 slots created by the last walk only."""
         cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         (cj, _), (bj, _) = _open(eqn.params["cond_jaxpr"]), _open(eqn.params["body_jaxpr"])
-        carry = [_Facts(const=a.const, dep=a.dep, head=a.head) for a in args[cn + bn:]]
+        carry = [_Facts(const=a.const, dep=a.dep, head=a.head, data=a.data, scalar=a.scalar)
+                 for a in args[cn + bn:]]
         saved = dict(self.sites), dict(self.site_shapes), dict(self._count)
         for _ in range(8):  # facts only grow (sets, and const turning False): few rounds
             self.sites, self.site_shapes, self._count = (dict(d) for d in saved)
             outs = self._walk(bj, [*args[cn:cn + bn], *carry], chain, (*idp, 1), dims)
-            new = [_Facts(const=c.const and o.const, dep=c.dep | o.dep, head=c.head | o.head)
+            new = [_Facts(const=c.const and o.const, dep=c.dep | o.dep, head=c.head | o.head,
+                          data=c.data or o.data, scalar=c.scalar and o.scalar)
                    for c, o in zip(carry, outs)]
             if new == carry:
                 break
@@ -544,6 +639,8 @@ class Interpreter:
         self._policies: dict[int | None, tuple[Policy | None, bool]] = {}
         self._warned: set[str] = set()
         self._vjp: dict[int, tuple[Any, VjpParts | None]] = {}
+        self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
+        self._visited: dict[str, tuple[str, ...]] | None = None  # path -> class names
         self.analysis: Analysis | None = None
 
     # -- rules ----------------------------------------------------------------------------
@@ -555,7 +652,10 @@ class Interpreter:
         if module not in self._policies:
             info = (self.registry.modules[module] if module is not None
                     else ModuleInfo("", ()))
-            i = self.rules.match(info.path, info.type_names)
+            if self._visited is None:
+                self._visited = self.registry.visited()
+            i = self.rules.match(info.path, info.type_names,
+                                 ancestor_types(info.path, self._visited))
             self._policies[module] = ((self.rules.default, False) if i is None
                                       else (self.rules.rules[i][1], True))
         return self._policies[module]
@@ -656,6 +756,8 @@ class Interpreter:
                                                                   fp8_local)
                 if outs is not None:
                     return outs
+            if name in _ops.DTYPE_EXACT:  # bit patterns: on the traced dtypes
+                return _bind(eqn, [_cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if list(jex.jaxprs_in_params(eqn.params)):
                 return self._opaque(eqn, invals, chain)
             policy = self.policy_of(chain[-1] if chain else None)
@@ -665,7 +767,7 @@ class Interpreter:
                 return _bind(eqn, [_cast(x, _F32) if _is_float_value(x)
                                    and x.dtype.itemsize < 4 else x for x in invals])
             if name == "convert_element_type":
-                return [self._convert(eqn, invals[0])]
+                return [self._convert(eqn, invals[0], idp, policy)]
             return _bind(eqn, self._follow(eqn, invals, idprefix, policy))
 
     def _follow(self, eqn, invals, idprefix, policy):
@@ -703,11 +805,19 @@ class Interpreter:
                 out[j] = _cast(out[j], target)
         return out
 
-    @staticmethod
-    def _convert(eqn, x):
+    def _convert(self, eqn, x, idp, policy):
+        """An author's cast, applied as written; except a round trip's way back
+        (``x.astype(bf16)``, a dispatch, ``.astype(f32)``), which restores the dtype the
+        value had before its narrowing in this run (bf16 for a bf16 module's activation)."""
         src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+        if _is_float_value(x):
+            self._before_cast[idp] = x.dtype
         if _floating(src) and src == dst:
             return x  # a weak-type change in the trace: the value follows its input
+        narrowing = self.analysis.round_trips.get(idp)
+        if (narrowing is not None and policy is not None
+                and narrowing in self._before_cast and _is_float_value(x)):
+            return _cast(x, self._before_cast[narrowing])
         return _bind(eqn, [x])[0]
 
     def _matmul(self, eqn, invals, chain, idp, idprefix, policy, fp8_local):
@@ -744,9 +854,7 @@ class Interpreter:
         if recipe.delayed:
             key = self.analysis.sites.get(idp)
             if key is None or key not in fp8_local:
-                reason = ("it has batch dimensions (delayed scaling keeps one amax per "
-                          "tensor of a plain GEMM)" if info.batched else
-                          "no amax history was passed for it (initialize the policied model "
+                reason = ("no amax history was passed for it (initialize the policied model "
                           "and pass its 'fp8_state')")
                 self._warn(path, f"FP8 recipe {recipe} skipped for a matmul in module "
                                  f"{path or '<root>'!r}: {reason}; it runs in {cdt.name}.")
@@ -1055,7 +1163,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
 def fp8_slots(traced: Traced, rules: Rules, main: Sequence[bool | str] | None = None
               ) -> dict[str, tuple[int, ...]]:
     """Shapes of the delayed-FP8 amax histories ``rules`` need for this trace, by slot name
-    (``"<module path>:dot<i>"``; shape ``[*layers, 3, history]``); ``main`` as in ``run``."""
+    (``"<module path>:dot<i>"``; shape ``[*layers, *batch, 3, history]``: a leading axis per
+    enclosing ``scan`` and per batch dimension of the dot); ``main`` as in ``run``."""
     main = [True] * len(traced.out_avals) if main is None else main
     interp = Interpreter(rules, traced.registry)
     return interp.analyze(traced.closed, traced.params,

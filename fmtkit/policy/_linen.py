@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from fmtkit.policy import _interpret
 from fmtkit.policy._policy import (
     Rules,
+    ancestor_types,
     cast_floating,
     check_param_dtypes,
     has_delayed_fp8,
@@ -118,7 +119,8 @@ class PolicyModel:
         def store(path, leaf):
             names = [str(getattr(k, "key", k)) for k in path]
             module = "/".join(names[:-1])
-            policy = self.rules.resolve(module, visited.get(module, ()))
+            policy = self.rules.resolve(module, visited.get(module, ()),
+                                        ancestor_types(module, visited))
             return leaf if policy is None else cast_floating(leaf, policy.param_dtype)
 
         return jax.tree_util.tree_map_with_path(store, params)

@@ -43,6 +43,7 @@ from flax import nnx
 from fmtkit.policy import _interpret
 from fmtkit.policy._policy import (
     Rules,
+    ancestor_types,
     check_param_dtypes,
     has_delayed_fp8,
     is_floating,
@@ -132,8 +133,10 @@ def _store_params(copy: nnx.Module, rules: Rules) -> None:
     other Param stays shared with the user's model, which is never changed.
     """
     memo: dict[int, nnx.Variable] = {}
+    paths = collect_paths(copy)
     for parts, module in list(nnx.iter_modules(copy)):
-        policy = rules.resolve("/".join(str(p) for p in parts), type_names(type(module)))
+        path = "/".join(str(p) for p in parts)
+        policy = rules.resolve(path, type_names(type(module)), ancestor_types(path, paths))
         if policy is None:
             continue
         want = np.dtype(policy.param_dtype)

@@ -60,6 +60,12 @@ VIEW_OPS = frozenset({
     "expand_dims", "slice", "dynamic_slice", "copy", "copy_p", "reduce_precision",
 })
 
+# Primitives whose result depends on their operand's exact dtype, not only its value: a bit
+# pattern (``bitcast_convert_type``, which fmtkit.cast's stochastic rounding and bf16 bit
+# tricks use) or the next representable number (``nextafter``). They run on their inputs in
+# the dtypes they were traced with.
+DTYPE_EXACT = frozenset({"bitcast_convert_type", "nextafter"})
+
 # Call primitives whose bodies the interpreter enters (``_interpret`` handles the other
 # bodies: scan, remat, cond, while, shard_map, custom_jvp/vjp; any primitive with a body it
 # does not know runs as written, inputs cast back, with a warning).

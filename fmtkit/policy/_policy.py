@@ -281,6 +281,7 @@ def _as_rule_value(value: Any, where: str) -> Policy:
 
 
 _TYPE_PREFIX = "type:"
+_SUBTREE_PREFIX = "subtree:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +297,10 @@ class Rules:
     * A pattern that starts with ``"type:"`` is searched in the module's class name and the
       names of its base classes (up to Flax's ``Module``): ``"type:^(LayerNorm|RMSNorm)$"``
       matches every Flax norm layer and user subclasses of them, whatever they are called.
+    * A pattern that starts with ``"subtree:"`` (then a path or a ``type:`` pattern) matches
+      the modules it names *and every module they call*: ``"subtree:type:Router$"`` gives a
+      router's child ``Dense`` (its gating projection) the router's policy. The presets
+      write their router rules so (``ROUTER_TYPES``, ``ROUTER_PATHS``).
 
     Modules no rule matches get ``default``; with ``default=None`` they run untouched.
     Rules act per operation inside each module (``fmtkit.policy`` explains the op classes): a
@@ -357,13 +362,17 @@ class Rules:
         object.__setattr__(self, "output_dtype", None if output_dtype is None
                            else _dtype_name(output_dtype, "output_dtype"))
 
-    def match(self, path: str, type_names: Sequence[str] = ()) -> int | None:
-        """Index of the first rule matching the module, or None."""
-        return _match(self.rules, path, tuple(type_names))
+    def match(self, path: str, type_names: Sequence[str] = (),
+              ancestors: Sequence[Sequence[str]] = ()) -> int | None:
+        """Index of the first rule matching the module, or None. ``ancestors``: the class
+        names of the modules enclosing it (for ``subtree:type:`` patterns; ``subtree:`` path
+        patterns read the enclosing paths from ``path`` itself)."""
+        return _match(self.rules, path, tuple(type_names), tuple(map(tuple, ancestors)))
 
-    def resolve(self, path: str, type_names: Sequence[str] = ()) -> Policy | None:
+    def resolve(self, path: str, type_names: Sequence[str] = (),
+                ancestors: Sequence[Sequence[str]] = ()) -> Policy | None:
         """The policy of the module at ``path`` with class names ``type_names``."""
-        i = self.match(path, type_names)
+        i = self.match(path, type_names, ancestors)
         return self.default if i is None else self.rules[i][1]
 
     def unmatched(self, modules: Iterable[tuple[str, Sequence[str]]]) -> list[str]:
@@ -384,26 +393,44 @@ class Rules:
 
 @functools.lru_cache(maxsize=4096)
 def _compile(pattern: str) -> re.Pattern:
-    body = pattern[len(_TYPE_PREFIX):] if pattern.startswith(_TYPE_PREFIX) else pattern
+    body = pattern.removeprefix(_SUBTREE_PREFIX)
+    body = body.removeprefix(_TYPE_PREFIX)
     try:
         return re.compile(body)
     except re.error as err:
         raise ValueError(f"Invalid rule regex {pattern!r}: {err}.") from None
 
 
-def _matches(pattern: str, path: str, type_names: tuple[str, ...]) -> bool:
+def _matches(pattern: str, path: str, type_names: tuple[str, ...],
+             ancestors: tuple[tuple[str, ...], ...] = ()) -> bool:
     rx = _compile(pattern)
+    if pattern.startswith(_SUBTREE_PREFIX):  # the module or any module enclosing it
+        inner = pattern[len(_SUBTREE_PREFIX):]
+        if inner.startswith(_TYPE_PREFIX):
+            return any(rx.search(name) for names in (type_names, *ancestors) for name in names)
+        parts = path.split("/") if path else []
+        return any(rx.search("/".join(parts[:k])) is not None for k in range(len(parts) + 1))
     if pattern.startswith(_TYPE_PREFIX):
         return any(rx.search(name) for name in type_names)
     return rx.search(path) is not None
 
 
 @functools.lru_cache(maxsize=65536)
-def _match(rules: tuple, path: str, type_names: tuple[str, ...]) -> int | None:
+def _match(rules: tuple, path: str, type_names: tuple[str, ...],
+           ancestors: tuple[tuple[str, ...], ...] = ()) -> int | None:
     for i, (pattern, _) in enumerate(rules):
-        if _matches(pattern, path, type_names):
+        if _matches(pattern, path, type_names, ancestors):
             return i
     return None
+
+
+def ancestor_types(path: str, modules: Mapping[str, Sequence[str]]
+                   ) -> tuple[tuple[str, ...], ...]:
+    """The class names of the modules enclosing ``path`` (root first), from ``{path: class
+    names}``: what ``Rules.match`` reads for ``subtree:type:`` patterns."""
+    parts = path.split("/") if path else []
+    prefixes = ("/".join(parts[:k]) for k in range(len(parts)))
+    return tuple(tuple(modules[p]) for p in prefixes if p in modules)
 
 
 def as_rules(policy_or_rules: Any) -> Rules:
@@ -453,9 +480,14 @@ def as_rules(policy_or_rules: Any) -> Rules:
 NORM_TYPES = "type:(LayerNorm|RMSNorm)$|^(GroupNorm|BatchNorm|InstanceNorm)$"
 NORM_PATHS = (r"(^|/)(ln|norm)(_?\d+|_[a-z0-9]+)?$|(^|/)[a-z0-9]+_norm(_?\d+)?$"
               r"|(^|/)(LayerNorm|RMSNorm|GroupNorm|BatchNorm)_\d+$")
-# Router / gate of a mixture of experts.
-ROUTER_PATHS = r"(^|/)(router|gate|gating)(_\d+)?$"
-ROUTER_TYPES = "type:Router$"
+# Router / gate of a mixture of experts, with everything it calls (its gating Dense): modules
+# named router, gate or gating (router_0, gate_1, ...) and classes whose name (or a base
+# class's) ends in Router, Gate or Gating (V-MoE's NoisyTopExpertsPerItemRouter, flaxformer's
+# TokensChooseMaskedRouter, a TopKGate). Add your own with a rule before the preset's:
+# ``Rules([("subtree:type:^MyGate$", ROUTER_POLICY), *preset.rules], ...)``.
+ROUTER_PATHS = r"subtree:(^|/)(router|gate|gating)(_\d+)?$"
+ROUTER_TYPES = "subtree:type:(Router|Gate|Gating)$"
+ROUTER_POLICY = "p=f32,c=f32,o=f32,g=f32"
 
 
 def _mixed(half: str) -> Rules:
@@ -466,8 +498,8 @@ def _mixed(half: str) -> Rules:
             (NORM_TYPES, f"p=f32,c=f32,o={half},g={half}"),
             (NORM_PATHS, f"p=f32,c=f32,o={half},g={half}"),
             # Router: input, logits (and so the softmax in the MoE layer) in f32 (Switch).
-            (ROUTER_TYPES, "p=f32,c=f32,o=f32,g=f32"),
-            (ROUTER_PATHS, "p=f32,c=f32,o=f32,g=f32"),
+            (ROUTER_TYPES, ROUTER_POLICY),
+            (ROUTER_PATHS, ROUTER_POLICY),
         ],
         default=f"p=f32,c={half},o={half}",
         # The head: half matmul, f32 logits; its backward GEMMs take the cotangent in half.

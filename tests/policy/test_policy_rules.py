@@ -148,7 +148,7 @@ def test_rule_validation():
         Rules([("Dense", NotARecipe())])
     with pytest.raises(ValueError, match="FP8 recipe"):
         Rules([("Dense", "c=e4m3")])
-    with pytest.raises(ValueError, match="Unknown FP8 recipe 'fp9'; valid names"):
+    with pytest.raises(ValueError, match="Unknown recipe 'fp9'; FP8 recipes: current"):
         Policy.parse("p=f32,c=bf16,fp8=fp9")
 
 
