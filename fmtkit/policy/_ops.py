@@ -58,6 +58,8 @@ F32_OPS = F32_ELEMENTWISE | F32_REDUCTIONS
 VIEW_OPS = frozenset({
     "convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
     "expand_dims", "slice", "dynamic_slice", "copy", "copy_p", "reduce_precision",
+    # inside shard_map: a replicated weight marked device-varying, an FSDP shard gathered
+    "pvary", "all_gather",
 })
 
 # Primitives whose result depends on their operand's exact dtype, not only its value: a bit
