@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from fmtkit import optim
-from studies._bench import time_interleaved, write_results
+from studies.bench._timing import time_interleaved, write_results
 
 _LR = 1e-3
 _SCALE = 2.0**16  # the scale the gradients were computed with (GradScaler's default init)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     # working sets do not slow down the phase-1 measurement).
     jmp_note = "skipped (--no-jmp)"
     if not args.no_jmp:
-        jmp_note = "jmp 0.0.4's composition, written out (studies/bench_optim.py)"
+        jmp_note = "jmp 0.0.4's composition, written out (studies/bench/optim.py)"
         runners = {"optax_f32": baseline()}
         for name, use_cond in (("jmp_select", False), ("jmp_cond", True)):
             pj = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
