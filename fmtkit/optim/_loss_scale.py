@@ -143,7 +143,7 @@ def _guarded_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
     # master_weights), found by tracing the inner update abstractly, as optax.MultiSteps does.
     static_args = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
     dyn_args = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
-    split = getattr(inner.update, "split", None)
+    split = getattr(inner.update, "fmtkit_split", None)
     if split is not None and params is not None:
         return (*_split_guarded_update(split, updates, inv, finite, inner_state, params,
                                        static_args, dyn_args), finite)

@@ -290,7 +290,7 @@ def master_weights(
     # A loss-scale wrapper runs ``advance`` under its skip ``lax.cond`` and ``finish`` after
     # it (see ``fmtkit.optim._loss_scale``): the parameter-sized deltas then never leave the
     # cond as separate buffers, and XLA fuses them into ``optax.apply_updates``.
-    update_fn.split = (advance, finish)
+    update_fn.fmtkit_split = (advance, finish)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
