@@ -833,7 +833,8 @@ def functional(case: Case, model: Any, *, key: int = 0, warmup: bool = False):
         kw = dict(case.train_kwargs)
         rngs = {"params": jax.random.key(key), **{n: jax.random.key(key + 1)
                                                    for n in case.rng_names}}
-        variables = model.init(rngs, *case.inputs, **kw)
+        # Jitted: one compile instead of an eager dispatch (and a compile) per operation.
+        variables = jax.jit(functools.partial(model.init, **kw))(rngs, *case.inputs)
         diff = {"params": variables["params"], "fp8_state": variables.get("fp8_state", {})}
         aux = {k: v for k, v in variables.items() if k not in diff}
 
