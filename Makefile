@@ -1,8 +1,8 @@
 # Set-up and entry points. Every target creates .venv (Python >= 3.12) and installs the
 # project with the pinned versions in constraints.txt on first use.
 #   make ablate   the main job
-#   make test     the test suite on 2 worker processes (what CI runs, with make lint)
-#   make test-fast  the suite without the tests marked slow
+#   make test      the fast suite (every test not marked slow) on 2 worker processes
+#   make test-all  the whole suite, slow tests included (what CI runs, with make lint)
 
 SHELL := /bin/bash
 VENV := .venv
@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 PYTHON := $(shell for c in "python3.12" "env PYENV_VERSION=3.12.1 python3.12" "python3.13" "python3"; do \
 	$$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$$c"; break; }; done)
 
-.PHONY: ablate formats test test-fast lint install clean
+.PHONY: ablate formats test test-all lint install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -n "$(PYTHON)" || { echo "error: need Python >= 3.12 (python3.12 on PATH or pyenv 3.12.1)"; exit 1; }
@@ -29,12 +29,13 @@ formats: $(STAMP)
 	$(VENV)/bin/fmtkit formats
 
 # pytest-xdist: 2 workers (each test is independent and seeds its own randomness, so the
-# results do not depend on which worker runs it).
+# results do not depend on which worker runs it). `slow` marks end-to-end training runs, the
+# model zoo's compiled training steps and the README examples: test-all runs them too.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2
-
-test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 -m "not slow"
+
+test-all: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -n 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fmtkit pallas_kernels studies tests

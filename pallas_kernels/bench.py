@@ -1,6 +1,6 @@
 """Operands, shapes and device timing shared by the fp8-matmul benchmark and ``gpu_check``.
 
-Lives in ``pallas_kernels`` so that both ``studies.bench_fp8_matmul`` (an application) and
+Lives in ``pallas_kernels`` so that both ``studies.bench.fp8_matmul`` (an application) and
 ``pallas_kernels.gpu_check`` use it without ``pallas_kernels`` importing ``studies``.
 
 Timing (``device_times``): on a GPU, CUPTI kernel timestamps through Mosaic GPU's profiler

@@ -93,11 +93,10 @@ def _cmd_policies(args: argparse.Namespace) -> int:
 
 
 def _bench_names() -> list[str]:
-    import studies
+    import studies.bench
 
-    return sorted(m.name.removeprefix("bench_").replace("_", "-")
-                  for m in pkgutil.iter_modules(studies.__path__)
-                  if m.name.startswith("bench_"))
+    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(studies.bench.__path__)
+                  if not m.name.startswith("_"))
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -108,7 +107,7 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.name not in names:
         raise SystemExit(f"fmtkit bench: unknown benchmark {args.name!r}; "
                          f"valid: {', '.join(names)}")
-    module = importlib.import_module("studies.bench_" + args.name.replace("-", "_"))
+    module = importlib.import_module("studies.bench." + args.name.replace("-", "_"))
     return int(module.main(rest) or 0)
 
 

@@ -22,7 +22,7 @@ experts) read then has outlier channels, as a large norm scale gives them in LLM
 
 The models are written as users write them: no precision logic beyond Flax's per-layer
 ``dtype``/``param_dtype`` arguments, which ``TransformerConfig`` exposes so a mixed-precision
-model can also be written "by hand" (the baseline of ``studies/bench_policy.py``). Outputs
+model can also be written "by hand" (the baseline of ``studies/bench/policy.py``). Outputs
 of a block are added in whatever dtype the layers return, so under a policy the residual
 stream is the compute dtype.
 """

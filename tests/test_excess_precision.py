@@ -1,11 +1,8 @@
-"""XLA must round every bf16/f16 intermediate (no "excess precision") in the tests and CLI."""
-
-import os
+"""XLA must round every bf16/f16 intermediate (no "excess precision") in the tests (the CLI's
+flag: tests/studies/test_cli.py)."""
 
 import jax
 import jax.numpy as jnp
-
-from studies.cli import exact_low_precision_flags
 
 
 def test_bf16_sum_is_rounded_under_jit():
@@ -14,8 +11,3 @@ def test_bf16_sum_is_rounded_under_jit():
     assert float(f(jnp.bfloat16(1.0), jnp.bfloat16(1e-3))) == 1.0
     assert float(f(jnp.float16(1.0), jnp.float16(1e-4))) == 1.0  # fp16 spacing 2^-10
 
-
-def test_cli_sets_the_flag(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    exact_low_precision_flags()
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_allow_excess_precision=false"

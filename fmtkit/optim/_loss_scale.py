@@ -143,6 +143,10 @@ def _guarded_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
     # master_weights), found by tracing the inner update abstractly, as optax.MultiSteps does.
     static_args = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
     dyn_args = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
+    split = getattr(inner.update, "fmtkit_split", None)
+    if split is not None and params is not None:
+        return (*_split_guarded_update(split, updates, inv, finite, inner_state, params,
+                                       static_args, dyn_args), finite)
     shapes, _ = jax.eval_shape(apply, updates, inner_state, params, inv, dyn_args)
 
     def skip(grads, state, params, inv, dyn_args):
@@ -151,6 +155,40 @@ def _guarded_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
     new_updates, new_inner = jax.lax.cond(finite, apply, skip, updates, inner_state, params,
                                           inv, dyn_args)
     return new_updates, new_inner, finite
+
+
+def _split_guarded_update(split: tuple, updates: Any, inv: jax.Array, finite: jax.Array,
+                          inner_state: Any, params: Any, static_args: dict, dyn_args: dict
+                          ) -> tuple[Any, Any]:
+    """``_guarded_update`` for an inner update in two parts (``master_weights``):
+    ``advance`` (new state, plus the updates of parameters without a master) under the
+    ``lax.cond``, ``finish`` (the deltas, from the new state and the parameters) after it.
+
+    Why: on XLA:CPU a ``lax.cond`` that returns fresh parameter-sized updates makes the whole
+    optimizer step about 2x slower than the same update without the cond (measured with
+    ``fmtkit bench optim``); a cond that returns only the state (updated in place in the
+    donated buffers) costs nothing, and the deltas computed after it fuse into
+    ``optax.apply_updates``. On a skipped step the state is untouched and the updates are
+    selected to exact zeros, as the one-part path returns.
+    """
+    advance, finish = split
+
+    def apply(grads, state, params, inv, dyn_args):
+        unscaled = jax.tree.map(lambda g: g.astype(F32) * inv, grads)
+        new_state, passthrough = advance(unscaled, state, params, **dyn_args, **static_args)
+        _check_inner_state(state, new_state)
+        return new_state, passthrough
+
+    _, shapes = jax.eval_shape(apply, updates, inner_state, params, inv, dyn_args)
+
+    def skip(grads, state, params, inv, dyn_args):
+        return state, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    new_state, passthrough = jax.lax.cond(finite, apply, skip, updates, inner_state, params,
+                                          inv, dyn_args)
+    new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros((), u.dtype)),
+                               finish(params, new_state, passthrough))
+    return new_updates, new_state
 
 
 def _warn_if_in_optax_multisteps(name: str) -> None:

@@ -253,10 +253,11 @@ def master_weights(
             inner_state=inner.init(view(params, master)),
         )
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def advance(updates, state, params=None, **extra_args):
+        """The new state, and the inner updates of the parameters without a master."""
         _require_params(params, "master_weights")
         check_float_leaves(updates, "updates (gradients)")
-        p_leaves, treedef = jax.tree.flatten(params)
+        treedef = jax.tree.structure(params)
         g_leaves = treedef.flatten_up_to(updates)
         m_leaves = treedef.flatten_up_to(state.master)
         grads = treedef.unflatten(
@@ -264,16 +265,32 @@ def master_weights(
         inner_updates, inner_state = inner.update(
             grads, state.inner_state, view(params, state.master), **extra_args)
         u_leaves = treedef.flatten_up_to(inner_updates)
+        passthrough = [u for m, u in zip(m_leaves, u_leaves) if is_masked(m)]
         m_leaves = [m if is_masked(m) else m + u.astype(m.dtype)
                     for m, u in zip(m_leaves, u_leaves)]
-        count = increment(state.count)
-        rounded = _round_masters(m_leaves, p_leaves, state.seed, count)
-        new_updates = treedef.unflatten(
-            [u if is_masked(n) else _delta(n, p, master_dtype)
-             for p, u, n in zip(p_leaves, u_leaves, rounded)])
-        return new_updates, MasterWeightsState(treedef.unflatten(m_leaves), count, state.seed,
-                                               inner_state)
+        new_state = MasterWeightsState(treedef.unflatten(m_leaves), increment(state.count),
+                                       state.seed, inner_state)
+        return new_state, passthrough
 
+    def finish(params, new_state, passthrough):
+        """The returned updates: ``f32(round(m)) - f32(p)`` per master, computed from the new
+        state alone, and the passthrough updates of the other parameters."""
+        p_leaves, treedef = jax.tree.flatten(params)
+        m_leaves = treedef.flatten_up_to(new_state.master)
+        rounded = _round_masters(m_leaves, p_leaves, new_state.seed, new_state.count)
+        others = iter(passthrough)
+        return treedef.unflatten(
+            [next(others) if is_masked(n) else _delta(n, p, master_dtype)
+             for p, n in zip(p_leaves, rounded)])
+
+    def update_fn(updates, state, params=None, **extra_args):
+        new_state, passthrough = advance(updates, state, params, **extra_args)
+        return finish(params, new_state, passthrough), new_state
+
+    # A loss-scale wrapper runs ``advance`` under its skip ``lax.cond`` and ``finish`` after
+    # it (see ``fmtkit.optim._loss_scale``): the parameter-sized deltas then never leave the
+    # cond as separate buffers, and XLA fuses them into ``optax.apply_updates``.
+    update_fn.fmtkit_split = (advance, finish)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

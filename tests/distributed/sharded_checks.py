@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from fmtkit import fp8, optim, with_policy
 from fmtkit.distributed import reduce_gradients
-from studies.bench_multiprocess import all_reduces
+from studies.bench.multiprocess import all_reduces
 
 warnings.simplefilter("error")
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -72,7 +72,7 @@ def test_bench_counts_all_reduces_and_their_bytes():
     """``fmtkit bench multiprocess`` reads what a step communicates from its HLO: a combined
     all-reduce counts once with all its operands; other instructions, and all-reduces inside
     a conditional's branches (run only when taken), are not counted."""
-    from studies.bench_multiprocess import all_reduces
+    from studies.bench.multiprocess import all_reduces
 
     hlo = """
 %boot_spmd (p: (f32[])) -> (f32[]) {

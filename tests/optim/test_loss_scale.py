@@ -2,6 +2,7 @@
 state round trips, composition, bad input."""
 
 import math
+import re
 import warnings
 
 import jax
@@ -467,3 +468,71 @@ def test_hyperparameters_are_keyword_only():
         optim.adamw(1e-3, 0.9)
     with pytest.raises(TypeError):
         optim.loss_scale(optax.sgd(1.0).init(jnp.zeros(1)), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# master_weights under a loss scaler: the deltas are computed after the skip cond (speed), with
+# the same results as computing them inside it
+
+
+def _one_part(opt):
+    """``opt`` with its update hidden behind a plain function: the loss scaler then runs the
+    whole inner update under its cond (the general path)."""
+    return optax.GradientTransformationExtraArgs(opt.init, lambda *a, **k: opt.update(*a, **k))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_master_weights_deltas_after_the_cond_equal_the_one_part_path(rounding):
+    params = {"w": jnp.linspace(-1, 1, 24, dtype=jnp.bfloat16).reshape(4, 6),
+              "h": jnp.linspace(-2, 3, 5, dtype=jnp.float16), "n": jnp.ones(4, jnp.float32)}
+    results = []
+    for wrap in (lambda o: o, _one_part):
+        mw = wrap(optim.master_weights(optim.adamw(1e-2), rounding=rounding, seed=3))
+        opt = optim.dynamic_loss_scale(mw, init_scale=2.0**10, growth_interval=3)
+        p, state, step, trace = params, opt.init(params), _step_fn(opt), []
+        for i in range(8):
+            g = jax.tree.map(lambda x, v=0.3 * (i + 1): jnp.full(x.shape, v, x.dtype), p)
+            if i == 4:  # an overflow: a skipped step in the middle
+                g = dict(g, h=g["h"].at[1].set(jnp.inf))
+            p, state, updates = step(p, state, g)
+            trace.append(_bits((p, state, updates)))
+        results.append(trace)
+    assert results[0] == results[1]
+
+
+def test_skipped_step_returns_zeros_when_params_differ_from_round_master():
+    # Parameters changed behind the optimizer's back: round(master) - p is not zero, yet a
+    # skipped step must still return exact zeros (the deltas are selected, not recomputed).
+    params = {"w": jnp.linspace(-1, 1, 16, dtype=jnp.bfloat16), "n": jnp.ones(4, jnp.float32)}
+    opt = optim.dynamic_loss_scale(optim.master_weights(optax.sgd(1e-2)))
+    state = opt.init(params)
+    moved = {"w": params["w"] + jnp.bfloat16(0.25), "n": params["n"]}
+    bad = {"w": jnp.full(16, jnp.nan, jnp.bfloat16), "n": jnp.ones(4, jnp.float32)}
+    updates, new_state = jax.jit(opt.update)(bad, state, moved)
+    assert bool(new_state.last_step_skipped)
+    assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+    assert _bits(new_state.inner_state) == _bits(state.inner_state)
+
+
+def _param_sized_copies(opt, params, grads) -> int:
+    """``copy`` instructions of a parameter's shape in the compiled, donated step."""
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optim.add_updates(params, updates), state
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, opt.init(params), grads).compile()
+    return sum(1 for line in compiled.as_text().splitlines()
+               if re.search(r"\[96,80\]\S* copy\(", line))
+
+
+def test_compiled_master_weights_step_has_no_parameter_sized_copy():
+    # dynamic_loss_scale(master_weights(adamw)), donated: the skip branch returns the state
+    # as it is and no delta buffer, so XLA copies nothing parameter-sized (issue 22).
+    params = {f"w{i}": jnp.full((96, 80), 0.5, jnp.bfloat16) for i in range(3)}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 8.0, jnp.bfloat16), params)
+    mw = optim.master_weights(optim.adamw(1e-3))
+    assert _param_sized_copies(optim.dynamic_loss_scale(mw), params, grads) == 0
+    # Negative control: the whole inner update under the cond (its skip branch returns
+    # parameter-sized zeros) makes XLA copy them.
+    assert _param_sized_copies(optim.dynamic_loss_scale(_one_part(mw)), params, grads) > 0

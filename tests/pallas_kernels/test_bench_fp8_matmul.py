@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from pallas_kernels import gpu_check
-from studies import bench_fp8_matmul
+from studies.bench import fp8_matmul as bench_fp8_matmul
 
 no_gpu = pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the no-GPU path")
 

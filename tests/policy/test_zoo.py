@@ -14,6 +14,7 @@ must match counts made by hand), so a checker that cannot fail is caught.
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 
 import jax
@@ -59,6 +60,15 @@ def _trace(case, model, *, warmup=False):
         warnings.simplefilter("always")
         traced = zoo.trace(case, model, warmup=warmup)
     return traced, [str(w.message) for w in caught]
+
+
+@functools.cache
+def _cached_trace(name, preset=None):
+    """The traced training step of a zoo case, unwrapped (``preset=None``) or under a preset,
+    shared by every test that reads it (built and traced once per worker)."""
+    case = zoo.CASES[name]
+    model = case.build() if preset is None else _wrap(case, preset)
+    return _trace(case, model, warmup=preset == "fp8-delayed")
 
 
 def _roles(found):
@@ -221,25 +231,15 @@ def test_compute_fraction_and_fp8_flag():
 
 
 # ---------------------------------------------------------------------------------------------
-# The zoo itself: every model trains unwrapped, and the checkers read its roles right
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", CASES)
-def test_zoo_model_trains_unwrapped(name):
-    case = zoo.CASES[name]
-    losses, _ = zoo.sgd_train(case, case.build())
-    assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
-    if case.api == "nnx":  # the users' way gives the same steps
-        np.testing.assert_allclose(zoo.nnx_optimizer_train(case, case.build()), losses,
-                                   rtol=1e-5)
+# The checkers read the unwrapped zoo's roles right (that every zoo model trains is shown by the
+# preset tests below: "fp32" equals the unwrapped model exactly and trains)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_checker_finds_every_role_in_the_unwrapped_zoo(name):
     case = zoo.CASES[name]
-    traced, _ = _trace(case, case.build())
+    traced, _ = _cached_trace(name)
     found = traced.matmuls(case.head_size)
     roles = _roles(found)
     assert roles["fwd"] == case.n_projections and roles["wgrad"] == case.n_projections
@@ -260,7 +260,7 @@ def test_checker_finds_every_role_in_the_unwrapped_zoo(name):
 @pytest.mark.parametrize("name", CASES)
 def test_mixed_preset_op_level_dtypes(name, preset):
     case = zoo.CASES[name]
-    traced, _ = _trace(case, _wrap(case, preset))
+    traced, _ = _cached_trace(name, preset)
     assert non_f32_transcendentals(traced.train) == []
     assert low_precision_reductions(traced.forward) == []
     found = traced.matmuls(case.head_size)
@@ -312,7 +312,7 @@ def test_nnx_policied_module_trains_the_original_variables():
 @pytest.mark.parametrize("name", CASES)
 def test_fp8_preset_matmul_roles(name, preset):
     case = zoo.CASES[name]
-    traced, caught = _trace(case, _wrap(case, preset), warmup=preset == "fp8-delayed")
+    traced, caught = _cached_trace(name, preset)
     found = traced.matmuls(case.head_size)
     roles = _roles(found)
     assert roles["fwd"] >= case.n_projections and roles["wgrad"] >= case.n_projections
@@ -344,6 +344,13 @@ def _train_wrapped(case, preset, steps=5):
     return losses, diff
 
 
+@functools.cache
+def _cached_losses(name, preset):
+    """Losses of five training steps of a zoo case under a preset, shared by the tests that
+    train the same pair (the FP8 pairs and the stacked-layer presets)."""
+    return tuple(_train_wrapped(zoo.CASES[name], preset)[0])
+
+
 # Training compiles and runs each model: every model trains under two FP8 presets and every
 # preset under four models (the matmul-role test above traces every pair).
 TRAIN_PAIRS = [(name, FP8_PRESETS[(i + shift) % len(FP8_PRESETS)])
@@ -354,7 +361,7 @@ TRAIN_PAIRS = [(name, FP8_PRESETS[(i + shift) % len(FP8_PRESETS)])
 @pytest.mark.parametrize(("name", "preset"), TRAIN_PAIRS)
 def test_fp8_preset_trains_on_sizes_not_multiple_of_128(name, preset):
     case = zoo.CASES[name]
-    losses, _ = _train_wrapped(case, preset)
+    losses = _cached_losses(name, preset)
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
 
 
@@ -383,9 +390,24 @@ def test_blocked_fp8_presets_are_fp8_on_multiples_of_128(preset):
 # "fp32": exactly the unwrapped model; one trace for three steps
 
 
+def _counted_sgd_step(loss_fn, traces):
+    """A jitted SGD step that also returns the loss and the parameter gradients, and records
+    each trace in ``traces``."""
+    @jax.jit
+    def step(diff, aux, data):
+        traces.append(1)
+        (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(diff, aux, data)
+        params = jax.tree.map(lambda p, g: p - 0.01 * g, diff["params"], g["params"])
+        return {**diff, "params": params}, aux, loss, g["params"]
+
+    return step
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
-def test_fp32_preset_equals_unwrapped_exactly(name):
+def test_fp32_preset_equals_unwrapped_exactly_and_traces_once(name):
+    # One compiled step per model: its first call gives the loss and gradients compared with
+    # the unwrapped model's, bit for bit; three calls with evolving state trace it once.
     case = zoo.CASES[name]
     plain = case.build()
     wrapped = with_policy(plain, "fp32")
@@ -399,57 +421,45 @@ def test_fp32_preset_equals_unwrapped_exactly(name):
         assert jax.tree.structure(diff_w) == jax.tree.structure(diff)
         assert jax.tree.structure(aux_w) == jax.tree.structure(aux)
         inputs = ((fwd_p, diff, aux), (fwd_w, diff, aux))
-    data = zoo.batch(case)
-    results = []
+    results, traces, losses = [], [], []
     for fwd, d, a in inputs:
-        vg = jax.jit(jax.value_and_grad(zoo.training_loss(fwd), has_aux=True))
-        (loss, _), grads = vg(d, a, data)
-        results.append(jax.tree.leaves((loss, grads["params"])))
+        traces.clear()
+        step = _counted_sgd_step(zoo.training_loss(fwd), traces)
+        d, a, loss, grads = step(d, a, zoo.batch(case))
+        results.append(jax.tree.leaves((loss, grads)))
+    for i in (1, 2):  # the wrapped step, again, with the state it returned
+        d, a, loss, _ = step(d, a, zoo.batch(case, i))
+        losses.append(float(loss))
     assert len(results[0]) == len(results[1])
     for a, b in zip(*results):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(traces) == 1 and np.all(np.isfinite(losses))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", CASES)
-def test_fp32_jitted_step_traces_once(name):
+@pytest.mark.parametrize("name", [n for n, c in zoo.CASES.items() if c.api == "nnx"])
+def test_fp32_nnx_optimizer_step_traces_once(name):
+    # The users' NNX step (nnx.jit, nnx.value_and_grad, nnx.Optimizer), counted.
+    import optax
+
     case = zoo.CASES[name]
     wrapped = with_policy(case.build(), "fp32")
     traces = []
-    if case.api == "nnx":
-        # The users' NNX step (nnx.jit, nnx.value_and_grad, nnx.Optimizer), counted.
-        import optax
+    opt = nnx.Optimizer(wrapped, optax.sgd(0.01), wrt=nnx.Param)
 
-        opt = nnx.Optimizer(wrapped, optax.sgd(0.01), wrt=nnx.Param)
+    @nnx.jit
+    def nnx_step(model, opt, data):
+        traces.append(1)
 
-        @nnx.jit
-        def nnx_step(model, opt, data):
-            traces.append(1)
+        def loss(m):
+            kw = {"rngs": nnx.Rngs(dropout=data["key"])} if case.call_rngs else {}
+            return zoo.xent(m(*data["inputs"], **kw), data["labels"])
 
-            def loss(m):
-                kw = {"rngs": nnx.Rngs(dropout=data["key"])} if case.call_rngs else {}
-                return zoo.xent(m(*data["inputs"], **kw), data["labels"])
+        value, grads = nnx.value_and_grad(loss)(model)
+        opt.update(model, grads)
+        return value
 
-            value, grads = nnx.value_and_grad(loss)(model)
-            opt.update(model, grads)
-            return value
-
-        losses = [float(nnx_step(wrapped, opt, zoo.batch(case, i))) for i in range(3)]
-    else:
-        fwd, diff, aux = zoo.functional(case, wrapped)
-        loss_fn = zoo.training_loss(fwd)
-
-        @jax.jit
-        def step(diff, aux, data):
-            traces.append(1)
-            (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(diff, aux, data)
-            params = jax.tree.map(lambda p, g: p - 0.01 * g, diff["params"], g["params"])
-            return {**diff, "params": params}, aux, loss
-
-        losses = []
-        for i in range(3):
-            diff, aux, loss = step(diff, aux, zoo.batch(case, i))
-            losses.append(float(loss))
+    losses = [float(nnx_step(wrapped, opt, zoo.batch(case, i))) for i in range(3)]
     assert len(traces) == 1 and np.all(np.isfinite(losses))
 
 
@@ -466,7 +476,9 @@ def test_stacked_layers_train_under_every_preset(name, preset):
         # The histories are per layer: the stack carries them along its layer axis.
         case = zoo.dataclasses.replace(case, build=lambda: zoo.ScanLm(
             variable_axes=(("params", 0), ("fp8_state", 0))))
-    losses, _ = _train_wrapped(case, preset)
+        losses, _ = _train_wrapped(case, preset)
+    else:
+        losses = _cached_losses(name, preset)
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
 
 
@@ -523,7 +535,7 @@ def test_nnx_scan_has_one_delayed_history_per_layer():
     size = _fp8_state_size(nnx.state(unrolled, fp8_type)) if fp8_type else 0
     assert size > 0
     assert _fp8_state_size(nnx.state(stacked, fp8_type)) == size
-    losses, _ = _train_wrapped(case, "fp8-delayed")
+    losses = _cached_losses("nnx_scan", "fp8-delayed")
     assert losses[-1] < 0.9 * losses[0]
 
 
@@ -580,7 +592,7 @@ def test_inspect_policy_nnx_cnn_training_mode_with_rngs_argument():
     model = _wrap(case, "bf16-mixed")
     report = inspect_policy(model, *case.inputs, nnx.Rngs(dropout=1),
                             loss_fn=lambda logits: zoo.xent(logits, case.labels))
-    traced, _ = _trace(case, model)
+    traced, _ = _cached_trace("nnx_cnn", "bf16-mixed")
     _check_report_agrees(report, traced, case)
     assert report.modules["linear2"].head  # the classifier is the head, by role
 
@@ -591,7 +603,7 @@ def test_inspect_policy_nnx_scan_stack_with_batchnorm():
     model = _wrap(case, "bf16-mixed")
     report = inspect_policy(model, *case.inputs,
                             loss_fn=lambda logits: zoo.xent(logits, case.labels))
-    traced, _ = _trace(case, model)
+    traced, _ = _cached_trace("nnx_scan", "bf16-mixed")
     _check_report_agrees(report, traced, case)
 
 
@@ -600,7 +612,7 @@ def test_inspect_policy_linen_fp8_delayed_default_arguments():
     case = zoo.CASES["linen_lm1b"]
     model = _wrap(case, "fp8-delayed")
     report = inspect_policy(model, *case.inputs)  # variables, loss: defaults
-    traced, _ = _trace(case, model)
+    traced, _ = _cached_trace("linen_lm1b", "fp8-delayed")
     found = traced.matmuls(case.head_size)
     fp8_fwd = _my_pairs(found, ("fwd",))
     assert fp8_fwd and all(jnp.dtype(d).itemsize == 1 for pair in fp8_fwd for d in pair)

@@ -819,7 +819,8 @@ def _warm_up(case: Case, model: nnx.Module) -> None:
     model(*case.inputs, **kw)
 
 
-def functional(case: Case, model: Any, *, key: int = 0, warmup: bool = False):
+def functional(case: Case, model: Any, *, key: int = 0, warmup: bool = False,
+               abstract: bool = False):
     """``(forward, diff, aux)``: the training-mode forward pass as a pure function of pytrees.
 
     ``forward(diff, aux, batch) -> (logits, new_aux)``. ``diff`` is ``{"params": ...,
@@ -828,12 +829,18 @@ def functional(case: Case, model: Any, *, key: int = 0, warmup: bool = False):
     ``aux`` is the rest of the state (linen ``batch_stats``; NNX batch statistics and rng
     counters), updated by training-mode calls. ``model`` is the unwrapped or wrapped model
     (for "jax": the apply function). ``warmup``: NNX: call the model once first (delayed FP8).
+    ``abstract``: linen and "jax": ``diff`` and ``aux`` as ``jax.ShapeDtypeStruct``s (enough
+    to trace; nothing is compiled or run).
     """
     if case.api == "linen":
         kw = dict(case.train_kwargs)
         rngs = {"params": jax.random.key(key), **{n: jax.random.key(key + 1)
                                                    for n in case.rng_names}}
-        variables = model.init(rngs, *case.inputs, **kw)
+        init = functools.partial(model.init, **kw)
+        if abstract:  # shapes and dtypes only: nothing is compiled or run
+            variables = jax.eval_shape(init, rngs, *case.inputs)
+        else:  # jitted: one compile instead of an eager dispatch (and a compile) per operation
+            variables = jax.jit(init)(rngs, *case.inputs)
         diff = {"params": variables["params"], "fp8_state": variables.get("fp8_state", {})}
         aux = {k: v for k, v in variables.items() if k not in diff}
 
@@ -864,7 +871,8 @@ def functional(case: Case, model: Any, *, key: int = 0, warmup: bool = False):
 
         return forward, {"params": params, "fp8_state": fp8}, aux
 
-    params = case.init_params(jax.random.key(key))
+    init = case.init_params
+    params = jax.eval_shape(init, jax.random.key(key)) if abstract else init(jax.random.key(key))
     # A policied function under a delayed FP8 recipe takes its amax histories explicitly.
     init_fp8 = getattr(model, "init_fp8_state", lambda *a: {})
     fp8 = init_fp8(params, *case.inputs)
@@ -911,7 +919,7 @@ def trace(case: Case, model: Any, *, warmup: bool = False) -> Traced:
     """
     from jaxpr_utils import COTANGENT, DATA, PARAM, label_eqns
 
-    forward, diff, aux = functional(case, model, warmup=warmup)
+    forward, diff, aux = functional(case, model, warmup=warmup, abstract=True)
     loss_fn = training_loss(forward)
     data = batch(case)
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from studies import bench_fp8_step
+from studies.bench import fp8_step as bench_fp8_step
 
 
 @pytest.mark.slow  # about a minute on 2 cores: 16 train steps to compile

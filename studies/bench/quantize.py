@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from fmtkit.scaling import BlockScaling, qdq
-from studies._bench import time_interleaved, write_results
+from studies.bench._timing import time_interleaved, write_results
 
 
 def main(argv: list[str] | None = None) -> int:

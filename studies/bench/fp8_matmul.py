@@ -1,7 +1,7 @@
 """Benchmark: the blockwise FP8 Pallas kernel vs XLA's bf16 matmul vs the pure-JAX reference.
 
     fmtkit bench fp8-matmul [--shapes 4096x4096x4096,...] [--repeats 20] [--out DIR]
-    python -m studies.bench_fp8_matmul
+    python -m studies.bench.fp8_matmul
 
 On a Hopper GPU, for each MxNxK: TFLOP/s of ``blockwise_fp8_matmul`` (FP8 operands, 1x128
 and 128x128 scales, bf16 out), of ``jnp.dot`` on bf16 operands (XLA/cuBLAS, bf16 out) and of
@@ -25,7 +25,7 @@ import argparse
 import jax
 
 from pallas_kernels.bench import DEFAULT_SHAPES, bench_shape, make_operands, parse_shapes
-from studies._bench import write_results
+from studies.bench._timing import write_results
 
 __all__ = ["DEFAULT_SHAPES", "bench_shape", "main", "make_operands", "parse_shapes"]
 

@@ -1,10 +1,11 @@
 """The fmtkit CLI: format table, inspect, bench listing, and errors."""
 
 import json
+import os
 
 import pytest
 
-from studies.cli import main
+from studies.cli import exact_low_precision_flags, main
 
 
 def test_formats_json(capsys):
@@ -57,10 +58,15 @@ def test_python_dash_m_runs_the_cli():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "studies.cli", "inspect", "1", "-f", "e4m3",
                           "--json"], cwd=root, capture_output=True, text=True, timeout=120,
                          check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     (rec,) = json.loads(out.stdout)
     assert rec["bits"] == "0 0111 000"  # 1.0 in e4m3fn: exponent = bias 7, mantissa 0
+
+def test_cli_sets_the_flag(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    exact_low_precision_flags()
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_allow_excess_precision=false"

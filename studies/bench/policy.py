@@ -34,7 +34,7 @@ from flax import nnx
 
 from fmtkit.policy import with_policy
 from studies import models
-from studies._bench import time_interleaved, write_results
+from studies.bench._timing import time_interleaved, write_results
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
 

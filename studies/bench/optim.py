@@ -6,21 +6,25 @@
   optax.adamw(1e-3)))`` and ``optax.apply_updates``.
 * ``optax_f32`` (the baseline): f32 parameters and gradients, ``optax.adamw(1e-3)`` and
   ``optax.apply_updates``.
-* ``jmp_select`` / ``jmp_cond`` (only if ``jmp`` is importable; ``pip install jmp==0.0.4``):
-  the same step written by hand with ``jmp.DynamicLossScale``, an f32 master copy and
-  ``jmp.select_tree`` (or ``lax.cond``) to skip non-finite steps.
+* ``jmp_select`` / ``jmp_cond``: the same step composed as jmp's README documents it
+  (``jmp.DynamicLossScale``: unscale the gradients in their own dtype, ``jmp.all_finite``,
+  ``adjust``, the optimizer on an f32 master copy, ``jmp.select_tree`` to keep the old state
+  on a non-finite step; ``jmp_cond`` skips with ``lax.cond`` instead). jmp is not a
+  dependency: the few lines of jmp 0.0.4 it uses are written out here (``_JmpLossScale``).
 
 Every step is jitted with the parameters and optimizer state donated and runs on the same
-gradient tree (finite, so every step applies). Timing: alternating runs after warm-up,
-``block_until_ready``, median of ``--repeats``; fmtkit and the baseline are timed together
-first, then the jmp versions with the baseline again (each ratio is against the baseline of
-its own phase). Target (issue 4): fmtkit / optax_f32 <= 1.3x
-on CPU; the ratio printed last.
+gradient tree (finite, so every step applies). For each step the compiled HLO is read for
+``copy`` instructions of a parameter's shape (``copies``: buffers XLA duplicates per step).
+Timing: alternating runs after warm-up, ``block_until_ready``, median of ``--repeats``;
+fmtkit and the baseline are timed together first, then the jmp versions with the baseline
+again (each ratio is against the baseline of its own phase). Target (issue 22): fmtkit /
+optax_f32 <= 1.3x on CPU; the ratio printed last.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from fmtkit import optim
-from studies._bench import time_interleaved, write_results
+from studies.bench._timing import time_interleaved, write_results
 
 _LR = 1e-3
 _SCALE = 2.0**16  # the scale the gradients were computed with (GradScaler's default init)
@@ -58,13 +62,45 @@ def _optax_step(opt: optax.GradientTransformation) -> Callable:
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def _jmp_step(opt: optax.GradientTransformation, use_cond: bool) -> Callable:
-    import jmp
+class _JmpLossScale:
+    """jmp 0.0.4's ``DynamicLossScale`` (period 2000, factor 2, min scale 1), its
+    ``all_finite`` and ``select_tree``, written out: the composition jmp documents."""
 
+    def __init__(self, loss_scale: jax.Array, counter: jax.Array | None = None):
+        self.loss_scale = loss_scale
+        self.counter = jnp.zeros([], jnp.int32) if counter is None else counter
+
+    def unscale(self, tree: Any) -> Any:  # in the gradients' own dtype, as jmp does
+        inv = 1 / self.loss_scale
+        return jax.tree.map(lambda x: x * inv.astype(x.dtype), tree)
+
+    def adjust(self, finite: jax.Array) -> _JmpLossScale:
+        period, factor = 2000, 2
+        grown = jnp.where(self.counter == period - 1, self.loss_scale * factor, self.loss_scale)
+        scale = jnp.where(finite, grown,
+                          jnp.maximum(jnp.float32(1), self.loss_scale / factor))
+        counter = ((self.counter + 1) % period) * finite.astype(jnp.int32)
+        return _JmpLossScale(scale, counter)
+
+    @staticmethod
+    def all_finite(tree: Any) -> jax.Array:
+        return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]).all()
+
+    @staticmethod
+    def select_tree(pred: jax.Array, a: Any, b: Any) -> Any:
+        return jax.tree.map(lambda x, y: jax.lax.select(pred, x, y), a, b)
+
+
+jax.tree_util.register_pytree_node(
+    _JmpLossScale, lambda s: ((s.loss_scale, s.counter), None),
+    lambda _, leaves: _JmpLossScale(*leaves))
+
+
+def _jmp_step(opt: optax.GradientTransformation, use_cond: bool) -> Callable:
     def step(params, state, grads):
         master, opt_state, scale = state
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), scale.unscale(grads))
-        finite = jmp.all_finite(grads)
+        finite = _JmpLossScale.all_finite(grads)
         new_scale = scale.adjust(finite)
 
         def apply(operand):
@@ -75,11 +111,19 @@ def _jmp_step(opt: optax.GradientTransformation, use_cond: bool) -> Callable:
         if use_cond:
             master, opt_state = jax.lax.cond(finite, apply, lambda o: o, (master, opt_state))
         else:
-            master, opt_state = jmp.select_tree(finite, apply((master, opt_state)),
-                                                (master, opt_state))
+            master, opt_state = _JmpLossScale.select_tree(
+                finite, apply((master, opt_state)), (master, opt_state))
         params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
         return params, (master, opt_state, new_scale)
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+def param_sized_copies(runner: _Runner) -> int:
+    """``copy`` instructions of any parameter's shape in the runner's compiled step."""
+    shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves(runner.params)}
+    text = runner.step.lower(runner.params, runner.state, runner.grads).compile().as_text()
+    found = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", text)
+    return sum(1 for shape in found if shape in shapes)
 
 
 class _Runner:
@@ -123,43 +167,41 @@ def main(argv: list[str] | None = None) -> int:
     pb = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
     runners = {"fmtkit": _Runner(_fmtkit_step(ours), pb, jax.jit(ours.init)(pb), scaled_bf16),
                "optax_f32": baseline()}
+    copies = {k: param_sized_copies(r) for k, r in runners.items()}
     times = time_interleaved(runners, args.repeats)
     ratios = {k: t / times["optax_f32"] for k, t in times.items()}
     del runners, pb
 
-    # Phase 2: the jmp versions against the baseline (separately, so that their larger
+    # Phase 2: the jmp compositions against the baseline (separately, so that their larger
     # working sets do not slow down the phase-1 measurement).
     jmp_note = "skipped (--no-jmp)"
     if not args.no_jmp:
-        try:
-            import jmp
-        except ImportError:
-            jmp_note = "skipped: jmp is not installed (pip install jmp==0.0.4)"
-            print(jmp_note)
-        else:
-            jmp_note = f"jmp {getattr(jmp, '__version__', '?')}"
-            runners = {"optax_f32": baseline()}
-            for name, use_cond in (("jmp_select", False), ("jmp_cond", True)):
-                pj = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
-                master = jax.tree.map(lambda x: x.astype(jnp.float32), pj)
-                state = (master, jax.jit(adamw.init)(master),
-                         jmp.DynamicLossScale(jnp.asarray(_SCALE, jnp.float32)))
-                runners[name] = _Runner(_jmp_step(adamw, use_cond), pj, state, scaled_bf16)
-            jtimes = time_interleaved(runners, args.repeats)
-            for name in ("jmp_select", "jmp_cond"):
-                times[name] = jtimes[name]
-                ratios[name] = jtimes[name] / jtimes["optax_f32"]
-            times["optax_f32_phase2"] = jtimes["optax_f32"]
-            ratios["optax_f32_phase2"] = 1.0
-            del runners
+        jmp_note = "jmp 0.0.4's composition, written out (studies/bench/optim.py)"
+        runners = {"optax_f32": baseline()}
+        for name, use_cond in (("jmp_select", False), ("jmp_cond", True)):
+            pj = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
+            master = jax.tree.map(lambda x: x.astype(jnp.float32), pj)
+            state = (master, jax.jit(adamw.init)(master),
+                     _JmpLossScale(jnp.asarray(_SCALE, jnp.float32)))
+            runners[name] = _Runner(_jmp_step(adamw, use_cond), pj, state, scaled_bf16)
+            copies[name] = param_sized_copies(runners[name])
+        jtimes = time_interleaved(runners, args.repeats)
+        for name in ("jmp_select", "jmp_cond"):
+            times[name] = jtimes[name]
+            ratios[name] = jtimes[name] / jtimes["optax_f32"]
+        times["optax_f32_phase2"] = jtimes["optax_f32"]
+        ratios["optax_f32_phase2"] = 1.0
+        copies["optax_f32_phase2"] = copies["optax_f32"]
+        del runners
 
     print(f"{n:,d} parameters ({len(jax.tree.leaves(p32))} leaves), median of "
           f"{args.repeats}, donated state, {jax.devices()[0].platform}")
     for k, t in times.items():
-        print(f"  {k:<11} {t * 1e3:9.2f} ms   {ratios[k]:5.2f}x")
+        print(f"  {k:<16} {t * 1e3:9.2f} ms   {ratios[k]:5.2f}x   "
+              f"{copies[k]} parameter-sized copies in the compiled step")
     file = write_results("optim", {"params": n, "width": args.width, "repeats": args.repeats,
                                    "seconds": times, "ratios_vs_optax_f32": ratios,
-                                   "jmp": jmp_note}, args.out)
+                                   "param_sized_copies": copies, "jmp": jmp_note}, args.out)
     print(f"wrote {file}")
     print(f"ratio fmtkit / optax_f32: {ratios['fmtkit']:.2f}x  (target <= 1.3x)")
     return 0

@@ -28,7 +28,7 @@ def _measure(devices: int, repeats: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from fmtkit import with_policy
-    from studies._bench import time_interleaved
+    from studies.bench._timing import time_interleaved
     from studies.models import TransformerConfig, TransformerLM, lm_loss
 
     cfg = TransformerConfig(d_model=128, num_heads=4, num_layers=2, d_ff=256, max_len=64)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
                             f" --xla_force_host_platform_device_count={args.devices}").strip()
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-        code = ("import json; from studies.bench_sharding import _measure; "
+        code = ("import json; from studies.bench.sharding import _measure; "
                 f"print(json.dumps(_measure({args.devices}, {args.repeats})))")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=env, check=False)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print(out.stderr[-3000:], file=sys.stderr)
             return 1
         res = json.loads(out.stdout.strip().splitlines()[-1])
-    from studies._bench import write_results
+    from studies.bench._timing import write_results
 
     print(f"bf16-mixed train step, global batch {res['global_batch']} x 64 tokens, "
           f"{res['devices']} devices")

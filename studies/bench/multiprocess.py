@@ -139,7 +139,7 @@ def _worker(setup: str, steps: int, out: str) -> None:
     from studies.training import distributed
 
     distributed.initialize_from_env()
-    from studies._bench import time_samples
+    from studies.bench._timing import time_samples
     from studies.train import TrainConfig, batch_at, load_data, make_train_step
     from studies.training.mesh import put_batch
 
@@ -184,7 +184,7 @@ def _run(setup: str, steps: int, processes: int) -> dict:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "r.json")
-        worker = [sys.executable, "-m", "studies.bench_multiprocess", "--worker", setup,
+        worker = [sys.executable, "-m", "studies.bench.multiprocess", "--worker", setup,
                   str(steps), out]
         if processes == 1:
             env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                         "and the range of the global cost")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from studies._bench import write_results
+    from studies.bench._timing import write_results
 
     rows = {}
     for s in args.setups:

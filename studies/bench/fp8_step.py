@@ -41,7 +41,7 @@ from flax.linen import fp8_ops
 
 from fmtkit import fp4, fp8
 from studies import models
-from studies._bench import time_interleaved, write_results
+from studies.bench._timing import time_interleaved, write_results
 
 DN = (((1,), (0,)), ((), ()))  # x [B, in] · w [in, out]
 TARGETS = {"current": 1.15, "delayed": 1.15, "rowwise": 1.15, "blockwise": 1.5, "mxfp8": 1.5}
