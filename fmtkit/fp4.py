@@ -35,7 +35,7 @@ Random Hadamard transform (arXiv 2509.25149 section 4.2, appendix C; TE ``hadama
 applied to each 16-wide tile of the contraction dimension of both weight-gradient operands:
 ``(a R)(b R)ᵀ = a bᵀ`` in exact arithmetic, while outliers are spread over 16 elements before
 FP4 quantization. One sign vector for every layer and the whole run (the paper's choice), drawn
-from ``FP4Recipe.rht_seed``: reproducible, and checkpointed with the recipe (a config field).
+from ``Fp4Recipe.rht_seed``: reproducible, and checkpointed with the recipe (a config field).
 
 Recipe per GEMM (Y = X Wᵀ; arXiv 2509.25149 section 4, TE ``NVFP4BlockScaling``)::
 
@@ -44,10 +44,10 @@ Recipe per GEMM (Y = X Wᵀ; arXiv 2509.25149 section 4, TE ``NVFP4BlockScaling`
                             backward see the same quantized weight)
     wgrad    dw = dyᵀ · x   both along the tokens, RHT-16 on both, dy 1x16 SR, x 1x16 RNE
 
-Every ingredient is a field of ``FP4Recipe``; the named variants are in ``RECIPES``.
+Every ingredient is a field of ``Fp4Recipe``; the named variants are in ``RECIPES``.
 
 Stochastic rounding keys. A GEMM has no step counter, so the key of each SR quantization is
-derived from ``FP4Recipe.sr_seed``, the operand's role, and a 32-bit hash of the operand's
+derived from ``Fp4Recipe.sr_seed``, the operand's role, and a 32-bit hash of the operand's
 bits: reproducible (same seed, same data: same rounding), different at every step and in every
 layer (different gradients), and nothing to thread or checkpoint beyond the seed.
 
@@ -80,8 +80,8 @@ from fmtkit.scaling import quantize as scaled_quantize
 
 __all__ = [
     "RECIPES",
-    "FP4Array",
-    "FP4Recipe",
+    "Fp4Array",
+    "Fp4Recipe",
     "dequantize",
     "dot_general_fn",
     "get_recipe",
@@ -103,7 +103,7 @@ _ROUNDINGS = ("nearest", "stochastic")
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class FP4Array:
+class Fp4Array:
     """E2M1 values with their block scales and tensor scale: ``x ≈ values * block_scale *
     tensor_scale`` (the block scale broadcast over its ``block`` of trailing dims).
 
@@ -127,10 +127,10 @@ class FP4Array:
         return ((v * s).reshape(self.values.shape) * self.tensor_scale).astype(dtype)
 
 
-def dequantize(q: FP4Array, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
+def dequantize(q: Fp4Array, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
     """``q.dequantize(dtype)``."""
-    if not isinstance(q, FP4Array):
-        raise TypeError(f"dequantize expects an FP4Array, got {type(q).__name__}.")
+    if not isinstance(q, Fp4Array):
+        raise TypeError(f"dequantize expects an Fp4Array, got {type(q).__name__}.")
     return q.dequantize(dtype)
 
 
@@ -184,7 +184,7 @@ def _round(v: jax.Array, rounding: str, key: jax.Array | None) -> jax.Array:
 def nvfp4_quantize(x: jax.typing.ArrayLike, block: tuple[int, ...] = (1, 16), *,
                    rounding: Literal["nearest", "stochastic"] = "nearest",
                    key: jax.Array | None = None,
-                   amax: jax.typing.ArrayLike | None = None) -> FP4Array:
+                   amax: jax.typing.ArrayLike | None = None) -> Fp4Array:
     """Quantizes ``x`` to NVFP4: E2M1 values, E4M3 block scales, an f32 tensor scale.
 
     The scale computation is the module docstring's (arXiv 2509.25149 appendix B, Transformer
@@ -199,7 +199,7 @@ def nvfp4_quantize(x: jax.typing.ArrayLike, block: tuple[int, ...] = (1, 16), *,
       amax: the tensor amax to use instead of ``max |x|`` (e.g. reduced over a mesh).
 
     Returns:
-      An ``FP4Array``.
+      An ``Fp4Array``.
 
     Raises:
       TypeError: x not floating. ValueError: a block that does not tile x, bad rounding.
@@ -223,13 +223,13 @@ def nvfp4_quantize(x: jax.typing.ArrayLike, block: tuple[int, ...] = (1, 16), *,
                       jnp.float32(_F32_MAX))
     v = _blocks(x.astype(jnp.float32), block) * _scale_view(enc, block)
     q = _round(v.reshape(x.shape), rounding, key)
-    return FP4Array(q, s_block, s_tensor, block)
+    return Fp4Array(q, s_block, s_tensor, block)
 
 
 def mxfp4_quantize(x: jax.typing.ArrayLike, block: int = 32, *,
                    scale_rounding: Literal["floor", "ceil", "even", "rceil"] = "rceil",
                    rounding: Literal["nearest", "stochastic"] = "nearest",
-                   key: jax.Array | None = None) -> FP4Array:
+                   key: jax.Array | None = None) -> Fp4Array:
     """Quantizes ``x`` to MXFP4: E2M1 values in ``block`` elements along the last axis with an
     E8M0 scale (``fmtkit.MXScaling``'s rules; "floor" is OCP MX v1.0's, "rceil" the default:
     the scale is rounded up, so no element saturates, as in the NVFP4 paper's MXFP4 runs).
@@ -241,7 +241,7 @@ def mxfp4_quantize(x: jax.typing.ArrayLike, block: int = 32, *,
       rounding, key: the element rounding ("nearest" or "stochastic" with ``key``).
 
     Returns:
-      An ``FP4Array`` (``tensor_scale`` 1).
+      An ``Fp4Array`` (``tensor_scale`` 1).
 
     Example:
       >>> q = mxfp4_quantize(jnp.full((1, 32), 7.0), scale_rounding="floor")
@@ -258,7 +258,7 @@ def mxfp4_quantize(x: jax.typing.ArrayLike, block: int = 32, *,
                     jnp.ldexp(jnp.float32(1.0), 127 - code))
     v = _blocks(x.astype(jnp.float32), blk) * _scale_view(inv, blk)
     q = _round(v.reshape(x.shape), rounding, key)
-    return FP4Array(q, sa.scale, jnp.float32(1.0), blk)
+    return Fp4Array(q, sa.scale, jnp.float32(1.0), blk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ def random_hadamard_transform(t: jax.typing.ArrayLike, *, seed: int = 0,
 
 def _tile(spec: str) -> tuple[int, int]:
     """(free, contraction) block of an FP4 tile: "mxB" -> (1, B), "AxB" -> (A, B) (the
-    syntax is checked by ``FP8Recipe``)."""
+    syntax is checked by ``Fp8Recipe``)."""
     if spec.startswith("mx"):
         return 1, int(spec[2:])
     f, _, c = spec.partition("x")
@@ -344,10 +344,10 @@ def _c_block(spec: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class FP4Recipe(fp8.FP8Recipe):
+class Fp4Recipe(fp8.Fp8Recipe):
     """An FP4 recipe for ``fmtkit.fp8.dot_general`` (and policies): every ingredient a field.
 
-    A subclass of ``fmtkit.fp8.FP8Recipe`` (so rules and policies take it wherever they take
+    A subclass of ``fmtkit.fp8.Fp8Recipe`` (so rules and policies take it wherever they take
     an FP8 recipe); tiles are given for a ``[free, contraction]`` operand as there.
 
     Attributes:
@@ -420,7 +420,7 @@ class FP4Recipe(fp8.FP8Recipe):
 
     def __str__(self) -> str:
         """The name, plus every field that differs from the named recipe of that name."""
-        base = RECIPES.get(self.name) or FP4Recipe()
+        base = RECIPES.get(self.name) or Fp4Recipe()
         diff = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
                 if f.name != "name" and getattr(self, f.name) != getattr(base, f.name)]
         return f"{self.name}({', '.join(diff)})" if diff else self.name
@@ -436,13 +436,13 @@ class FP4Recipe(fp8.FP8Recipe):
                         "with fmtkit.fp4.nvfp4_quantize / mxfp4_quantize.")
 
 
-_NV = FP4Recipe()
-RECIPES: dict[str, FP4Recipe] = {
+_NV = Fp4Recipe()
+RECIPES: dict[str, Fp4Recipe] = {
     "nvfp4": _NV,
     "nvfp4-no-rht": dataclasses.replace(_NV, name="nvfp4-no-rht", rht=False),
     "nvfp4-no-sr": dataclasses.replace(_NV, name="nvfp4-no-sr", grad_rounding="nearest"),
     "nvfp4-no-2d": dataclasses.replace(_NV, name="nvfp4-no-2d", w_tile="1x16"),
-    "mxfp4": FP4Recipe("mxfp4", x_tile="mx32", w_tile="mx32", grad_tile="mx32",
+    "mxfp4": Fp4Recipe("mxfp4", x_tile="mx32", w_tile="mx32", grad_tile="mx32",
                        block_scale="e8m0", rht_size=32),
 }
 """The named FP4 recipes: NVFP4 as the paper trains it, the variants without one ingredient
@@ -450,7 +450,7 @@ each (RHT, SR, 2D weight blocks) and MXFP4 (same ingredients, 32-blocks with E8M
 a 32-wide RHT, the paper's MXFP4 setting, section 5)."""
 
 
-def get_recipe(recipe: str | fp8.FP8Recipe) -> fp8.FP8Recipe:
+def get_recipe(recipe: str | fp8.Fp8Recipe) -> fp8.Fp8Recipe:
     """An FP4 recipe by name (``RECIPES``), else ``fmtkit.fp8.get_recipe``'s (FP8 names); a
     recipe object is returned as is. The error lists both sets of names."""
     if isinstance(recipe, str) and recipe in RECIPES:
@@ -468,7 +468,7 @@ def get_recipe(recipe: str | fp8.FP8Recipe) -> fp8.FP8Recipe:
 # zero block has scale 0 and zero values) and the result sliced back.
 
 
-def _sr_key(recipe: FP4Recipe, t: jax.Array, role: int) -> jax.Array:
+def _sr_key(recipe: Fp4Recipe, t: jax.Array, role: int) -> jax.Array:
     """A PRNG key from the seed, the operand's role and a 32-bit hash of its bits."""
     bits = lax.bitcast_convert_type(t.astype(jnp.float32), jnp.uint32).reshape(-1)
     weights = lax.iota(jnp.uint32, bits.size) * jnp.uint32(2654435761) | jnp.uint32(1)
@@ -477,8 +477,8 @@ def _sr_key(recipe: FP4Recipe, t: jax.Array, role: int) -> jax.Array:
     return jax.random.fold_in(key, h)
 
 
-def _quantize_operand(t: jax.Array, recipe: FP4Recipe, tile_spec: str, rounding: str,
-                      key_role: int) -> FP4Array:
+def _quantize_operand(t: jax.Array, recipe: Fp4Recipe, tile_spec: str, rounding: str,
+                      key_role: int) -> Fp4Array:
     """Quantizes a padded 2-D ``[free, contraction]`` operand per the recipe's tile."""
     f, c = _tile(tile_spec)
     key = _sr_key(recipe, t, key_role) if rounding == "stochastic" else None
@@ -520,7 +520,7 @@ def _on_blackwell() -> bool:
         k in getattr(device, "device_kind", "") for k in _BLACKWELL_KINDS)
 
 
-def _uses_scaled_matmul(recipe: FP4Recipe, a: FP4Array, b: FP4Array) -> bool:
+def _uses_scaled_matmul(recipe: Fp4Recipe, a: Fp4Array, b: Fp4Array) -> bool:
     """Whether this GEMM runs through ``jax.nn.scaled_matmul``: NVFP4 operands on a Blackwell
     GPU ("auto"), or anywhere with ``use_kernel="interpret"`` (JAX's own decomposition)."""
     if recipe.use_kernel == "never" or recipe.block_scale != "e4m3":
@@ -528,7 +528,7 @@ def _uses_scaled_matmul(recipe: FP4Recipe, a: FP4Array, b: FP4Array) -> bool:
     return recipe.use_kernel == "interpret" or _on_blackwell()
 
 
-def _gemm(a: FP4Array, b: FP4Array, recipe: FP4Recipe) -> jax.Array:
+def _gemm(a: Fp4Array, b: Fp4Array, recipe: Fp4Recipe) -> jax.Array:
     """f32 ``a [F1, C] · b [F2, C]ᵀ`` of two FP4 operands (see the module docstring)."""
     alpha = a.tensor_scale * b.tensor_scale
     if _uses_scaled_matmul(recipe, a, b):
@@ -544,12 +544,12 @@ def _gemm(a: FP4Array, b: FP4Array, recipe: FP4Recipe) -> jax.Array:
     return fp8.scaled_matmul(*wide) * alpha
 
 
-def _transpose(q: FP4Array, f_to: int, c_to: int) -> FP4Array:
+def _transpose(q: Fp4Array, f_to: int, c_to: int) -> Fp4Array:
     """The transpose of a square-blocked operand, zero-padded (zero blocks) to [f_to, c_to]."""
     bf = q.block[1]
     v = _pad2(q.values.T, f_to, c_to)
     s = _pad2(q.block_scale.T, f_to // bf, c_to // bf)
-    return FP4Array(v, s, q.tensor_scale, q.block[::-1])
+    return Fp4Array(v, s, q.tensor_scale, q.block[::-1])
 
 
 def _core_impl(recipe, x, w):
@@ -564,7 +564,7 @@ def _core_impl(recipe, x, w):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _core(recipe: FP4Recipe, out_dtype, x: jax.Array, w: jax.Array, hist: jax.Array
+def _core(recipe: Fp4Recipe, out_dtype, x: jax.Array, w: jax.Array, hist: jax.Array
           ) -> jax.Array:
     """``fmtkit.fp8``'s core signature; the emulated GEMMs return f32 (``out_dtype``, the
     consumer's dtype, is applied by the caller)."""
@@ -608,12 +608,12 @@ def _core_bwd(recipe, out_dtype, res, g):
 
 
 _core.defvjp(_core_fwd, _core_bwd)
-FP4Recipe.gemm_core = _core
+Fp4Recipe.gemm_core = _core
 
 
-def dot_general_fn(recipe: str | FP4Recipe = "nvfp4", *, name: str | None = None):
+def dot_general_fn(recipe: str | Fp4Recipe = "nvfp4", *, name: str | None = None):
     """``fmtkit.fp8.dot_general_fn`` for an FP4 recipe (a name from ``RECIPES`` or an
-    ``FP4Recipe``): a function with ``lax.dot_general``'s signature whose forward, dgrad and
+    ``Fp4Recipe``): a function with ``lax.dot_general``'s signature whose forward, dgrad and
     wgrad GEMMs take FP4 operands.
 
     Example:
@@ -624,7 +624,7 @@ def dot_general_fn(recipe: str | FP4Recipe = "nvfp4", *, name: str | None = None
     return fp8.dot_general_fn(get_recipe(recipe), name=name)
 
 
-def quantization_stats(t: jax.typing.ArrayLike, recipe: str | FP4Recipe = "nvfp4",
+def quantization_stats(t: jax.typing.ArrayLike, recipe: str | Fp4Recipe = "nvfp4",
                        operand: Literal["x", "w", "grad"] = "x") -> dict[str, jax.Array]:
     """What one GEMM operand loses to a recipe's FP4 quantization (telemetry, in-jit).
 
@@ -641,7 +641,7 @@ def quantization_stats(t: jax.typing.ArrayLike, recipe: str | FP4Recipe = "nvfp4
       quantized to 0).
     """
     recipe = get_recipe(recipe)
-    if not isinstance(recipe, FP4Recipe):
+    if not isinstance(recipe, Fp4Recipe):
         raise TypeError(f"quantization_stats needs an FP4 recipe, got {recipe.name!r}.")
     if operand not in ("x", "w", "grad"):
         raise ValueError(f"operand must be 'x', 'w' or 'grad', got {operand!r}.")

@@ -224,13 +224,13 @@ FP8Recipe = Fp8Recipe
 """The earlier spelling of ``Fp8Recipe`` (the same class), kept for existing code."""
 
 
-RECIPES: dict[str, FP8Recipe] = {
-    "current": FP8Recipe("current"),
-    "delayed": FP8Recipe("delayed", delayed=True),
-    "rowwise": FP8Recipe("rowwise", x_tile="row", w_tile="row", grad_tile="row"),
-    "blockwise": FP8Recipe("blockwise", grad_format="e4m3", x_tile="1x128",
+RECIPES: dict[str, Fp8Recipe] = {
+    "current": Fp8Recipe("current"),
+    "delayed": Fp8Recipe("delayed", delayed=True),
+    "rowwise": Fp8Recipe("rowwise", x_tile="row", w_tile="row", grad_tile="row"),
+    "blockwise": Fp8Recipe("blockwise", grad_format="e4m3", x_tile="1x128",
                            w_tile="128x128", grad_tile="1x128"),
-    "mxfp8": FP8Recipe("mxfp8", grad_format="e4m3", x_tile="mx32", w_tile="mx32",
+    "mxfp8": Fp8Recipe("mxfp8", grad_format="e4m3", x_tile="mx32", w_tile="mx32",
                        grad_tile="mx32"),
 }
 """The named recipes (see the module docstring)."""
@@ -267,7 +267,7 @@ layer); each layer's dot sees its own ``[3, history]`` slice.
 """
 
 
-def init_state(recipe: str | FP8Recipe = "delayed") -> Fp8DotState:
+def init_state(recipe: str | Fp8Recipe = "delayed") -> Fp8DotState:
     """A fresh (empty-history) state for one dot: ``amax_history`` f32[3, recipe.history]."""
     recipe = get_recipe(recipe)
     return Fp8DotState(jnp.zeros((3, recipe.history), jnp.float32))
@@ -351,7 +351,7 @@ _entry_points_loaded = False
 def register_gemm_backend(name: str, fn: Callable[..., jax.Array], *,
                           applies: Callable[[ScaledArray, ScaledArray], bool],
                           available: Callable[[], bool]) -> None:
-    """Registers a GEMM kernel for ``FP8Recipe.use_kernel`` "auto" / "interpret".
+    """Registers a GEMM kernel for ``Fp8Recipe.use_kernel`` "auto" / "interpret".
 
     Args:
       name: the backend's name (registering a name again replaces it).
@@ -430,7 +430,7 @@ def _pad2(t: jax.Array, f: int, c: int) -> jax.Array:
     return jnp.pad(t, ((0, pf), (0, pc))) if pf or pc else t
 
 
-def _scaling(tile: _Tile, recipe: FP8Recipe) -> Recipe | None:
+def _scaling(tile: _Tile, recipe: Fp8Recipe) -> Recipe | None:
     """The scaling recipe of a tile of a [free, contraction] operand (None: no scale)."""
     if tile.kind == "tensor":
         return TensorScaling(recipe.power_of_two, recipe.margin)
@@ -443,7 +443,7 @@ def _scaling(tile: _Tile, recipe: FP8Recipe) -> Recipe | None:
     return None
 
 
-def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: FP8Recipe,
+def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: Fp8Recipe,
               amax: jax.Array | None) -> ScaledArray:
     """Quantizes a 2-D [free, contraction] operand (already padded to its blocks)."""
     scaling = _scaling(tile, recipe)
@@ -455,7 +455,7 @@ def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: FP8Recipe,
     return ScaledArray(values, jnp.ones((1, 1), jnp.float32), f, TensorScaling())
 
 
-def _operand(t: jax.Array, fmt: str, tile: _Tile, recipe: FP8Recipe, amax: jax.Array | None,
+def _operand(t: jax.Array, fmt: str, tile: _Tile, recipe: Fp8Recipe, amax: jax.Array | None,
              c_to: int) -> ScaledArray:
     """Zero-pads ``t`` [F, C] to its free block and to ``c_to`` columns, then quantizes.
 
@@ -531,7 +531,7 @@ def limited_precision_matmul(a: jax.Array, b: jax.Array, *, mantissa_bits: int,
 _NT = (((1,), (1,)), ((), ()))  # a [F1, C] · b [F2, C]ᵀ
 
 
-def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe | None = None
+def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = None
                   ) -> jax.Array:
     """f32 ``a [F1, C] · b [F2, C]ᵀ`` of two quantized operands, scales applied per C-block.
 
@@ -625,7 +625,7 @@ def _rows(s: jax.Array, f: int) -> jax.Array:
     return jnp.broadcast_to(s[:, None, :], (s.shape[0], f // s.shape[0], n)).reshape(f, n)
 
 
-def _kernel_backend(recipe: FP8Recipe, a: ScaledArray, b: ScaledArray
+def _kernel_backend(recipe: Fp8Recipe, a: ScaledArray, b: ScaledArray
                     ) -> tuple[GemmBackend, str] | None:
     """The registered kernel and its ``impl`` for this GEMM, or None for ``scaled_matmul``."""
     if recipe.use_kernel == "never" or recipe.accum_mantissa_bits is not None:
@@ -686,7 +686,7 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _gemm(a: ScaledArray, b: ScaledArray, recipe: FP8Recipe, out_dtype=jnp.float32
+def _gemm(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe, out_dtype=jnp.float32
           ) -> jax.Array:
     found = _kernel_backend(recipe, a, b)
     if found is not None:
@@ -714,7 +714,7 @@ def _gemm_dtype(consumer_dtype) -> jnp.dtype:
 # the contraction axis (rows, 1x128 tiles, MX blocks) are quantized again from x / w / dy.
 
 
-def _amax(t: jax.Array, recipe: FP8Recipe) -> jax.Array:
+def _amax(t: jax.Array, recipe: Fp8Recipe) -> jax.Array:
     # In f32: XLA:CPU's whole-array max of a bf16 array runs several times slower.
     amax = jnp.max(jnp.abs(t.astype(jnp.float32)))
     for axis in recipe.amax_reduce_axes:
@@ -722,7 +722,7 @@ def _amax(t: jax.Array, recipe: FP8Recipe) -> jax.Array:
     return amax
 
 
-def _tensor_amax(recipe: FP8Recipe, tile: _Tile, hist_row: jax.Array, t: jax.Array,
+def _tensor_amax(recipe: Fp8Recipe, tile: _Tile, hist_row: jax.Array, t: jax.Array,
                  current: jax.Array) -> jax.Array | None:
     """The amax a per-tensor operand ``t`` is quantized with: for delayed recipes its
     history's (``t``'s own amax only before the first recorded step, computed under
@@ -738,12 +738,12 @@ def _c_to(c: int, *tiles: _Tile) -> int:
     return _round_up(c, math.lcm(*(max(t.c, 1) for t in tiles)))
 
 
-def _tiles(recipe: FP8Recipe) -> tuple[_Tile, _Tile, _Tile]:
+def _tiles(recipe: Fp8Recipe) -> tuple[_Tile, _Tile, _Tile]:
     return _tile(recipe.x_tile), _tile(recipe.w_tile), _tile(recipe.grad_tile)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _core(recipe: FP8Recipe, out_dtype, x: jax.Array, w: jax.Array, hist: jax.Array
+def _core(recipe: Fp8Recipe, out_dtype, x: jax.Array, w: jax.Array, hist: jax.Array
           ) -> jax.Array:
     return _core_fwd(recipe, out_dtype, x, w, hist)[0]
 
@@ -766,7 +766,7 @@ def _core_fwd(recipe, out_dtype, x, w, hist):
 
 
 def _backward_operand(res: jax.Array | ScaledArray, fmt: str, tile: _Tile,
-                      recipe: FP8Recipe, hist_row: jax.Array, amax: jax.Array, k: int,
+                      recipe: Fp8Recipe, hist_row: jax.Array, amax: jax.Array, k: int,
                       c_to: int) -> ScaledArray:
     """A forward operand ([F, K], saved by ``_core_fwd``) as a backward GEMM reads it,
     contracting F: its quantized forward value transposed where the tile allows, else the
@@ -927,7 +927,7 @@ def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precisi
         # answer, zeros of the output shape (empty, or a sum over nothing); no GEMM to run.
         y = jnp.zeros(out_shape, out_dtype)
     else:
-        # A recipe subclass may bring its own custom-VJP core (fmtkit.fp4.FP4Recipe).
+        # A recipe subclass may bring its own custom-VJP core (fmtkit.fp4.Fp4Recipe).
         core = functools.partial(getattr(type(recipe), "gemm_core", _core), recipe,
                                  _gemm_dtype(out_dtype))
         for _ in range(nbatch):

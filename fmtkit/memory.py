@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 from fmtkit.formats import get_format
-from fmtkit.fp4 import FP4Array
+from fmtkit.fp4 import Fp4Array
 from fmtkit.optim import MasterWeightsState
 
 __all__ = ["MemoryLedger", "ledger"]
@@ -96,7 +96,7 @@ class MemoryLedger:
 def _leaf_bytes(x: Any) -> int:
     """Bytes of one array as stored: sub-byte formats packed (two E2M1 values per byte, as
     Blackwell and the OCP MX spec store them; NumPy holds them one per byte)."""
-    if isinstance(x, FP4Array):
+    if isinstance(x, Fp4Array):
         return sum(_leaf_bytes(leaf) for leaf in jax.tree.leaves(x))
     dtype = x.dtype
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # typed PRNG keys
@@ -110,7 +110,7 @@ def _leaf_bytes(x: Any) -> int:
 
 
 def _is_fp4(x: Any) -> bool:
-    return isinstance(x, FP4Array)
+    return isinstance(x, Fp4Array)
 
 
 def _split_state(state: Any) -> tuple[list[Any], list[Any]]:
@@ -145,7 +145,7 @@ def ledger(params: Any, optimizer: optax.GradientTransformation | None = None, *
 
     Args:
       params: the parameter tree: arrays or ``jax.ShapeDtypeStruct`` (nothing is allocated),
-        or ``fmtkit.fp4.FP4Array`` leaves (FP4 storage: packed E2M1 values, 0.5 byte each,
+        or ``fmtkit.fp4.Fp4Array`` leaves (FP4 storage: packed E2M1 values, 0.5 byte each,
         plus their block scales and tensor scale; e.g. ``jax.eval_shape`` of
         ``fp4.nvfp4_quantize``): NVFP4 costs 0.5 + 1/16 bytes per parameter, MXFP4
         0.5 + 1/32. Their gradients and optimizer state take the full shape.

@@ -254,7 +254,7 @@ def _gemm_input_sqnr(cfg: TrainConfig, params: Any, data: np.ndarray,
     of ``params`` (the reference's seed 0 after training) on the batch after the last
     training step, flattened to [tokens, d_model]: its channel amax ratio, and the SQNR (dB)
     of its normal channels after bf16 rounding and after each FP8 setup's activation
-    quantization (``FP8Recipe.scaling("x")``; delayed as current: its history's amax is at
+    quantization (``Fp8Recipe.scaling("x")``; delayed as current: its history's amax is at
     least the current one). Shows whether the recipes differ where the regime acts, whatever
     the loss does.
     """

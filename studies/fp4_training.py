@@ -86,7 +86,7 @@ def _output_grads(cfg: TrainConfig, params: Any, tokens: jax.Array) -> dict[str,
     return out
 
 
-def _fp4_layers(name: str, cfg: TrainConfig, paths: list[str]) -> dict[str, fp4.FP4Recipe]:
+def _fp4_layers(name: str, cfg: TrainConfig, paths: list[str]) -> dict[str, fp4.Fp4Recipe]:
     """Module path -> FP4 recipe, for the setup's linear layers that run in FP4."""
     rules = setup_rules(get_setup(name), cfg)
     prefix, _ = find_stack(paths)  # the blocks' layers (the head is found by role, not path)
@@ -95,7 +95,7 @@ def _fp4_layers(name: str, cfg: TrainConfig, paths: list[str]) -> dict[str, fp4.
         if not path.startswith(prefix):
             continue
         pol = rules.resolve(path, ())
-        if pol is not None and isinstance(pol.fp8, fp4.FP4Recipe):
+        if pol is not None and isinstance(pol.fp8, fp4.Fp4Recipe):
             out[path] = pol.fp8
     return out
 

@@ -18,7 +18,7 @@ Recipes (``fmtkit.fp8.RECIPES``): ``current`` and ``delayed`` (per tensor, E4M3 
 E5M2 gradients), ``rowwise``, ``blockwise`` (DeepSeek: 1x128 activations and gradients,
 128x128 weights, E4M3 throughout), ``mxfp8`` (OCP MX: 32-element blocks, E8M0 scales) and
 ``blockwise-g128``: blockwise with the activation gradients quantized in 128x128 blocks like
-the weights (``FP8Recipe(grad_tile="128x128")``): the variant DeepSeek-V3 appendix B.2 found
+the weights (``Fp8Recipe(grad_tile="128x128")``): the variant DeepSeek-V3 appendix B.2 found
 to diverge a 16B MoE after ~300B tokens (token-correlated outliers in activation gradients
 need per-token 1x128 tiles). Its forward pass is the same as blockwise's; only the
 gradients differ. When both run, the paired gap blockwise-g128 minus blockwise is reported
@@ -36,7 +36,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from fmtkit.fp8 import RECIPES, FP8Recipe
+from fmtkit.fp8 import RECIPES, Fp8Recipe
 from fmtkit.policy import Policy, Rules, get_preset
 from studies import stats
 from studies._common import format_table, no_progress
@@ -46,7 +46,7 @@ from studies.training.config import TrainConfig
 __all__ = ["EXTRA_RECIPES", "G128_PAIR", "Config", "g128_verdict", "plot", "recipe_of", "run",
            "setup_of", "summarize"]
 
-EXTRA_RECIPES: dict[str, FP8Recipe] = {
+EXTRA_RECIPES: dict[str, Fp8Recipe] = {
     "blockwise-g128": dataclasses.replace(RECIPES["blockwise"], name="blockwise-g128",
                                           grad_tile="128x128"),
 }
@@ -59,7 +59,7 @@ G128_PAIR = ("blockwise", "blockwise-g128")
 candidate (128x128 activation-gradient blocks) worse, so a positive gap is its sign."""
 
 
-def recipe_of(name: str) -> FP8Recipe:
+def recipe_of(name: str) -> Fp8Recipe:
     """The FP8 recipe called ``name`` (``fmtkit.fp8.RECIPES`` or ``EXTRA_RECIPES``)."""
     if name in RECIPES:
         return RECIPES[name]

@@ -275,15 +275,15 @@ def test_non_finite_in_non_finite_out():
 
 def test_recipe_validation_and_names():
     with pytest.raises(ValueError, match="E2M1"):
-        fp4.FP4Recipe(x_format="e4m3")
+        fp4.Fp4Recipe(x_format="e4m3")
     with pytest.raises(ValueError, match="'mxB'"):
-        fp4.FP4Recipe(block_scale="e8m0")
+        fp4.Fp4Recipe(block_scale="e8m0")
     with pytest.raises(ValueError, match="'1xB' or 'BxB'"):
-        fp4.FP4Recipe(w_tile="16x32")
+        fp4.Fp4Recipe(w_tile="16x32")
     with pytest.raises(ValueError, match="grad_rounding"):
-        fp4.FP4Recipe(grad_rounding="up")
+        fp4.Fp4Recipe(grad_rounding="up")
     with pytest.raises(ValueError, match="rht_size"):
-        fp4.FP4Recipe(rht_size=12)
+        fp4.Fp4Recipe(rht_size=12)
     with pytest.raises(ValueError, match="FP4 recipes: nvfp4"):
         fp4.get_recipe("nvfp5")
     assert fp4.get_recipe("blockwise") is fp8.RECIPES["blockwise"]

@@ -195,15 +195,15 @@ def test_bad_recipes():
     with pytest.raises(ValueError, match="valid names: current, delayed"):
         fp8.get_recipe("fp8-magic")
     with pytest.raises(ValueError, match="unscaled gradients need E5M2's range"):
-        fp8.FP8Recipe(grad_format="e4m3", grad_tile="none")
+        fp8.Fp8Recipe(grad_format="e4m3", grad_tile="none")
     with pytest.raises(ValueError, match="is not a tiling"):
-        fp8.FP8Recipe(x_tile="1by128")
+        fp8.Fp8Recipe(x_tile="1by128")
     with pytest.raises(ValueError, match="not an FP8/FP6/FP4 format"):
-        fp8.FP8Recipe(x_format="bf16")
+        fp8.Fp8Recipe(x_format="bf16")
     with pytest.raises(ValueError, match="pass fp8_state"):
         fp8.dot_general("delayed")(jnp.ones((4, 4)), jnp.ones((4, 4)), DN)
     with pytest.raises(ValueError, match="use_kernel must be"):
-        fp8.FP8Recipe(use_kernel="always")  # type: ignore[arg-type]
+        fp8.Fp8Recipe(use_kernel="always")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="lhs must be a floating-point array"):
         fp8.dot_general("current")(jnp.ones((4, 4), jnp.int32), jnp.ones((4, 4)), DN)
 
@@ -472,9 +472,9 @@ def test_registered_backend_is_used_when_it_applies():
 def test_recipes_print_what_they_are():
     assert str(fp8.RECIPES["blockwise"]) == "blockwise"
     assert str(dataclasses.replace(fp8.RECIPES["blockwise"], margin=1)) == "blockwise(margin=1)"
-    custom = fp8.FP8Recipe(x_tile="row", power_of_two=True)
+    custom = fp8.Fp8Recipe(x_tile="row", power_of_two=True)
     assert str(custom) == "custom(x_tile='row', power_of_two=True)"
-    assert str(fp8.FP8Recipe()) == "custom"
+    assert str(fp8.Fp8Recipe()) == "custom"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,7 +571,7 @@ def test_block_scaled_dot_equals_the_emulated_mxfp8_gemms():
 @pytest.mark.parametrize("name,first_block_hit", [("current", True), ("rowwise", True),
                                                   ("blockwise", False), ("mxfp8", False)])
 def test_recipe_scaling_is_what_the_forward_gemm_reads_of_x(name, first_block_hit):
-    """``FP8Recipe.scaling("x")``: one outlier in column 0 of a [2, 256] activation sets the
+    """``Fp8Recipe.scaling("x")``: one outlier in column 0 of a [2, 256] activation sets the
     scale of everything that shares its tile: the whole tensor (current), its row (rowwise),
     only its 1x128 block (blockwise) or 32-block (mxfp8). The second 128 columns are checked
     against an independent E4M3 cast (ml_dtypes) of x * 448 / amax_of_their_tile."""
@@ -684,7 +684,7 @@ def test_delayed_inf_check_has_a_negative_control(monkeypatch):
 
 def test_unscaled_tile_keeps_inf():
     """A "none" tile (a plain saturating cast) turns inf into NaN, not into the format max."""
-    recipe = fp8.FP8Recipe(grad_tile="none", x_tile="none", w_tile="none")
+    recipe = fp8.Fp8Recipe(grad_tile="none", x_tile="none", w_tile="none")
     y = fp8.dot_general(recipe)(jnp.ones((4, 16)).at[1, 2].set(jnp.inf), jnp.ones((16, 4)), DN)
     assert np.isnan(np.asarray(y)[1]).all() and np.isfinite(np.asarray(y)[0]).all()
 
@@ -752,7 +752,7 @@ def test_dot_general_is_an_op_and_a_factory():
 
 
 def test_one_spelling_of_fp8_in_class_names():
-    assert fp8.Fp8Recipe is fp8.FP8Recipe  # the earlier name is an alias, not a second class
+    assert fp8.Fp8Recipe is fp8.Fp8Recipe  # the earlier name is an alias, not a second class
     assert fp8.Fp8Recipe.__name__ == "Fp8Recipe" and isinstance(fp8.RECIPES["current"],
                                                                  fp8.Fp8Recipe)
     assert "Fp8Recipe" in fp8.__all__ and "dot_general_fn" in fp8.__all__

@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "fmtkit.telemetry": {*CORE},
     "fmtkit.distributed": {*CORE},
     "fmtkit.fp8": {*CORE},
-    # FP4 recipes are FP8Recipe subclasses run by fp8's dot_general: fp4 -> fp8.
+    # FP4 recipes are Fp8Recipe subclasses run by fp8's dot_general: fp4 -> fp8.
     "fmtkit.fp4": {*CORE, "fmtkit.fp8"},
     "fmtkit.optim": {*CORE},
     # Policies place FP8 recipes on modules: policy -> fp8, never the reverse.

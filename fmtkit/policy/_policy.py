@@ -91,7 +91,7 @@ class Policy:
       anyway, and a ``grad_dtype`` wider than ``output_dtype`` changes nothing.
     * ``reduce_dtype``: the dtype in which parameter gradients are summed across data-parallel
       devices (``fmtkit.distributed``); defaults to ``param_dtype`` (gradients arrive in it).
-    * ``fp8``: an FP8 recipe (a name from ``fmtkit.fp8.RECIPES`` or an ``FP8Recipe``) for the
+    * ``fp8``: an FP8 recipe (a name from ``fmtkit.fp8.RECIPES`` or an ``Fp8Recipe``) for the
       module's matmul: Flax layers with a ``dot_general`` hook (linen ``Dense``,
       ``DenseGeneral``; NNX ``Linear``, ``LinearGeneral``) then run ``fmtkit.fp8.dot_general``
       on their compute-dtype operands. Other modules ignore it.
@@ -266,18 +266,18 @@ def cast_floating(tree: Any, dtype: Any, is_leaf: Any = None) -> Any:
 
 def _as_rule_value(value: Any, where: str) -> Policy:
     """Validates the value of a rule: a Policy, a policy string, or an FP8 recipe (an
-    ``FP8Recipe``), which means f32 params, bf16 compute and that recipe's matmuls."""
+    ``Fp8Recipe``), which means f32 params, bf16 compute and that recipe's matmuls."""
     from fmtkit import fp8 as _fp8
 
     if isinstance(value, Policy):
         return value
-    if isinstance(value, _fp8.FP8Recipe):
+    if isinstance(value, _fp8.Fp8Recipe):
         return Policy("float32", "bfloat16", fp8=value)
     if isinstance(value, str):
         return Policy.parse(value)
     raise TypeError(
         f"{where}: expected a Policy, a policy string like 'p=f32,c=bf16' or an "
-        f"fmtkit.fp8.FP8Recipe, got {type(value).__name__}.")
+        f"fmtkit.fp8.Fp8Recipe, got {type(value).__name__}.")
 
 
 _TYPE_PREFIX = "type:"

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Literal
 
 import fmtkit
-from fmtkit.fp8 import FP8Recipe
+from fmtkit.fp8 import Fp8Recipe
 from fmtkit.policy import Rules, as_rules
 
 __all__ = ["DEFAULT_SETUPS", "FP4_SETUPS", "SETUPS", "Setup", "get_setup"]
@@ -74,7 +74,7 @@ class Setup:
         """The policy as ``Rules``."""
         return as_rules(self.policy)
 
-    def fp8_recipes(self) -> tuple[FP8Recipe, ...]:
+    def fp8_recipes(self) -> tuple[Fp8Recipe, ...]:
         """The FP8 recipes the policy's rules use (empty for none)."""
         rules = self.rules()
         pols = [p for _, p in rules.rules] + [rules.default]

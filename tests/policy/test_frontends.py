@@ -262,7 +262,7 @@ def test_str_round_trips_a_customised_recipe():
     assert str(p) == "p=f32,c=bf16,o=bf16,g=bf16,fp8=delayed(history=16, margin=2)"
     back = Policy.parse(str(p))
     assert back == p and back.fp8 == recipe and back.fp8.history == 16
-    custom = fp8.FP8Recipe(name="mine", x_tile="1x128", w_tile="128x128", grad_tile="1x128")
+    custom = fp8.Fp8Recipe(name="mine", x_tile="1x128", w_tile="128x128", grad_tile="1x128")
     assert Policy.parse(str(Policy(fp8=custom))).fp8 == custom
     with pytest.raises(ValueError, match=r"unknown field.*histry"):
         Policy.parse("fp8=delayed(histry=16)")

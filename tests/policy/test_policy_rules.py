@@ -144,7 +144,7 @@ def test_rule_validation():
         def dot_general(self, *args):
             raise NotImplementedError
 
-    with pytest.raises(TypeError, match="FP8Recipe"):
+    with pytest.raises(TypeError, match="Fp8Recipe"):
         Rules([("Dense", NotARecipe())])
     with pytest.raises(ValueError, match="FP8 recipe"):
         Rules([("Dense", "c=e4m3")])

@@ -360,7 +360,6 @@ TRAIN_PAIRS = [(name, FP8_PRESETS[(i + shift) % len(FP8_PRESETS)])
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "preset"), TRAIN_PAIRS)
 def test_fp8_preset_trains_on_sizes_not_multiple_of_128(name, preset):
-    case = zoo.CASES[name]
     losses = _cached_losses(name, preset)
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
 
