@@ -98,6 +98,8 @@ class MatmulOp:
         ``pallas_call``), ``"custom_vjp backward"`` (a user's backward rule, run as written
         on its residuals), ``"outside the policy"`` (an unwrapped model).
       head: it is the output head's matmul.
+      projection: one of its operands is a view of a parameter (what the FP8 presets target);
+        a backward matmul inherits its forward op's.
     """
 
     path: str
@@ -108,6 +110,14 @@ class MatmulOp:
     policied: bool
     reason: str = ""
     head: bool = False
+    projection: bool = False
+
+    @property
+    def low_precision(self) -> bool:
+        """Both operands are 8-bit or narrower floats (FP8, or FP4 widened exactly to E4M3
+        for the emulated GEMM)."""
+        lhs, rhs = (jnp.dtype(t) for t in self.dtypes.split(" -> ")[0].split(" x "))
+        return all(jnp.issubdtype(t, jnp.floating) and t.itemsize == 1 for t in (lhs, rhs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +153,18 @@ class PolicyReport:
         sel = [m for m in self.matmul_ops if kind is None or m.kind == kind]
         total = sum(m.flops for m in sel)
         return sum(m.flops for m in sel if m.policied) / total if total else float("nan")
+
+    def fp8_fraction(self, kind: str = "forward") -> float:
+        """The share of the FLOPs of the non-head parameter matmuls (projections) of one
+        ``kind`` that ran on FP8 (or FP4) operands: what an FP8 preset promises to cover.
+
+        Example: ``assert inspect_policy(model, x).fp8_fraction("dgrad") >= 0.95``.
+        """
+        if kind not in MATMUL_KINDS:
+            raise ValueError(f"kind must be one of {MATMUL_KINDS}, got {kind!r}.")
+        sel = [m for m in self.matmul_ops if m.kind == kind and m.projection and not m.head]
+        total = sum(m.flops for m in sel)
+        return sum(m.flops for m in sel if m.low_precision) / total if total else float("nan")
 
     def unpolicied(self) -> list[MatmulOp]:
         """The matmuls and convolutions that did not run under the policy."""
@@ -477,7 +499,8 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
             found_ops.append(MatmulOp(
                 path=op.path, primitive=name, kind=kind, dtypes=d,
                 flops=matmul_flops(eqn) * times, policied=op.policy is not None,
-                reason="" if op.policy is not None else "no rule", head=op.head))
+                reason="" if op.policy is not None else "no rule", head=op.head,
+                projection=op.projection))
         elif not list(jex.jaxprs_in_params(eqn.params)):
             ops = a["grad_ops" if backward else "ops"]
             ops.setdefault(name, set()).update(_dtype(v) for v in eqn.outvars)

@@ -21,7 +21,7 @@ from jaxpr_utils import COTANGENT, DATA, PARAM, iter_eqns, label_eqns, matmuls
 
 import fmtkit
 from fmtkit import fp8
-from fmtkit.policy import Rules, get_preset, list_presets, mark_head, with_policy
+from fmtkit.policy import Rules, get_preset, inspect_policy, list_presets, mark_head, with_policy
 
 BF16, F16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float16"), jnp.dtype("float32")
 RNG = np.random.default_rng(0)
@@ -276,6 +276,14 @@ def _fp8_shares(preset):
 def test_moe_fp8_presets_cover_95_percent_of_parameter_matmul_flops(preset):
     (fwd, dgrad), found, state = _fp8_shares(preset)
     assert fwd >= 0.95 and dgrad >= 0.95, (fwd, dgrad, found)
+    # The policy's own report says the same numbers as the independent walker.
+    def loss_fn(out):
+        logits, aux = out
+        return jnp.mean(jnp.square(logits.astype(F32) - Y_MOE)) + 1e-2 * aux["aux_loss"]
+
+    report = inspect_policy(with_policy(MoeClassifier(), preset), X_MOE, loss_fn=loss_fn)
+    assert report.fp8_fraction("forward") == pytest.approx(fwd, rel=1e-12)
+    assert report.fp8_fraction("dgrad") == pytest.approx(dgrad, rel=1e-12)
     # Independent of the walker: each expert GEMM has its own history under "delayed".
     if preset == "fp8-delayed":
         shapes = {k: v.shape for k, v in state.items()}
