@@ -1,4 +1,4 @@
-"""Shared builders for the policy tests: the reference models of studies/models.py, tiny."""
+"""Shared builders for the policy tests: the reference models of the test zoo (zoo.py), tiny."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import zoo
 from flax import nnx
 from jaxpr_utils import iter_eqns
 
-from studies import models
-
-CFG = models.TransformerConfig(d_model=32, num_heads=2, num_layers=1, d_ff=64, max_len=8)
+CFG = zoo.TransformerConfig(d_model=32, num_heads=2, num_layers=1, d_ff=64, max_len=8)
 MOE_TIED = dataclasses.replace(CFG, num_experts=2, tie_embeddings=True, norm="layernorm",
                                final_norm="rmsnorm")
 MODEL_NAMES = ("mlp", "moe", "lm", "lm_moe_tied")
@@ -46,16 +45,16 @@ def build(api: str, name: str, **cfg_overrides) -> Case:
     key = (api, name, tuple(sorted(cfg_overrides.items())))
     if name in ("lm", "lm_moe_tied"):
         cfg = dataclasses.replace(CFG if name == "lm" else MOE_TIED, **cfg_overrides)
-        model = (models.TransformerLM(cfg) if api == "linen"
-                 else models.NnxTransformerLM(cfg, rngs=nnx.Rngs(0)))
-        return Case(api, model, (TOKENS,), lambda logits: models.lm_loss(logits, TOKENS), key)
+        model = (zoo.TransformerLM(cfg) if api == "linen"
+                 else zoo.NnxTransformerLM(cfg, rngs=nnx.Rngs(0)))
+        return Case(api, model, (TOKENS,), lambda logits: zoo.lm_loss(logits, TOKENS), key)
     if name == "mlp":
-        model = (models.Mlp((16, 6)) if api == "linen"
-                 else models.NnxMlp(8, (16, 6), rngs=nnx.Rngs(0)))
+        model = (zoo.Mlp((16, 6)) if api == "linen"
+                 else zoo.NnxMlp(8, (16, 6), rngs=nnx.Rngs(0)))
         return Case(api, model, (X_MLP,), _mse_loss(jnp.zeros((4, 6), jnp.float32)), key)
     if name == "moe":
-        model = (models.MoeBlock(num_experts=4, d_ff=32) if api == "linen"
-                 else models.NnxMoeBlock(16, 32, 4, rngs=nnx.Rngs(0)))
+        model = (zoo.MoeBlock(num_experts=4, d_ff=32) if api == "linen"
+                 else zoo.NnxMoeBlock(16, 32, 4, rngs=nnx.Rngs(0)))
         return Case(api, model, (X_MOE,), _mse_loss(jnp.ones((2, 4, 16), jnp.float32)), key)
     raise ValueError(name)
 

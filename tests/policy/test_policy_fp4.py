@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jaxpr_utils import fp4_gemms
+from zoo import NnxTransformerLM, TransformerConfig, TransformerLM, lm_loss
 
 from fmtkit import fp4
 from fmtkit.policy import (
@@ -18,7 +19,6 @@ from fmtkit.policy import (
     module_paths,
     with_policy,
 )
-from studies.models import NnxTransformerLM, TransformerConfig, TransformerLM, lm_loss
 
 CFG = TransformerConfig(d_model=32, num_heads=2, num_layers=3, d_ff=64, max_len=16)
 TOKENS = jnp.zeros((2, 16), jnp.int32)

@@ -10,10 +10,10 @@ import optax
 import pytest
 from flax import nnx
 from jaxpr_utils import dot_operand_dtypes
+from zoo import NnxTransformerLM, TransformerConfig, TransformerLM, lm_loss
 
 from fmtkit import fp8
 from fmtkit.policy import Fp8State, Policy, Rules, get_preset, list_presets, with_policy
-from studies.models import NnxTransformerLM, TransformerConfig, TransformerLM, lm_loss
 
 # Tokens per batch (4 x 64 = 256) and every matmul dim divide the 128 blocks of "blockwise".
 CFG = TransformerConfig(d_model=128, num_heads=2, num_layers=1, d_ff=256, max_len=64)

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import zoo
 from policy_testlib import TOKENS, build, dot_dtypes, init_params, loss_and_grads
 from tolerances import rtol
 
 from fmtkit.policy import Policy, Rules, inspect_policy, module_paths, with_policy
-from studies import models
 
 BF16, F32 = "bfloat16", "float32"
 
@@ -127,7 +127,7 @@ def test_bf16_mixed_reproduces_the_hand_written_mixed_precision_model():
     """The policy on the f32 model ~ Flax's own dtype knobs set by hand."""
     case = build("linen", "lm")
     params = init_params(case)
-    hand = models.TransformerLM(dataclasses.replace(
+    hand = zoo.TransformerLM(dataclasses.replace(
         case.model.cfg, dtype="bfloat16", norm_dtype="float32", router_dtype="float32",
         logits_dtype="float32", softmax_f32=True))
     wrapped = with_policy(case.model, "bf16-mixed")
@@ -148,7 +148,7 @@ def test_bf16_mixed_reproduces_the_hand_written_mixed_precision_model():
     # Gradients, on the MoE layer (router in f32 by hand, as the preset does).
     case = build("linen", "moe")
     params = init_params(case)
-    hand = models.MoeBlock(num_experts=4, d_ff=32, dtype=jnp.bfloat16,
+    hand = zoo.MoeBlock(num_experts=4, d_ff=32, dtype=jnp.bfloat16,
                            router_dtype=jnp.float32)
     # The policy casts the layer's input to bf16 at the boundary; by hand, the caller does.
     hand_case = dataclasses.replace(case, inputs=(case.inputs[0].astype(jnp.bfloat16),))

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import zoo
 from flax import nnx
 from policy_testlib import X_MOE, build, dot_dtypes
 
 from fmtkit.policy import Rules, inspect_policy, with_policy
-from studies import models
 
 BF16, F32 = "bfloat16", "float32"
 
@@ -19,7 +19,7 @@ def test_original_model_is_left_alone_and_state_layout_is_unchanged():
     before = {k: type(m) for k, m in nnx.iter_modules(case.model)}
     wrapped = with_policy(case.model, "bf16-mixed")
     assert {k: type(m) for k, m in nnx.iter_modules(case.model)} == before
-    assert isinstance(wrapped, models.NnxTransformerLM)
+    assert isinstance(wrapped, zoo.NnxTransformerLM)
     # Same state paths, same Variable objects: checkpoints and optimizers see one model.
     ref, got = nnx.state(case.model, nnx.Param), nnx.state(wrapped, nnx.Param)
     assert jax.tree.structure(ref) == jax.tree.structure(got)
@@ -61,7 +61,7 @@ def test_closures_under_jax_transforms_do_not_mutate_variables():
 
 
 def test_sow_inside_a_policied_module_reaches_the_model():
-    model = models.NnxMoeBlock(16, 32, 4, sow=True, rngs=nnx.Rngs(0))
+    model = zoo.NnxMoeBlock(16, 32, 4, sow=True, rngs=nnx.Rngs(0))
     wrapped = with_policy(model, "bf16-mixed")
     out, sown = nnx.capture(wrapped, nnx.Intermediate)(X_MOE)
     assert out.dtype == jnp.float32
