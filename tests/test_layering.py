@@ -8,6 +8,10 @@ module, or a package taken as a whole (``fmtkit.policy``, ``fmtkit.optim``,
 GEMM backend on top of the core; ``studies`` (with the ``fmtkit`` command line,
 ``studies.cli``) is the application on top of everything, and nothing imports it.
 
+The tests follow the same order: only ``tests/studies`` tests the application, so no other
+test file imports ``studies`` or runs one of its modules (``python -m studies.cli``); the
+core's tests build their models from the test zoo (``tests/policy/zoo.py``).
+
 Also checked: no module imports a private name (``from m import _x``) of another module, and
 no module imports a private module of another unit (``fmtkit.optim._master`` from
 ``fmtkit.memory``). Inside a package, its private modules (``pallas_kernels._backend``) are
@@ -17,6 +21,7 @@ the "internal module meant for it" and may be imported by its other modules.
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -170,3 +175,47 @@ def test_the_checker_sees_violations(tmp_path):
     assert ("fmtkit.optim._master", "x", 4) in found  # lazy imports count
     assert _unit("studies.ablate") not in ALLOWED["fmtkit.scaling"]
     assert _private_module("fmtkit.optim._master") == "fmtkit.optim._master"
+
+
+
+TESTS = ROOT / "tests"
+
+
+def _uses_of_studies(path: Path) -> list[tuple[int, str]]:
+    """``(line, what)`` wherever a test file imports ``studies`` (lazy imports count) or starts
+    one of its modules in a subprocess (``"-m", "studies..."`` in a list or tuple)."""
+    out = [(line, f"imports {target}") for target, _, line in _imports("tests", path)
+           if target.split(".")[0] == "studies"]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            args = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            out += [(node.lineno, f"runs -m {b}") for a, b in itertools.pairwise(args)
+                    if a == "-m" and isinstance(b, str) and b.split(".")[0] == "studies"]
+    return sorted(out)
+
+
+def _test_files_outside_studies() -> list[Path]:
+    return [p for p in sorted(TESTS.rglob("*.py")) if (TESTS / "studies") not in p.parents]
+
+
+def test_only_the_studies_tests_use_studies():
+    files = _test_files_outside_studies()
+    assert len(files) > 30 and (TESTS / "policy" / "zoo.py") in files  # the walk found them
+    bad = [f"{path.relative_to(ROOT)}:{line} {what}"
+           for path in files for line, what in _uses_of_studies(path)]
+    assert not bad, ("\n".join(bad) + "\nmove the test under tests/studies, or build its "
+                     "model from the test zoo (tests/policy/zoo.py)")
+
+
+def test_the_studies_check_sees_uses(tmp_path):
+    # The check on a file written to break it, and on a studies test (found, and exempt).
+    studies_test = TESTS / "studies" / "test_cli.py"
+    assert _uses_of_studies(studies_test)
+    assert studies_test not in _test_files_outside_studies()
+    bad = tmp_path / "test_bad.py"
+    bad.write_text("import sys\nfrom studies import models\nimport fmtkit\n"
+                   "def f():\n    import studies.train as T\n"
+                   "CMD = [sys.executable, '-m', 'studies.cli', 'run']\n"
+                   "OK = ('-m', 'pytest', 'studies')\n")
+    assert _uses_of_studies(bad) == [(2, "imports studies.models"), (5, "imports studies.train"),
+                                     (6, "runs -m studies.cli")]

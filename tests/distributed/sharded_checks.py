@@ -12,6 +12,7 @@ os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
 import dataclasses
 import functools
 import json
+import re
 import warnings
 
 import flax.linen as nn
@@ -23,7 +24,6 @@ from jax.sharding import PartitionSpec as P
 
 from fmtkit import fp8, optim, with_policy
 from fmtkit.distributed import reduce_gradients
-from studies.bench.multiprocess import all_reduces
 
 warnings.simplefilter("error")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -46,6 +46,41 @@ class Mlp(nn.Module):
 # check_bf16_mixed_gradients for that case).
 MODEL = with_policy(Mlp(), "p=bf16,c=f32,o=f32")
 OPT = optim.dynamic_loss_scale(optim.master_weights(optim.adamw(1e-2)), init_scale=2.0**10)
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s")
+_BRANCH = re.compile(r"(?:branch_computations=\{([^}]*)\}|"
+                     r"(?:true|false)_computation=(%[\w.\-]+))")
+_ALL_REDUCE = re.compile(r"=\s*(.*?)\s+all-reduce(?:-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
+
+
+def all_reduces(hlo_text: str) -> tuple[int, int]:
+    """(count, bytes) of the all-reduce instructions of compiled HLO text that run every step.
+
+    An all-reduce of a tuple counts once, with all its operands' bytes. Those inside a
+    conditional's branches are left out: delayed FP8's bootstrap (current amax, taken only
+    while the history is empty) is one. Read from HLO's text form: a computation starts with
+    an unindented ``[ENTRY] %name (...)`` line, its instructions are indented, and an
+    instruction reads ``%name = <result type> all-reduce(...)``.
+    """
+    branches = {name.strip() for m in _BRANCH.finditer(hlo_text)
+                for name in (m.group(1) or m.group(2)).split(",")}
+    count = nbytes = 0
+    current = None
+    for line in hlo_text.splitlines():
+        if not line.startswith(" "):
+            header = _HEADER.match(line)
+            current = header.group(1) if header else current
+            continue
+        m = _ALL_REDUCE.search(line)
+        if m is None or current in branches:
+            continue
+        count += 1
+        for dtype, dims in _ARRAY.findall(m.group(1)):
+            bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
+            nbytes += int(np.prod([int(d) for d in dims.split(",") if d])) * bits // 8
+    return count, nbytes
 
 
 def _data(seed=0, n=64):

@@ -12,7 +12,7 @@ import pytest
 import studies.train as T
 from studies.models import TransformerConfig
 from studies.training import checkpoint, distributed
-from tests.distributed.test_multiprocess import CFG, single
+from tests.studies.test_multiprocess import CFG, single
 
 MICRO = TransformerConfig(d_model=32, num_heads=2, num_layers=1, d_ff=64, max_len=16)
 
