@@ -1,4 +1,4 @@
-"""Small reference models for tests, studies and benchmarks: linen and NNX twins.
+"""Small reference models for the studies and benchmarks: linen and NNX twins.
 
 * ``Mlp`` / ``NnxMlp``: a GELU MLP.
 * ``MoeBlock`` / ``NnxMoeBlock``: a top-1 (Switch) mixture of experts with a router named
