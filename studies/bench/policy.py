@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import statistics
 import time
 
 import flax.linen as nn
@@ -146,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=("transformer", "einsum"), default="transformer")
     p.add_argument("--trace-layers", type=int, default=0,
                    help="also time trace/compile of an N-layer step (0: skip)")
+    p.add_argument("--trace-preset", default="bf16-mixed",
+                   help="the preset of the --trace-layers model (default bf16-mixed)")
+    p.add_argument("--trace-rounds", type=int, default=3,
+                   help="alternating trace/compile measurements per model (median)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--out", default=None, help="output folder (default runs/bench-policy)")
     args = p.parse_args(argv)
-    for name in ("d_model", "heads", "layers", "seq", "batch", "repeats"):
+    for name in ("d_model", "heads", "layers", "seq", "batch", "repeats", "trace_rounds"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.d_model % args.heads:
@@ -212,16 +217,24 @@ def main(argv: list[str] | None = None) -> int:
         deep = dataclasses.replace(cfg, num_layers=args.trace_layers)
         model = models.TransformerLM(deep)
         params = jax.jit(model.init)(jax.random.key(1), tokens)["params"]
-        wrapped = {"unwrapped": model, "with_policy": with_policy(model, "bf16-mixed")}
+        wrapped = {"unwrapped": model, "with_policy": with_policy(model, args.trace_preset)}
+        # In alternation, a fresh jit per round (the first trace of a process also fills
+        # JAX's own caches, so a single ordered measurement favours the second model).
+        rounds_s: dict[str, list] = {k: [] for k in wrapped}
+        for _ in range(args.trace_rounds):
+            for k, m in wrapped.items():
+                rounds_s[k].append(trace_and_compile_seconds(_linen_step(m, lr), params, tokens))
         for k, m in wrapped.items():
+            tracing[k] = tuple(statistics.median(r[i] for r in rounds_s[k]) for i in (0, 1))
             step = _linen_step(m, lr)
-            tracing[k] = trace_and_compile_seconds(step, params, tokens)
             eqns, rounds = equation_count(jax.make_jaxpr(step)(params, tokens))
             overhead[k] = {"equations": eqns, "round_cotangent": rounds,
                            "eager_apply_s": eager_apply_seconds(m, params, tokens)}
+        print(f"{args.trace_layers}-layer model under {args.trace_preset}:")
         for k, (tr, co) in tracing.items():
             o = overhead[k]
-            print(f"  {args.trace_layers}-layer {k:<12} trace {tr:6.2f} s   compile {co:6.2f} s"
+            print(f"  {k:<12} trace {tr:6.2f} s   compile {co:6.2f} s"
+                  f" (median of {args.trace_rounds})"
                   f"   equations {o['equations']:6d} (round_cotangent {o['round_cotangent']})"
                   f"   eager apply {o['eager_apply_s'] * 1e3:8.2f} ms")
         w, u = overhead["with_policy"], overhead["unwrapped"]
