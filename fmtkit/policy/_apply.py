@@ -11,7 +11,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from fmtkit.policy import _interpret
+from fmtkit.policy import _eager, _interpret
 from fmtkit.policy._policy import Policy, Rules, as_rules
 
 __all__ = ["module_paths", "with_policy"]
@@ -203,6 +203,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any)
         raise ValueError("This is the apply of a linen model that already has a policy; "
                          "apply with_policy once, to the unwrapped model, with all rules.")
     argnums_spec = _param_argnums(params_argnums)
+    eager_calls = _eager.EagerCache()
     delayed = has_delayed_fp8(rules)
     has_fp8 = any(p is not None and p.fp8 is not None
                   for p in (rules.default, *(p for _, p in rules.rules)))
@@ -255,10 +256,16 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any)
             if not isinstance(fp8_state, Mapping):
                 raise TypeError("fp8_state must be the dict init_fp8_state returns, got "
                                 f"{type(fp8_state).__name__}.")
-        traced = traced_call(args, kwargs)
-        out, _ = _interpret.run(traced, rules,
-                                fp8_state=dict(fp8_state) if fp8_state is not None else None)
-        return out
+
+        def call(tree):
+            a, k, state = tree
+            out, _ = _interpret.run(traced_call(a, k), rules,
+                                    fp8_state=dict(state) if state is not None else None)
+            return out
+
+        # Eager calls: compiled once per input signature (fmtkit.policy._eager).
+        cached, out = eager_calls(call, (args, kwargs, fp8_state))
+        return out if cached else call((args, kwargs, fp8_state))
 
     def init_fp8_state(*args, **kwargs) -> dict:
         """The delayed-FP8 amax histories of a call on these arguments: ``{slot: zeros

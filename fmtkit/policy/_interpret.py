@@ -228,6 +228,11 @@ def _chain(eqn, prefix: tuple[int, ...]) -> tuple[int, ...]:
 # Cotangent rounding (a module's grad_dtype).
 
 
+# Private switch for tests: False wraps a value in one rounding per module it leaves (the
+# behaviour before the dedup), to show the dedup leaves gradients bit-identical.
+_DEDUP_COTANGENT = True
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def round_cotangent(x: jax.Array, dtype: str) -> jax.Array:
     """Identity on the forward pass; the tangent (so the cotangent) is rounded to ``dtype``.
@@ -722,7 +727,13 @@ class Interpreter:
                 env[v] if e is False else read(v, e) for v, e in zip(jaxpr.outvars, leave)]
 
     def _exit(self, x, modules: tuple[int, ...], head_value: bool):
-        """Casts a value leaving ``modules`` (innermost last) to their output dtypes."""
+        """Casts a value leaving ``modules`` (innermost last) to their output dtypes.
+
+        A value leaving nested modules with the same ``grad_dtype`` and no cast in between
+        (the same array) is wrapped in one ``round_cotangent``, not one per module: rounding
+        to a dtype is idempotent, so the gradients are bit-identical and the trace shorter.
+        """
+        rounded: tuple[Any, np.dtype] | None = None  # (value, dtype) last wrapped here
         for m in reversed(modules):
             policy, explicit = self.resolve(m)
             path = self.registry.modules[m].path
@@ -731,8 +742,12 @@ class Interpreter:
                 odt = np.dtype(policy.output_dtype)
                 if not (head_value and odt.itemsize < x.dtype.itemsize):
                     x = _cast(x, odt)
-                if policy.grad_dtype != "float32" and np.dtype(policy.grad_dtype) != x.dtype:
+                gdt = np.dtype(policy.grad_dtype)
+                if (gdt != _F32 and gdt != x.dtype
+                        and not (_DEDUP_COTANGENT and rounded is not None
+                                 and rounded[0] is x and rounded[1] == gdt)):
                     x = round_cotangent(x, policy.grad_dtype)
+                    rounded = (x, gdt)
             if self.record is not None:
                 self.record.exits.setdefault(path, set()).add(str(x.dtype))
         return x

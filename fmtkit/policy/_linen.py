@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fmtkit.policy import _interpret
+from fmtkit.policy import _eager, _interpret
 from fmtkit.policy._policy import (
     Rules,
     ancestor_types,
@@ -92,6 +92,9 @@ class PolicyModel:
     inner: nn.Module
     rules: Rules
     strict: bool = False
+    _eager_calls: _eager.EagerCache = dataclasses.field(default_factory=_eager.EagerCache,
+                                                        init=False, repr=False,
+                                                        compare=False)
 
     def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> dict:
         """``inner.init`` with parameters stored per rule and the FP8 state added."""
@@ -152,7 +155,23 @@ class PolicyModel:
 
     def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
               mutable: Any = False, **kwargs: Any) -> Any:
-        """``inner.apply`` under the rules (same arguments and results)."""
+        """``inner.apply`` under the rules (same arguments and results).
+
+        Called eagerly (outside ``jax.jit``/``jax.grad``), the policied apply is compiled once
+        per input signature and reused: a second call neither re-traces nor
+        re-interprets the model (``_eager``).
+        """
+        def call(tree):
+            v, r, a, k = tree
+            return self._apply(v, *a, rngs=r, method=method, mutable=mutable, **k)
+
+        mutable_key = tuple(mutable) if isinstance(mutable, list) else mutable
+        cached, out = self._eager_calls(call, (variables, rngs, args, kwargs),
+                                        (method, mutable_key))
+        return out if cached else call((variables, rngs, args, kwargs))
+
+    def _apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
+               mutable: Any = False, **kwargs: Any) -> Any:
         variables = dict(variables)
         fp8_state = variables.pop(FP8_COLLECTION, None)
         traced = self._trace(variables, rngs, args, kwargs, method, mutable)

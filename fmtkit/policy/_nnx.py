@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fmtkit.policy import _interpret
+from fmtkit.policy import _eager, _interpret
 from fmtkit.policy._policy import (
     Rules,
     ancestor_types,
@@ -169,7 +169,7 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
                 if nnx.graph.is_graph_node(x)]
     graphdef, params, rest = nnx.split((model, *nodes_in), nnx.Param, ...)
     _check_params(model, params, rules)
-    a_tree, k_tree = jax.tree.map(lambda x: _Slot() if nnx.graph.is_graph_node(x) else x,
+    a_tree, k_tree = jax.tree.map(lambda x: _SLOT if nnx.graph.is_graph_node(x) else x,
                                   (args, kwargs), is_leaf=nnx.graph.is_graph_node)
 
     def pure(p, r, a, k):
@@ -182,13 +182,43 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
         _, new_state = nnx.split((merged, *nodes))
         return out, new_state
 
-    traced = _interpret.trace(pure, (params, rest, a_tree, k_tree), {}, is_param=_is_param)
-    (out, new_state), _ = _interpret.run(traced, rules, main=_main_outputs(traced),
-                                         fp8_state=_fp8_state(model, traced, rules))
-    before = {path: var.get_value() for state in (params, rest)
-              for path, var in nnx.to_flat_state(state)}
-    _write_back((model, *nodes_in), before, new_state)
+    def run(tree):
+        traced = _interpret.trace(pure, tree, {}, is_param=_is_param)
+        (out, new_state), _ = _interpret.run(traced, rules, main=_main_outputs(traced),
+                                             fp8_state=_fp8_state(model, traced, rules))
+        return out, new_state
+
+    def changes(tree):  # the output and the Variables the call changed or created
+        out, new_state = run(tree)
+        before = _values(tree[:2])
+        changed = [(path, var) for path, var in nnx.to_flat_state(new_state)
+                   if not (path in before and _same(before[path], var.get_value()))]
+        return (out, [var.get_value() for _, var in changed]), [(p, type(v)) for p, v in changed]
+
+    tree = (params, rest, a_tree, k_tree)
+    # Eager calls: compiled once per signature (fmtkit.policy._eager; the graphdef and the
+    # method are part of the key). Not under a delayed FP8 recipe: its histories are read
+    # from the model itself.
+    delayed = has_delayed_fp8(rules) or isinstance(vars(model).get("fp8_state"), Fp8State)
+    cached, result = ((False, None) if delayed else
+                      _EAGER_CALLS(changes, tree, (graphdef, fn), static_types=(_Slot,),
+                                   aux=True))
+    if not cached:
+        (out, values), kinds = changes(tree)
+    else:
+        (out, values), kinds = result
+    _write_back((model, *nodes_in), [(path, kind, value) for (path, kind), value
+                                     in zip(kinds, values)])
     return out
+
+
+# Eager policied NNX calls, shared by every policied model: the key holds the graphdef (the
+# model's structure and class) and the signature of its state and arguments.
+_EAGER_CALLS = _eager.EagerCache()
+
+
+def _values(states) -> dict:
+    return {path: var.get_value() for state in states for path, var in nnx.to_flat_state(state)}
 
 
 def _main_outputs(traced) -> list[bool | str]:
@@ -227,20 +257,20 @@ def _fp8_state(model: nnx.Module, traced, rules: Rules) -> dict | None:
     return fresh
 
 
-def _write_back(nodes: tuple, before: dict, new_state) -> None:
+def _write_back(nodes: tuple, changed: list) -> None:
     """Sets the Variables whose value the call changed (BatchNorm statistics, RNG counts) and
-    creates those it made (``sow``); unchanged ones are not touched, so a model closed over by
-    a JAX transform is never written from inside it."""
+    creates those it made (``sow``), from ``(path, Variable type, value)``; unchanged ones
+    are not touched, so a model closed over by a JAX transform is never written from inside
+    it."""
+    if not changed:
+        return
     graph = dict(nnx.iter_graph(nodes))
-    for path, var in nnx.to_flat_state(new_state):
-        value = var.get_value()
-        if path in before and _same(before[path], value):
-            continue
+    for path, kind, value in changed:
         target = graph.get(path)
         if isinstance(target, nnx.Variable):
             target.set_value(value)
         else:
-            setattr(graph[path[:-1]], path[-1], type(var)(value))
+            setattr(graph[path[:-1]], path[-1], kind(value))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -253,6 +283,9 @@ def _same(a: Any, b: Any) -> bool:
 
 class _Slot:
     """Where a graph node stood among the call arguments (filled back inside the trace)."""
+
+
+_SLOT = _Slot()  # one instance: a static leaf of the eager cache's key
 
 
 def _policied_method(fn):

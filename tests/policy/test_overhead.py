@@ -1,0 +1,242 @@
+"""The policy's own overhead: one cotangent rounding per value, eager calls traced once.
+
+References are independent of the interpreter: the rounded cotangent is derived by hand
+(float64 NumPy, the bf16 rounding by ml_dtypes), and the dedup is compared bit for bit with
+the one-rounding-per-module behaviour it replaces (the private switch
+``_interpret._DEDUP_COTANGENT``).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from fmtkit.policy import Policy, _interpret, with_policy
+
+# Every module: f32 storage, compute and outputs, cotangents rounded to bf16 (the only
+# setting where a value leaving nested modules is wrapped, since o=f32 is wider than g).
+G_BF16 = Policy.parse("p=f32,c=f32,o=f32,g=bf16")
+
+
+class Inner(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="dense")(x)
+
+
+class Middle(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Inner(name="inner")(x)
+
+
+class Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Middle(name="middle")(x)
+
+
+class NnxOuter(nnx.Module):
+    def __init__(self, rngs):
+        self.middle = NnxMiddle(rngs)
+
+    def __call__(self, x):
+        return self.middle(x)
+
+
+class NnxMiddle(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense(x)
+
+
+def _x():
+    return jax.random.normal(jax.random.key(1), (5, 4), jnp.float32) * 3.0
+
+
+def _roundings(closed) -> int:
+    """``round_cotangent`` calls (custom_jvp_call equations) at any depth of a jaxpr."""
+    n = 0
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name == "custom_jvp_call":
+            n += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _roundings(sub if hasattr(sub, "jaxpr") else jax.extend.core.ClosedJaxpr(sub, ()))
+    return n
+
+
+# A new loss function per use: make_jaxpr and jit cache traces by function identity, and
+# the private switch is read at trace time.
+@pytest.fixture(scope="module")
+def linen_case():
+    policied = with_policy(Outer(), G_BF16)
+    x = _x()
+    params = jax.jit(Outer().init)(jax.random.key(0), x)["params"]
+
+    def make_loss():
+        return lambda p: jnp.sum(jnp.sin(policied.apply({"params": p}, x)))
+
+    return make_loss, params, x
+
+
+def test_nested_modules_round_a_value_once(linen_case, monkeypatch):
+    make_loss, params, _ = linen_case
+    # The Dense output leaves dense, inner, middle and the root: one rounding, not four.
+    assert _roundings(jax.make_jaxpr(make_loss())(params)) == 1
+    monkeypatch.setattr(_interpret, "_DEDUP_COTANGENT", False)
+    assert _roundings(jax.make_jaxpr(make_loss())(params)) == 4
+
+
+def test_dedup_gradients_bit_identical_and_match_hand_rounding(linen_case, monkeypatch):
+    make_loss, params, x = linen_case
+    grads = jax.jit(jax.grad(make_loss()))(params)
+    monkeypatch.setattr(_interpret, "_DEDUP_COTANGENT", False)
+    undeduped = jax.jit(jax.grad(make_loss()))(params)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(undeduped)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # By hand: y = x W + b; dL/dy = cos(y), rounded to bf16 once; dW = x^T dy, db = sum dy.
+    d = params["middle"]["inner"]["dense"]
+    w, b = np.asarray(d["kernel"], np.float64), np.asarray(d["bias"], np.float64)
+    xs = np.asarray(x, np.float64)
+    y = (xs @ w + b).astype(np.float32)
+    dy = np.cos(y.astype(np.float64)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    dy = dy.astype(np.float64)
+    g = grads["middle"]["inner"]["dense"]
+    np.testing.assert_allclose(np.asarray(g["kernel"]), xs.T @ dy, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g["bias"]), dy.sum(0), rtol=1e-5, atol=1e-5)
+    # The rounding is there (an unrounded cotangent gives a different kernel gradient).
+    exact = xs.T @ np.cos(y.astype(np.float64))
+    assert np.max(np.abs(exact - xs.T @ dy)) > 1e-3
+
+
+def test_nnx_nested_dedup_bit_identical(monkeypatch):
+    model = NnxOuter(nnx.Rngs(0))
+    policied = with_policy(model, G_BF16)
+    graphdef, params, rest = nnx.split(policied, nnx.Param, ...)
+    x = _x()
+
+    def make_loss():
+        return lambda p: jnp.sum(jnp.sin(nnx.merge(graphdef, p, rest)(x)))
+
+    assert _roundings(jax.make_jaxpr(make_loss())(params)) == 1
+    grads = jax.jit(jax.grad(make_loss()))(params)
+    monkeypatch.setattr(_interpret, "_DEDUP_COTANGENT", False)
+    # NNX scopes the sub-modules (dense, middle), not the root: two without the dedup.
+    assert _roundings(jax.make_jaxpr(make_loss())(params)) == 2
+    undeduped = jax.jit(jax.grad(make_loss()))(params)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(undeduped)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager calls: traced (and interpreted) once per input signature.
+
+BF16_MIXED = "bf16-mixed"
+
+
+TRACES: list = []  # one entry per run of a model's Python code (a trace, or an eager call)
+
+
+class CountingMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, scale=1.0):
+        TRACES.append(1)
+        h = nn.relu(nn.Dense(8)(x)) * scale
+        return nn.Dense(3)(h)
+
+
+def test_linen_eager_apply_traces_once_per_signature():
+    policied = with_policy(CountingMLP(), BF16_MIXED)
+    x = _x()
+    variables = jax.jit(policied.init)(jax.random.key(0), x)
+    counter = TRACES
+    counter.clear()
+    first = policied.apply(variables, x)
+    second = policied.apply(variables, x + 1.0)
+    assert len(counter) == 1
+    # What jit of the same call computes (the reference: the policied trace, compiled).
+    ref = jax.jit(policied.apply)(variables, x + 1.0)
+    np.testing.assert_array_equal(np.asarray(second), np.asarray(ref))
+    assert first.dtype == ref.dtype == jnp.float32
+    # A static argument of another value, or another shape, is another signature.
+    policied.apply(variables, x, scale=2.0)
+    assert len(counter) == 3  # the new scale, and jit's own trace above
+    policied.apply(variables, x[:2])
+    assert len(counter) == 4
+    policied.apply(variables, x, scale=2.0)
+    assert len(counter) == 4
+
+
+def test_linen_eager_apply_mutable_collections():
+    policied = with_policy(nn.BatchNorm(use_running_average=False), BF16_MIXED)
+    x = _x()
+    variables = policied.init(jax.random.key(0), x)
+    out, updates = policied.apply(variables, x, mutable=["batch_stats"])
+    ref_out, ref_updates = jax.jit(policied.apply, static_argnames="mutable")(
+        variables, x, mutable=("batch_stats",))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+    mean = np.asarray(updates["batch_stats"]["mean"])
+    np.testing.assert_array_equal(mean, np.asarray(ref_updates["batch_stats"]["mean"]))
+    # Running mean after one step of momentum 0.99 from zero: 0.01 * batch mean (float64).
+    np.testing.assert_allclose(mean, 0.01 * np.asarray(x, np.float64).mean(0), rtol=1e-5)
+
+
+def test_function_eager_call_traces_once():
+    counter: list = []
+
+    def apply(params, x):
+        counter.append(1)
+        return jnp.tanh(x @ params["w"])
+
+    policied = with_policy(apply, BF16_MIXED)
+    params = {"w": jnp.ones((4, 3), jnp.float32) * 0.25}
+    x = _x()
+    a = policied(params, x)
+    b = policied(params, x)
+    assert len(counter) == 1
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Under a transform the call is traced as before (the cache is for eager calls only).
+    jax.grad(lambda p: jnp.sum(policied(p, x)))(params)
+    assert len(counter) == 2
+
+
+class NnxCounting(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 3, rngs=rngs)
+        self.calls = nnx.BatchStat(jnp.zeros((), jnp.float32))
+
+    def __call__(self, x):
+        TRACES.append(1)
+        self.calls[...] = self.calls[...] + 1.0
+        return self.dense(x)
+
+
+def test_nnx_eager_call_traces_once_and_writes_state_back():
+    model = NnxCounting(nnx.Rngs(0))
+    counter = TRACES
+    counter.clear()
+    policied = with_policy(model, BF16_MIXED)
+    kernel = model.dense.kernel.get_value()
+    x = _x()
+    first = policied(x)
+    second = policied(x)
+    assert len(counter) == 1
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+    # The changed Variable is written back (shared with the user's model), per call; the
+    # Params it did not change are not rewritten.
+    assert float(model.calls.get_value()) == 2.0
+    assert model.dense.kernel.get_value() is kernel
+    # The output is the policied computation: bf16 operands, f32 accumulation, output bf16
+    # (float64 NumPy on bf16-rounded operands, then rounded to bf16).
+    bf = ml_dtypes.bfloat16
+    w = np.asarray(kernel).astype(bf).astype(np.float64)
+    xs = np.asarray(x).astype(bf).astype(np.float64)
+    b = np.asarray(model.dense.bias.get_value()).astype(bf).astype(np.float64)
+    np.testing.assert_allclose(np.asarray(first, np.float64), xs @ w + b, rtol=2e-2, atol=2e-2)
