@@ -448,7 +448,10 @@ def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: Fp8Recipe,
     """Quantizes a 2-D [free, contraction] operand (already padded to its blocks)."""
     scaling = _scaling(tile, recipe)
     if scaling is not None:
-        return quantize(t, fmt, scaling, amax=amax if tile.kind == "tensor" else None)
+        if tile.kind != "tensor":
+            return quantize(t, fmt, scaling)
+        # A current recipe's amax is max |t| (mesh-reduced at most): it covers t.
+        return quantize(t, fmt, scaling, amax=amax, amax_covers_x=not recipe.delayed)
     f = get_format(fmt)
     t32 = t.astype(jnp.float32)
     values = keep_nonfinite(t32, jnp.clip(t32, -f.max, f.max)).astype(f.dtype)
