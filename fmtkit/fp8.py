@@ -570,13 +570,8 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
                                         promote_every=recipe.promote_every)
     if nb == 1:
         out = lax.dot_general(a.values, b.values, _NT, preferred_element_type=jnp.float32)
+        sa, sb = _row_scales(a), _row_scales(b)
         # (out * sa) * sb, in that order: bit-identical to the earlier releases.
-        sa = a.scale.astype(jnp.float32)
-        sb = b.scale.astype(jnp.float32)
-        if a.block[0] > 1 and sa.shape[0] > 1:
-            sa = jnp.repeat(sa, a.block[0], axis=0)
-        if b.block[0] > 1 and sb.shape[0] > 1:
-            sb = jnp.repeat(sb, b.block[0], axis=0)
         return out * sa * sb.T
     # Per-block partial products (DeepSeek-V3's promotion into f32), scaled per block and
     # summed in f32. When all of them fit in PARTIALS_BUDGET_BYTES: one batched FP8 dot
@@ -602,6 +597,26 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
     acc, _ = lax.scan(lambda acc, i: (acc + chunk(i), None), jnp.zeros((fa, fb), jnp.float32),
                       jnp.arange(nb // group))
     return acc
+
+
+def _row_scales(sa: ScaledArray) -> jax.Array:
+    """f32 scales [F, 1] (or [1, 1]) of an operand whose scale is constant along C."""
+    s = sa.scale.astype(jnp.float32)
+    if sa.block[0] > 1 and s.shape[0] > 1:
+        s = jnp.repeat(s, sa.block[0], axis=0)
+    return s
+
+
+def _scaled_matmul_t(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe) -> jax.Array:
+    """``scaled_matmul(a, b, recipe).T`` [F2, F1], bit for bit, computed in that layout where
+    both scales are constant along C (the product ``b · aᵀ`` holds the same sums; the scales
+    are applied in ``scaled_matmul``'s order, a's first): a weight gradient wanted as
+    [K, N] for a [K, N] kernel is then written once, not transposed and copied after."""
+    if (recipe.accum_mantissa_bits is not None
+            or a.values.shape[1] // min(a.block[1], b.block[1]) != 1):
+        return scaled_matmul(a, b, recipe).T
+    out_t = lax.dot_general(b.values, a.values, _NT, preferred_element_type=jnp.float32)
+    return out_t * _row_scales(a).T * _row_scales(b)
 
 
 PARTIALS_BUDGET_BYTES = 32 * 2**20
@@ -689,13 +704,18 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _gemm(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe, out_dtype=jnp.float32
-          ) -> jax.Array:
+def _gemm(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe, out_dtype=jnp.float32,
+          transposed: bool = False) -> jax.Array:
+    """``a · bᵀ`` [F1, F2] through a registered kernel or ``scaled_matmul``; ``transposed``:
+    its transpose [F2, F1] (same bits), produced in that layout where it can be."""
     found = _kernel_backend(recipe, a, b)
     if found is not None:
         backend, impl = found
-        return backend.fn(a.values, a.scale, b.values, b.scale, impl=impl,
-                          out_dtype=out_dtype)
+        out = backend.fn(a.values, a.scale, b.values, b.scale, impl=impl,
+                         out_dtype=out_dtype)
+        return out.T if transposed else out
+    if transposed:
+        return _scaled_matmul_t(a, b, recipe).astype(out_dtype)
     return scaled_matmul(a, b, recipe).astype(out_dtype)
 
 
@@ -755,7 +775,9 @@ def _core_fwd(recipe, out_dtype, x, w, hist):
     tx, tw, _ = _tiles(recipe)
     m, k = x.shape
     n = w.shape[0]
-    amax_x, amax_w = _amax(x, recipe), _amax(w, recipe)
+    # w.T: w is usually the transpose of a [K, N] kernel (_canonicalize), and a max over
+    # all elements is order-free: reducing the un-transposed kernel avoids a transposed copy.
+    amax_x, amax_w = _amax(x, recipe), _amax(w.T, recipe)
     kp = _c_to(k, tx, tw)
     xq = _operand(x, recipe.x_format, tx, recipe,
                   _tensor_amax(recipe, tx, hist[0], x, amax_x), kp)
@@ -803,7 +825,9 @@ def _core_bwd(recipe, out_dtype, res, g):
     else:
         gq_m = _operand(g.T, recipe.grad_format, tg, recipe, d_g, mp)
     xq_m = _backward_operand(x_res, recipe.x_format, tx, recipe, hist[0], amax_x, k, mp)
-    dw = _gemm(gq_m, xq_m, recipe)[:n, :k].astype(w_dtype)
+    # Computed as dwᵀ [K, N]: the kernel's layout when w was given as [K, N] (a Dense
+    # kernel), so the transpose back cancels with _canonicalize's.
+    dw = _gemm(gq_m, xq_m, recipe, transposed=True)[:k, :n].T.astype(w_dtype)
     observed = jnp.zeros_like(hist)  # only a delayed recipe's history observes the amaxes
     if recipe.delayed:  # (elsewhere a per-shard amax under shard_map would not type-check)
         observed = observed.at[:, 0].set(jnp.stack([amax_x, amax_w, amax_g]))
