@@ -549,6 +549,16 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
     Raises:
       ValueError: mismatched contraction sizes.
     """
+    return _scaled_matmul(a, b, recipe, transposed=False)
+
+
+def _scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None, *,
+                   transposed: bool) -> jax.Array:
+    """``scaled_matmul``; ``transposed``: its transpose [F2, F1], bit for bit. Where both
+    scales are constant along C it is computed in that layout (the product ``b · aᵀ`` holds
+    the same sums, and the scales are applied in the same order, a's first): a weight
+    gradient wanted as [K, N] for a [K, N] kernel is then written once, not transposed and
+    copied after."""
     fa, c = a.values.shape
     fb, cb = b.values.shape
     if c != cb:
@@ -566,11 +576,15 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
         # register; scales are folded into the operands, equivalent up to f32 round-off.
         av = a.values.astype(jnp.float32) * jnp.repeat(sa, g, axis=1)
         bv = b.values.astype(jnp.float32) * jnp.repeat(sb, g, axis=1)
-        return limited_precision_matmul(av, bv, mantissa_bits=acc_bits,
-                                        promote_every=recipe.promote_every)
+        out = limited_precision_matmul(av, bv, mantissa_bits=acc_bits,
+                                       promote_every=recipe.promote_every)
+        return out.T if transposed else out
     if nb == 1:
-        out = lax.dot_general(a.values, b.values, _NT, preferred_element_type=jnp.float32)
         sa, sb = _row_scales(a), _row_scales(b)
+        if transposed:
+            out_t = lax.dot_general(b.values, a.values, _NT, preferred_element_type=jnp.float32)
+            return out_t * sa.T * sb
+        out = lax.dot_general(a.values, b.values, _NT, preferred_element_type=jnp.float32)
         # (out * sa) * sb, in that order: bit-identical to the earlier releases.
         return out * sa * sb.T
     # Per-block partial products (DeepSeek-V3's promotion into f32), scaled per block and
@@ -592,11 +606,13 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
         cb_ = lax.dynamic_slice_in_dim(sb, i * group, group, axis=1).T
         return jnp.sum(parts * ca[:, :, None] * cb_[:, None, :], axis=0)
 
+    # (Transposed: the sum over blocks of transposed partials was found to round differently
+    # in some batched cases, so the per-block product is transposed after.)
     if group == nb:
-        return chunk(0)
+        return chunk(0).T if transposed else chunk(0)
     acc, _ = lax.scan(lambda acc, i: (acc + chunk(i), None), jnp.zeros((fa, fb), jnp.float32),
                       jnp.arange(nb // group))
-    return acc
+    return acc.T if transposed else acc
 
 
 def _row_scales(sa: ScaledArray) -> jax.Array:
@@ -605,18 +621,6 @@ def _row_scales(sa: ScaledArray) -> jax.Array:
     if sa.block[0] > 1 and s.shape[0] > 1:
         s = jnp.repeat(s, sa.block[0], axis=0)
     return s
-
-
-def _scaled_matmul_t(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe) -> jax.Array:
-    """``scaled_matmul(a, b, recipe).T`` [F2, F1], bit for bit, computed in that layout where
-    both scales are constant along C (the product ``b · aᵀ`` holds the same sums; the scales
-    are applied in ``scaled_matmul``'s order, a's first): a weight gradient wanted as
-    [K, N] for a [K, N] kernel is then written once, not transposed and copied after."""
-    if (recipe.accum_mantissa_bits is not None
-            or a.values.shape[1] // min(a.block[1], b.block[1]) != 1):
-        return scaled_matmul(a, b, recipe).T
-    out_t = lax.dot_general(b.values, a.values, _NT, preferred_element_type=jnp.float32)
-    return out_t * _row_scales(a).T * _row_scales(b)
 
 
 PARTIALS_BUDGET_BYTES = 32 * 2**20
@@ -714,9 +718,7 @@ def _gemm(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe, out_dtype=jnp.float
         out = backend.fn(a.values, a.scale, b.values, b.scale, impl=impl,
                          out_dtype=out_dtype)
         return out.T if transposed else out
-    if transposed:
-        return _scaled_matmul_t(a, b, recipe).astype(out_dtype)
-    return scaled_matmul(a, b, recipe).astype(out_dtype)
+    return _scaled_matmul(a, b, recipe, transposed=transposed).astype(out_dtype)
 
 
 def _gemm_dtype(consumer_dtype) -> jnp.dtype:
