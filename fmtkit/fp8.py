@@ -777,14 +777,15 @@ def _core_fwd(recipe, out_dtype, x, w, hist):
     tx, tw, _ = _tiles(recipe)
     m, k = x.shape
     n = w.shape[0]
-    # w.T: w is usually the transpose of a [K, N] kernel (_canonicalize), and a max over
-    # all elements is order-free: reducing the un-transposed kernel avoids a transposed copy.
+    # w.T (here and for the delayed bootstrap): w is usually the transpose of a [K, N]
+    # kernel (_canonicalize), and a max over all elements is order-free: reducing the
+    # un-transposed kernel avoids a transposed copy.
     amax_x, amax_w = _amax(x, recipe), _amax(w.T, recipe)
     kp = _c_to(k, tx, tw)
     xq = _operand(x, recipe.x_format, tx, recipe,
                   _tensor_amax(recipe, tx, hist[0], x, amax_x), kp)
     wq = _operand(w, recipe.w_format, tw, recipe,
-                  _tensor_amax(recipe, tw, hist[1], w, amax_w), kp)
+                  _tensor_amax(recipe, tw, hist[1], w.T, amax_w), kp)
     y = _gemm(xq, wq, recipe, _gemm_dtype(out_dtype))[:m, :n]
     # Residuals: the quantized operand where the backward GEMMs can reuse it, else the input.
     # (Empty arrays carry K and the input dtypes: residuals must be arrays.)
