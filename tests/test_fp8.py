@@ -852,3 +852,18 @@ def test_every_recipe_is_bit_identical_to_the_float64_reference(name, shape, dty
         assert got.dtype == dtype, what
         want = np.asarray(jnp.asarray(ref, jnp.float32).astype(dtype))  # one rounding
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{name} {what}")
+
+
+@pytest.mark.parametrize("name", ["current", "rowwise"])
+def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(name):
+    """The weight gradient, computed in the kernel's [K, N] layout, equals bit for bit
+    ``scaled_matmul`` of the two quantized operands (``fmtkit.quantize`` along the tokens)
+    transposed, on Gaussian data: the scales are applied in ``scaled_matmul``'s order."""
+    r = fp8.get_recipe(name)
+    x, w, dy = _data(128, 256, 96, seed=3)
+    _, _, gw = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g))(x, w, dy)
+    tile = {"tensor": scaling.TensorScaling(), "row": scaling.AxisScaling(-1)}
+    gq = scaling.quantize(dy.T, r.grad_format, tile[r.grad_tile])
+    xq = scaling.quantize(x.T, r.x_format, tile[r.x_tile])
+    want = jax.jit(lambda a, b: fp8.scaled_matmul(a, b).T)(gq, xq)
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(want))
