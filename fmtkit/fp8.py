@@ -448,7 +448,10 @@ def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: Fp8Recipe,
     """Quantizes a 2-D [free, contraction] operand (already padded to its blocks)."""
     scaling = _scaling(tile, recipe)
     if scaling is not None:
-        return quantize(t, fmt, scaling, amax=amax if tile.kind == "tensor" else None)
+        if tile.kind != "tensor":
+            return quantize(t, fmt, scaling)
+        # A current recipe's amax is max |t| (mesh-reduced at most): it covers t.
+        return quantize(t, fmt, scaling, amax=amax, amax_covers_x=not recipe.delayed)
     f = get_format(fmt)
     t32 = t.astype(jnp.float32)
     values = keep_nonfinite(t32, jnp.clip(t32, -f.max, f.max)).astype(f.dtype)
@@ -546,6 +549,16 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
     Raises:
       ValueError: mismatched contraction sizes.
     """
+    return _scaled_matmul(a, b, recipe, transposed=False)
+
+
+def _scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None, *,
+                   transposed: bool) -> jax.Array:
+    """``scaled_matmul``; ``transposed``: its transpose [F2, F1], bit for bit. Where both
+    scales are constant along C it is computed in that layout (the product ``b · aᵀ`` holds
+    the same sums, and the scales are applied in the same order, a's first): a weight
+    gradient wanted as [K, N] for a [K, N] kernel is then written once, not transposed and
+    copied after."""
     fa, c = a.values.shape
     fb, cb = b.values.shape
     if c != cb:
@@ -563,17 +576,16 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
         # register; scales are folded into the operands, equivalent up to f32 round-off.
         av = a.values.astype(jnp.float32) * jnp.repeat(sa, g, axis=1)
         bv = b.values.astype(jnp.float32) * jnp.repeat(sb, g, axis=1)
-        return limited_precision_matmul(av, bv, mantissa_bits=acc_bits,
-                                        promote_every=recipe.promote_every)
+        out = limited_precision_matmul(av, bv, mantissa_bits=acc_bits,
+                                       promote_every=recipe.promote_every)
+        return out.T if transposed else out
     if nb == 1:
+        sa, sb = _row_scales(a), _row_scales(b)
+        if transposed:
+            out_t = lax.dot_general(b.values, a.values, _NT, preferred_element_type=jnp.float32)
+            return out_t * sa.T * sb
         out = lax.dot_general(a.values, b.values, _NT, preferred_element_type=jnp.float32)
         # (out * sa) * sb, in that order: bit-identical to the earlier releases.
-        sa = a.scale.astype(jnp.float32)
-        sb = b.scale.astype(jnp.float32)
-        if a.block[0] > 1 and sa.shape[0] > 1:
-            sa = jnp.repeat(sa, a.block[0], axis=0)
-        if b.block[0] > 1 and sb.shape[0] > 1:
-            sb = jnp.repeat(sb, b.block[0], axis=0)
         return out * sa * sb.T
     # Per-block partial products (DeepSeek-V3's promotion into f32), scaled per block and
     # summed in f32. When all of them fit in PARTIALS_BUDGET_BYTES: one batched FP8 dot
@@ -594,11 +606,21 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
         cb_ = lax.dynamic_slice_in_dim(sb, i * group, group, axis=1).T
         return jnp.sum(parts * ca[:, :, None] * cb_[:, None, :], axis=0)
 
+    # (Transposed: the sum over blocks of transposed partials was found to round differently
+    # in some batched cases, so the per-block product is transposed after.)
     if group == nb:
-        return chunk(0)
+        return chunk(0).T if transposed else chunk(0)
     acc, _ = lax.scan(lambda acc, i: (acc + chunk(i), None), jnp.zeros((fa, fb), jnp.float32),
                       jnp.arange(nb // group))
-    return acc
+    return acc.T if transposed else acc
+
+
+def _row_scales(sa: ScaledArray) -> jax.Array:
+    """f32 scales [F, 1] (or [1, 1]) of an operand whose scale is constant along C."""
+    s = sa.scale.astype(jnp.float32)
+    if sa.block[0] > 1 and s.shape[0] > 1:
+        s = jnp.repeat(s, sa.block[0], axis=0)
+    return s
 
 
 PARTIALS_BUDGET_BYTES = 32 * 2**20
@@ -686,14 +708,17 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _gemm(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe, out_dtype=jnp.float32
-          ) -> jax.Array:
+def _gemm(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe, out_dtype=jnp.float32,
+          transposed: bool = False) -> jax.Array:
+    """``a · bᵀ`` [F1, F2] through a registered kernel or ``scaled_matmul``; ``transposed``:
+    its transpose [F2, F1] (same bits), produced in that layout where it can be."""
     found = _kernel_backend(recipe, a, b)
     if found is not None:
         backend, impl = found
-        return backend.fn(a.values, a.scale, b.values, b.scale, impl=impl,
-                          out_dtype=out_dtype)
-    return scaled_matmul(a, b, recipe).astype(out_dtype)
+        out = backend.fn(a.values, a.scale, b.values, b.scale, impl=impl,
+                         out_dtype=out_dtype)
+        return out.T if transposed else out
+    return _scaled_matmul(a, b, recipe, transposed=transposed).astype(out_dtype)
 
 
 def _gemm_dtype(consumer_dtype) -> jnp.dtype:
@@ -752,12 +777,15 @@ def _core_fwd(recipe, out_dtype, x, w, hist):
     tx, tw, _ = _tiles(recipe)
     m, k = x.shape
     n = w.shape[0]
-    amax_x, amax_w = _amax(x, recipe), _amax(w, recipe)
+    # w.T (here and for the delayed bootstrap): w is usually the transpose of a [K, N]
+    # kernel (_canonicalize), and a max over all elements is order-free: reducing the
+    # un-transposed kernel avoids a transposed copy.
+    amax_x, amax_w = _amax(x, recipe), _amax(w.T, recipe)
     kp = _c_to(k, tx, tw)
     xq = _operand(x, recipe.x_format, tx, recipe,
                   _tensor_amax(recipe, tx, hist[0], x, amax_x), kp)
     wq = _operand(w, recipe.w_format, tw, recipe,
-                  _tensor_amax(recipe, tw, hist[1], w, amax_w), kp)
+                  _tensor_amax(recipe, tw, hist[1], w.T, amax_w), kp)
     y = _gemm(xq, wq, recipe, _gemm_dtype(out_dtype))[:m, :n]
     # Residuals: the quantized operand where the backward GEMMs can reuse it, else the input.
     # (Empty arrays carry K and the input dtypes: residuals must be arrays.)
@@ -800,7 +828,9 @@ def _core_bwd(recipe, out_dtype, res, g):
     else:
         gq_m = _operand(g.T, recipe.grad_format, tg, recipe, d_g, mp)
     xq_m = _backward_operand(x_res, recipe.x_format, tx, recipe, hist[0], amax_x, k, mp)
-    dw = _gemm(gq_m, xq_m, recipe)[:n, :k].astype(w_dtype)
+    # Computed as dwᵀ [K, N]: the kernel's layout when w was given as [K, N] (a Dense
+    # kernel), so the transpose back cancels with _canonicalize's.
+    dw = _gemm(gq_m, xq_m, recipe, transposed=True)[:k, :n].T.astype(w_dtype)
     observed = jnp.zeros_like(hist)  # only a delayed recipe's history observes the amaxes
     if recipe.delayed:  # (elsewhere a per-shard amax under shard_map would not type-check)
         observed = observed.at[:, 0].set(jnp.stack([amax_x, amax_w, amax_g]))

@@ -807,3 +807,63 @@ def test_inf_reaches_every_gemm_through_the_pallas_kernel():
     for where, (args, expected) in cases.items():
         got = tuple(bool(np.all(np.isfinite(np.asarray(t)))) for t in run(*args))
         assert got == expected, where
+
+
+def _exact_operand(key, shape, fmt, e, dtype):
+    """Half the elements ±fmax·2^e, the others ±q·2^(E-mb-j) with q in [2^mb, 2^(mb+1)),
+    j in {1, 2} (mb the format's mantissa bits, E = floor(log2 fmax) + e): every mantissa of
+    the format occurs, so a wrong element format rounds some of them. Every tile's amax is
+    fmax·2^e (or, in the unlikely tile without such an element, a power of two below that),
+    so its scale amax·f32(1/fmax) is exactly a power of two (f32(448)·f32(1/448) == 1,
+    likewise 57344), every scaled element is exact in the format, and every sum of at most
+    256 products is a multiple of one power of two with fewer than 2^21 of them: exact in f32
+    in any order. The fast path's f32 result then has one right answer, the float64 product
+    of the reference."""
+    f = get_format(fmt)
+    mb, top = f.mantissa_bits, int(np.floor(np.log2(f.max))) + e
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    q = jax.random.randint(k1, shape, 2**mb, 2 ** (mb + 1)).astype(jnp.float32)
+    j = jax.random.randint(k2, shape, 1, 3).astype(jnp.float32)
+    small = q * jnp.exp2(top - mb - j)
+    big = jax.random.bernoulli(k3, 0.5, shape)
+    sign = jnp.where(jax.random.bernoulli(k4, 0.5, shape), -1.0, 1.0)
+    return (sign * jnp.where(big, f.max * 2.0**e, small)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(128, 256, 128), (100, 200, 72)], ids=["aligned", "odd"])
+@pytest.mark.parametrize("name", list(fp8.RECIPES))
+def test_every_recipe_is_bit_identical_to_the_float64_reference(name, shape, dtype):
+    """Forward, dgrad and wgrad of every recipe equal, bit for bit, the float64 product of the
+    operands quantized by the NumPy + ml_dtypes reference (``_reference_gemms``), on inputs
+    where the f32 accumulation is exact (``_exact_operand``). Guards every rewrite of the
+    quantize / GEMM core for speed: a change of element format, rounding, clipping,
+    padding or transposition moves outputs. (A wrong scale that the dequantization undoes
+    is invisible on these inputs: the tolerance tests on Gaussian data cover scales.)"""
+    r = fp8.get_recipe(name)
+    m, k, n = shape
+    keys = jax.random.split(jax.random.key(11), 3)
+    x = _exact_operand(keys[0], (m, k), r.x_format, -3, dtype)
+    w = _exact_operand(keys[1], (k, n), r.w_format, -9, dtype)
+    dy = _exact_operand(keys[2], (m, n), r.grad_format, -17, dtype)
+    state = fp8.init_state(r) if r.delayed else None  # first step: bootstrapped = current
+    y, gx, gw = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g, state))(x, w, dy)
+    for what, got, ref in zip(("y", "dx", "dw"), (y, gx, gw), _reference_gemms(name, x, w, dy)):
+        assert got.dtype == dtype, what
+        want = np.asarray(jnp.asarray(ref, jnp.float32).astype(dtype))  # one rounding
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{name} {what}")
+
+
+@pytest.mark.parametrize("name", ["current", "rowwise"])
+def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(name):
+    """The weight gradient, computed in the kernel's [K, N] layout, equals bit for bit
+    ``scaled_matmul`` of the two quantized operands (``fmtkit.quantize`` along the tokens)
+    transposed, on Gaussian data: the scales are applied in ``scaled_matmul``'s order."""
+    r = fp8.get_recipe(name)
+    x, w, dy = _data(128, 256, 96, seed=3)
+    _, _, gw = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g))(x, w, dy)
+    tile = {"tensor": scaling.TensorScaling(), "row": scaling.AxisScaling(-1)}
+    gq = scaling.quantize(dy.T, r.grad_format, tile[r.grad_tile])
+    xq = scaling.quantize(x.T, r.x_format, tile[r.x_tile])
+    want = jax.jit(lambda a, b: fp8.scaled_matmul(a, b).T)(gq, xq)
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(want))

@@ -1,11 +1,18 @@
 """Benchmark: one train step under each FP8 recipe vs the same step in bf16 and f32.
 
     fmtkit bench fp8-step [--batch 512] [--width 512] [--layers 3] [--repeats 15]
-                          [--models mlp,transformer] [--recipes current,...]
+                          [--models dense,mlp,transformer] [--recipes current,...]
     fmtkit bench fp8-step --recipes blockwise,mxfp8,nvfp4,mxfp4   # FP4 emulation cost too
 
-Two models, every variant of one model timed in alternation in the same run (median of
+Three models, every variant of one model timed in alternation in the same run (median of
 ``--repeats`` after warm-up, ``block_until_ready`` before reading the clock):
+
+* **dense** (issue 22's configuration, as a user writes it): ``--layers`` ``nn.Dense`` of
+  width ``--dense-width`` (1024) on ``--dense-batch`` (256) rows, relu, MSE, ``optax.adamw``,
+  f32 parameters and compute, state donated: ``f32`` (plain ``nn.Dense``), ``fp8-NAME``
+  (``nn.Dense(dot_general=fmtkit.fp8.dot_general_fn(NAME))``; the delayed recipe's history
+  in an ``fp8_state`` variable, recorded with ``fmtkit.fp8.update_state``) and ``flax-fp8``
+  (``nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)``). No bf16 variant (f32 compute).
 
 * **mlp**: a GELU MLP of ``--layers`` dense layers of width ``--width`` on ``--batch`` rows,
   written by hand so that each variant differs only in its matmul: ``f32`` (f32 compute),
@@ -19,17 +26,20 @@ Two models, every variant of one model timed in alternation in the same run (med
   (the bf16-mixed preset plus the recipe on every linear layer but the head). Flax's op has
   no seam in this model (its layers take no ``dot_general_cls``), so it is MLP-only.
 
-Every step is ``jax.jit`` of loss + gradient + SGD update. Printed: each variant's step time
-and its ratios to the bf16 and f32 steps; the ratios to bf16 again, last. (On XLA:CPU every
+Every mlp / transformer step is ``jax.jit`` of loss + gradient + SGD update. Printed: each
+variant's step time and its ratios to the bf16, f32 and Flax-op steps (where the model has
+them); the ratios to Flax's op and to bf16 again, last. (On XLA:CPU every
 FP8 dot runs as an f32 GEMM after a fused conversion, while bf16 dots run in bf16: the f32
 column separates the quantization overhead from that.)
-Saved: runs/bench-fp8-step/results.json. Targets (issue 14, 2-core CPU): per-tensor and
-row-wise recipes <= 1.15x the bf16 step, blockwise and MX <= 1.5x.
+Saved: runs/bench-fp8-step/results.json. Targets: issue 14 (2-core CPU) per-tensor and
+row-wise recipes <= 1.15x the bf16 step, blockwise and MX <= 1.5x; issue 22, against Flax's
+op in the same model: per tensor <= 1.05x, blockwise and MX <= 1.3x.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +47,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax.linen import fp8_ops
 
 from fmtkit import fp4, fp8
@@ -46,6 +57,9 @@ from studies.bench._timing import time_interleaved, write_results
 DN = (((1,), (0,)), ((), ()))  # x [B, in] · w [in, out]
 TARGETS = {"current": 1.15, "delayed": 1.15, "rowwise": 1.15, "blockwise": 1.5, "mxfp8": 1.5}
 """Issue 14's targets: step time of each recipe over the bf16 step."""
+FLAX_TARGETS = {"current": 1.05, "delayed": 1.05, "rowwise": 1.05, "blockwise": 1.3,
+                "mxfp8": 1.3}
+"""Issue 22's targets: step time of each recipe over Flax's ``Fp8DirectDotGeneralOp`` step."""
 
 
 class _Dense(nn.Module):
@@ -131,6 +145,83 @@ def _mlp_variants(args, kinds):
     return out
 
 
+class _UserDense(nn.Module):
+    """``nn.Dense`` as a user plugs FP8 into it (``kind``: "f32", "flax-fp8" or a recipe)."""
+
+    features: int
+    kind: str
+
+    @nn.compact
+    def __call__(self, x):
+        if self.kind == "f32":
+            return nn.Dense(self.features, name="Dense")(x)
+        if self.kind == "flax-fp8":
+            return nn.Dense(self.features, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp,
+                            name="Dense")(x)
+        recipe = fp4.get_recipe(self.kind)
+        dg = fp8.dot_general_fn(recipe)
+        if recipe.delayed:
+            hist = self.variable("fp8_state", "amax_history",
+                                 lambda: fp8.init_state(recipe).amax_history)
+            dg = functools.partial(dg, fp8_state=fp8.Fp8DotState(hist.value))
+        return nn.Dense(self.features, dot_general=dg, name="Dense")(x)
+
+
+class _UserMlp(nn.Module):
+    width: int
+    layers: int
+    kind: str
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.layers):
+            x = _UserDense(self.width, self.kind, name=f"Layer_{i}")(x)
+            if i < self.layers - 1:
+                x = nn.relu(x)
+        return x
+
+
+def _adamw_step(model: nn.Module, lr: float):
+    """jit(step(state, batch) -> (state, loss)), state = (variables, adamw state), donated:
+    MSE loss, ``optax.adamw`` on params, ``fp8.update_state`` on ``fp8_state``, overwrite on
+    Flax's ``_overwrite_with_gradient``."""
+    tx = optax.adamw(lr)
+
+    def step(state, batch):
+        variables, opt = state
+        x, target = batch
+
+        def loss_fn(v):
+            return jnp.mean(jnp.square(model.apply(v, x) - target))
+
+        loss, grads = jax.value_and_grad(loss_fn)(variables)
+        with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes types
+            updates, opt = tx.update(grads["params"], opt, variables["params"])
+        new = dict(variables)
+        new["params"] = optax.apply_updates(variables["params"], updates)
+        if "fp8_state" in variables:
+            new["fp8_state"] = fp8.update_state(variables["fp8_state"], grads["fp8_state"])
+        if fp8_ops.OVERWRITE_WITH_GRADIENT in variables:
+            new[fp8_ops.OVERWRITE_WITH_GRADIENT] = grads[fp8_ops.OVERWRITE_WITH_GRADIENT]
+        return (new, opt), loss
+
+    return jax.jit(step, donate_argnums=0), tx
+
+
+def _dense_variants(args, kinds):
+    x = jax.random.normal(jax.random.key(0), (args.dense_batch, args.dense_width), jnp.float32)
+    target = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+    out = {}
+    for kind in kinds:
+        if kind == "bf16":
+            continue
+        model = _UserMlp(args.dense_width, args.layers, kind)
+        variables = dict(jax.jit(model.init)(jax.random.key(2), x))
+        step, tx = _adamw_step(model, args.adam_lr)
+        out[kind] = (step, (variables, tx.init(variables["params"])), (x, target))
+    return out
+
+
 def _transformer_variants(args, kinds):
     from fmtkit.policy import with_policy
 
@@ -154,33 +245,45 @@ def _transformer_variants(args, kinds):
 
 
 def _run(name: str, variants: dict, repeats: int) -> dict[str, Any]:
-    compile_s, losses = {}, {}
-    for k, (step, variables, batch) in variants.items():
+    compile_s, losses, steps = {}, {}, {}
+    for k, (step, state, batch) in variants.items():
         t0 = time.perf_counter()
-        compiled = step.lower(variables, batch).compile()
+        compiled = step.lower(state, batch).compile()
         compile_s[k] = time.perf_counter() - t0
-        losses[k] = float(compiled(variables, batch)[1])
-    times = time_interleaved(
-        {k: (lambda s=s, v=v, b=b: s(v, b)) for k, (s, v, b) in variants.items()},
-        repeats=repeats)
-    ratios = {k: t / times["bf16"] for k, t in times.items()}
-    to_f32 = {k: t / times["f32"] for k, t in times.items()}
+        # (dense steps donate their state: the probe call gets a copy)
+        losses[k] = float(compiled(jax.tree.map(jnp.copy, state), batch)[1])
+        steps[k] = [step, state, batch]
+
+    def call(k):
+        step, state, batch = steps[k]
+        new, loss = step(state, batch)
+        if name == "dense":
+            steps[k][1] = new
+        return loss
+
+    times = time_interleaved({k: functools.partial(call, k) for k in variants},
+                             repeats=repeats)
+    cols = {f"ratio_to_{b.replace('-fp8', '')}": {k: t / times[b] for k, t in times.items()}
+            for b in ("bf16", "f32", "flax-fp8") if b in times}
     for k in variants:
-        print(f"  {name:<11} {k:<10} step {times[k] * 1e3:8.2f} ms   {ratios[k]:5.2f}x bf16"
-              f"   {to_f32[k]:5.2f}x f32   compile {compile_s[k]:5.1f} s   "
-              f"loss {losses[k]:.5f}")
-    return {"seconds": times, "ratio_to_bf16": ratios, "ratio_to_f32": to_f32,
-            "compile_seconds": compile_s, "loss": losses}
+        cells = "".join(f"   {row[k]:5.2f}x {c.removeprefix('ratio_to_')}"
+                        for c, row in cols.items())
+        print(f"  {name:<11} {k:<10} step {times[k] * 1e3:8.2f} ms{cells}   "
+              f"compile {compile_s[k]:5.1f} s   loss {losses[k]:.5f}")
+    return {"seconds": times, **cols, "compile_seconds": compile_s, "loss": losses}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fmtkit bench fp8-step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--models", default="dense,mlp,transformer")
     p.add_argument("--recipes", default=",".join(fp8.RECIPES))
     p.add_argument("--batch", type=int, default=512, help="MLP rows")
     p.add_argument("--width", type=int, default=512, help="MLP width")
     p.add_argument("--layers", type=int, default=3, help="MLP layers and transformer blocks")
+    p.add_argument("--dense-batch", type=int, default=256, help="dense model rows")
+    p.add_argument("--dense-width", type=int, default=1024, help="dense model width")
+    p.add_argument("--adam-lr", type=float, default=1e-3, help="dense model's adamw")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
@@ -189,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=None, help="output folder (default runs/bench-fp8-step)")
     args = p.parse_args(argv)
-    for name in ("batch", "width", "layers", "d_model", "heads", "seq", "lm_batch", "repeats"):
+    for name in ("batch", "width", "dense_batch", "dense_width", "layers", "d_model", "heads",
+                 "seq", "lm_batch", "repeats"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     model_names = [m for m in args.models.split(",") if m]
     for m in model_names:
-        if m not in ("mlp", "transformer"):
-            p.error(f"--models: unknown model {m!r}; valid: mlp, transformer")
+        if m not in ("dense", "mlp", "transformer"):
+            p.error(f"--models: unknown model {m!r}; valid: dense, mlp, transformer")
     recipes = [r for r in args.recipes.split(",") if r]
     for r in recipes:
         if r not in fp8.RECIPES and r not in fp4.RECIPES:
@@ -203,9 +307,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"{', '.join([*fp8.RECIPES, *fp4.RECIPES])}")
     kinds = ["f32", "bf16", *recipes, "flax-fp8"]
 
-    results: dict[str, Any] = {"args": vars(args), "targets": TARGETS}
+    results: dict[str, Any] = {"args": vars(args), "targets": TARGETS,
+                               "flax_targets": FLAX_TARGETS}
     print(f"median of {args.repeats} interleaved steps after warm-up; device "
           f"{jax.devices()[0].device_kind}")
+    if "dense" in model_names:
+        print(f"dense: {args.layers} x nn.Dense({args.dense_width}), batch {args.dense_batch}, "
+              "relu, MSE, adamw, f32")
+        results["dense"] = _run("dense", _dense_variants(args, kinds), args.repeats)
     if "mlp" in model_names:
         print(f"MLP: {args.layers} x Dense({args.width}), batch {args.batch}")
         results["mlp"] = _run("mlp", _mlp_variants(args, kinds), args.repeats)
@@ -215,8 +324,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"TransformerLM {cfg}")
         results["transformer"] = _run("transformer", _transformer_variants(args, kinds),
                                       args.repeats)
+    print("ratios to Flax's Fp8DirectDotGeneralOp in the same model (target):")
+    for m in model_names:
+        row = results[m].get("ratio_to_flax")
+        if row is None:
+            print(f"  {m:<11} (Flax's op has no seam in this model)")
+            continue
+        cells = [f"{k}={row[k]:.2f}x" + (f" (<= {FLAX_TARGETS[k]})" if k in FLAX_TARGETS
+                                         else "") for k in row if k != "flax-fp8"]
+        print(f"  {m:<11} " + "  ".join(cells))
     print("ratios to the bf16 step (target):")
     for m in model_names:
+        if "ratio_to_bf16" not in results[m]:
+            continue
         row = results[m]["ratio_to_bf16"]
         cells = [f"{k}={row[k]:.2f}x" + (f" (<= {TARGETS[k]})" if k in TARGETS else "")
                  for k in row if k != "bf16"]

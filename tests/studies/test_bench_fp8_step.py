@@ -14,19 +14,26 @@ def test_bench_fp8_step_runs_every_variant(tmp_path, capsys):
     rc = bench_fp8_step.main([
         "--batch", "64", "--width", "96", "--layers", "1", "--d-model", "32", "--heads", "2",
         "--seq", "8", "--lm-batch", "2", "--repeats", "1", "--recipes", "current,delayed,mxfp8",
-        "--out", str(tmp_path)])
+        "--dense-width", "64", "--dense-batch", "32", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["mlp"]["seconds"]) == {"f32", "bf16", "current", "delayed", "mxfp8",
                                           "flax-fp8"}
     assert set(res["transformer"]["seconds"]) == {"f32", "bf16", "current", "delayed",
                                                   "mxfp8"}
-    for model in ("mlp", "transformer"):
+    # issue 22's configuration: nn.Dense with each dot_general vs Flax's op, f32, no bf16
+    assert set(res["dense"]["seconds"]) == {"f32", "current", "delayed", "mxfp8", "flax-fp8"}
+    for model in ("dense", "mlp"):  # Flax's op wherever the model has its seam
+        assert res[model]["ratio_to_flax"]["flax-fp8"] == 1.0
+        assert set(res[model]["ratio_to_flax"]) == set(res[model]["seconds"])
+    for model in ("dense", "mlp", "transformer"):
         loss = res[model]["loss"]
         # Same data and initialisation: FP8 losses within 5% of the f32 loss (E4M3's 2^-4
         # relative rounding per operand averages out in a mean loss).
         for k, v in loss.items():
             assert math.isfinite(v) and abs(v - loss["f32"]) <= 0.05 * loss["f32"], (model, k)
-        assert res[model]["ratio_to_bf16"]["bf16"] == 1.0
+        assert res[model]["ratio_to_f32"]["f32"] == 1.0
+    assert res["mlp"]["ratio_to_bf16"]["bf16"] == 1.0
     out = capsys.readouterr().out
+    assert out.index("ratios to Flax's") > out.index("transformer")
     assert out.index("ratios to the bf16 step") > out.index("transformer")  # ratios last
