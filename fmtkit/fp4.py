@@ -592,7 +592,8 @@ def _core_bwd(recipe, out_dtype, res, g):
     else:
         wq_n = _quantize_operand(_pad2(w.T, _up(k, _free_block(recipe.w_tile)), np_), recipe,
                                  recipe.w_tile, recipe.w_rounding, 1)
-    dx = _gemm(gq, wq_n, recipe)[:m, :k].astype(x.dtype)
+    with jax.named_scope(fp8.DGRAD_SCOPE):
+        dx = _gemm(gq, wq_n, recipe)[:m, :k].astype(x.dtype)
     # wgrad: dw [N, K] = gᵀ [N, M] · x [M, K], contracting the tokens M, both rotated.
     blocks = [_c_block(recipe.grad_tile), _c_block(recipe.x_tile)]
     mp = _up(m, math.lcm(*blocks, recipe.rht_size if recipe.rht else 1))
@@ -603,7 +604,8 @@ def _core_bwd(recipe, out_dtype, res, g):
         b = random_hadamard_transform(b, seed=recipe.rht_seed, size=recipe.rht_size)
     aq = _quantize_operand(a, recipe, recipe.grad_tile, recipe.grad_rounding, 3)
     bq = _quantize_operand(b, recipe, recipe.x_tile, recipe.x_rounding, 4)
-    dw = _gemm(aq, bq, recipe)[:n, :k].astype(w.dtype)
+    with jax.named_scope(fp8.WGRAD_SCOPE):
+        dw = _gemm(aq, bq, recipe)[:n, :k].astype(w.dtype)
     return dx, dw, jnp.zeros_like(hist)
 
 

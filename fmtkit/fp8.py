@@ -767,6 +767,12 @@ def _tiles(recipe: Fp8Recipe) -> tuple[_Tile, _Tile, _Tile]:
     return _tile(recipe.x_tile), _tile(recipe.w_tile), _tile(recipe.grad_tile)
 
 
+# Named scopes of the backward GEMMs, so a jaxpr reader (``fmtkit.policy.inspect_policy``)
+# tells the data gradient from the weight gradient without guessing from shapes.
+DGRAD_SCOPE = "fmtkit_dgrad"
+WGRAD_SCOPE = "fmtkit_wgrad"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _core(recipe: Fp8Recipe, out_dtype, x: jax.Array, w: jax.Array, hist: jax.Array
           ) -> jax.Array:
@@ -818,7 +824,8 @@ def _core_bwd(recipe, out_dtype, res, g):
     np_ = _c_to(n, tg, tw)
     gq_n = _operand(g, recipe.grad_format, tg, recipe, d_g, np_)
     wq_n = _backward_operand(w_res, recipe.w_format, tw, recipe, hist[1], amax_w, k, np_)
-    dx = _gemm(gq_n, wq_n, recipe, _gemm_dtype(x_dtype))[:m, :k].astype(x_dtype)
+    with jax.named_scope(DGRAD_SCOPE):
+        dx = _gemm(gq_n, wq_n, recipe, _gemm_dtype(x_dtype))[:m, :k].astype(x_dtype)
     # wgrad: dw [N, K] = gᵀ [N, M] · x [M, K], contracting the tokens M.
     mp = _c_to(m, tg, tx)
     if tg.transposable and tg.kind != "block":
@@ -830,7 +837,8 @@ def _core_bwd(recipe, out_dtype, res, g):
     xq_m = _backward_operand(x_res, recipe.x_format, tx, recipe, hist[0], amax_x, k, mp)
     # Computed as dwᵀ [K, N]: the kernel's layout when w was given as [K, N] (a Dense
     # kernel), so the transpose back cancels with _canonicalize's.
-    dw = _gemm(gq_m, xq_m, recipe, transposed=True)[:k, :n].T.astype(w_dtype)
+    with jax.named_scope(WGRAD_SCOPE):
+        dw = _gemm(gq_m, xq_m, recipe, transposed=True)[:k, :n].T.astype(w_dtype)
     observed = jnp.zeros_like(hist)  # only a delayed recipe's history observes the amaxes
     if recipe.delayed:  # (elsewhere a per-shard amax under shard_map would not type-check)
         observed = observed.at[:, 0].set(jnp.stack([amax_x, amax_w, amax_g]))

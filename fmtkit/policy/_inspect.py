@@ -20,6 +20,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from fmtkit import fp8
 from fmtkit.policy import _interpret, _ops
 from fmtkit.policy._apply import flax_kind
 from fmtkit.policy._policy import Policy, Rules, is_floating
@@ -448,11 +449,16 @@ def _argnums(argnums, n: int) -> frozenset[int]:
     return frozenset(i % n for i in nums)
 
 
-def _matmul_kind(eqn, rec: _interpret.OpRecord, backward: bool) -> str:
-    """forward; or, on the backward pass, wgrad when the result has as many elements as a
-    parameter operand (the weight's gradient, in whatever layout), else dgrad."""
+def _matmul_kind(eqn, rec: _interpret.OpRecord, backward: bool, stack: str) -> str:
+    """forward; or, on the backward pass, what an FP8 / FP4 dot's backward scope says, else
+    wgrad when the result has as many elements as a parameter operand (the weight's gradient,
+    in whatever layout), else dgrad."""
     if not backward:
         return "forward"
+    if fp8.WGRAD_SCOPE in stack:
+        return "wgrad"
+    if fp8.DGRAD_SCOPE in stack:
+        return "dgrad"
     size = math.prod(getattr(eqn.outvars[0].aval, "shape", ()))
     for j in rec.param_operands:
         if j < len(rec.operand_shapes) and math.prod(rec.operand_shapes[j]) == size:
@@ -490,7 +496,7 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
         a = entry(op.path)
         if name in _ops.MATMUL:
             d = _matmul_dtypes(eqn)
-            kind = _matmul_kind(eqn, op, backward)
+            kind = _matmul_kind(eqn, op, backward, stack)
             table = a["head" if op.head else "matmuls"].setdefault(kind, [])
             if op.head:
                 a["head_policy"] = op.policy
