@@ -876,7 +876,7 @@ class Interpreter:
                 return None
             kwargs["fp8_state"] = fp8.Fp8DotState(fp8_local[key])
         try:
-            return fp8.dot_general(recipe)(lhs, rhs, eqn.params["dimension_numbers"], None,
+            return fp8.dot_general_fn(recipe)(lhs, rhs, eqn.params["dimension_numbers"], None,
                                            preferred_element_type=cdt, **kwargs)
         except ValueError as err:
             raise ValueError(f"FP8 matmul in module {path or '<root>'!r} (recipe "

@@ -16,7 +16,7 @@ Three models, every variant of one model timed in alternation in the same run (m
 
 * **mlp**: a GELU MLP of ``--layers`` dense layers of width ``--width`` on ``--batch`` rows,
   written by hand so that each variant differs only in its matmul: ``f32`` (f32 compute),
-  ``bf16`` (bf16 compute, f32 parameters), ``fp8-NAME`` (``fmtkit.fp8.dot_general(NAME)`` on
+  ``bf16`` (bf16 compute, f32 parameters), ``fp8-NAME`` (``fmtkit.fp8.dot_general_fn(NAME)`` on
   bf16 inputs; the delayed recipe threads its ``Fp8DotState`` and records observations with
   ``fmtkit.fp8.update_state``), ``flax-fp8`` (Flax's ``Fp8DirectDotGeneralOp``, delayed per
   tensor, its state overwritten by its gradient as Flax prescribes).
@@ -86,7 +86,7 @@ class _Dense(nn.Module):
                 hist = self.variable("fp8_state", "amax_history",
                                      lambda: fp8.init_state(recipe).amax_history)
                 kw["fp8_state"] = fp8.Fp8DotState(hist.value)
-            y = fp8.dot_general(recipe, name=self.name)(x, w, DN, **kw)
+            y = fp8.dot_general_fn(recipe, name=self.name)(x, w, DN, **kw)
         return y + b[None, :]
 
 

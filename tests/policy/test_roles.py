@@ -403,7 +403,7 @@ def test_presets_name_their_router_rules_as_subtree_rules():
 
 
 def test_batched_delayed_dot_is_one_delayed_dot_per_batch_element():
-    """fmtkit.fp8.dot_general("delayed") with batch dims and a [B, 3, H] state equals, per
+    """fmtkit.fp8.dot_general_fn("delayed") with batch dims and a [B, 3, H] state equals, per
     batch element, the unbatched delayed dot on that element's history (forward and the
     observed amaxes); a [3, H] state for a batched dot is refused."""
     dg = fp8.dot_general("delayed")
