@@ -877,7 +877,7 @@ class Interpreter:
             kwargs["fp8_state"] = fp8.Fp8DotState(fp8_local[key])
         try:
             return fp8.dot_general_fn(recipe)(lhs, rhs, eqn.params["dimension_numbers"], None,
-                                           preferred_element_type=cdt, **kwargs)
+                                              preferred_element_type=cdt, **kwargs)
         except ValueError as err:
             raise ValueError(f"FP8 matmul in module {path or '<root>'!r} (recipe "
                              f"{recipe}): {err}") from None
