@@ -210,11 +210,13 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
     elif regime in ("outlier-features", "fp4-training"):
         params = multiseed.seed_params(gcfg)  # the regime changes the model's config
 
+    keep = (fp4_training.noise_steps(gcfg.steps) if regime == "fp4-training" else ())
+
     def train(name: str) -> tuple[multiseed.SeedsResult, float]:
         t0 = time.perf_counter()
         res = multiseed.train_seeds(
             name, gcfg, progress, run_dir=None if root is None else root / regime / name,
-            resume=resume, data=data, params=params)
+            resume=resume, data=data, params=params, snapshot_steps=keep)
         return res, time.perf_counter() - t0
 
     with ThreadPoolExecutor(workers) as pool:  # results in table order
@@ -233,7 +235,8 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         tokens = mesh.replicate(batch_at(data, gcfg, gcfg.steps), gcfg.data_parallel)
         trained = {n: seeds_lib.unstack(res.state)[0].params
                    for n, (res, _) in zip(names, results)}
-        info = fp4_training.telemetry(gcfg, names, trained, params[0], tokens)
+        info = fp4_training.telemetry(gcfg, names, trained, params[0], tokens,
+                                      {n: res.snapshots for n, (res, _) in zip(names, results)})
     ref = rows[0]["final_loss"]
     for r in rows:
         gap = stats.compare(ref, r["final_loss"], paired=True)
@@ -454,7 +457,8 @@ def plot(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Per group: ``loss_<regime>.png`` (mean ± std bands of the loss curves, 10-step
     moving average), ``gapcurve_<regime>.png`` (each setup's relative loss gap to the
     reference over the steps, paired per seed, mean ± std band, 10-step moving average: the
-    raw curves lie on top of each other when gaps are a fraction of a percent) and
+    raw curves lie on top of each other when gaps are a fraction of a percent),
+    ``gradnoise_<regime>.png`` (fp4-training: ``fp4_training.plot_noise``) and
     ``gaps_<regime>.png`` (final gap to the reference, ±3 SE whiskers)."""
     paths = []
     floor = results.get("entropy_floor_nats")
@@ -470,6 +474,10 @@ def plot(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
                 ylabel=f"(loss - {g['reference']}) / {g['reference']}",
                 title=f"{g['regime']}: loss gap to {g['reference']}, paired per seed, "
                       "mean ± std"))
+        if g.get("fp4"):
+            p = fp4_training.plot_noise(g["fp4"], out_dir, f"gradnoise_{g['regime']}")
+            if p is not None:
+                paths.append(p)
         gaps = {r["setup"]: stats.Gap.from_dict(r["gap"]) for r in g["rows"]
                 if r["setup"] != g["reference"]}
         if gaps:

@@ -3,6 +3,7 @@
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from studies_testlib import assert_plots, plain
 
 from studies import ablate, cli, corpus, fp4_training, runner
-from studies.models import TransformerConfig, TransformerLM
+from studies.models import TransformerConfig, TransformerLM, lm_loss
 from studies.train import TrainConfig, batch_at, init_params, load_data
 
 
@@ -245,6 +246,32 @@ def test_fp4_regime_smoke_gaps_plots_and_telemetry(tmp_path):
         assert 5 < s["grad"]["sqnr_db"] < 30  # SR: noisier than RNE
         assert 0 <= s["x"]["saturated_blocks"] <= 1 and s["w"]["underflow_blocks"] == 0
     assert all(0 < r < math.inf for r in tele["nvfp4"]["grad_noise_ratio"].values())
+    # The noise ratio over training: at 0, 1 and 2 steps (5 points over 2 steps, deduplicated).
+    curve = tele["nvfp4"]["grad_noise_curve"]
+    assert curve["steps"] == [0, 1, 2] == list(fp4_training.noise_steps(2))
+    assert len(curve["ratio"]) == 3 and all(0 < r < math.inf for r in curve["ratio"])
+    assert curve["ratio"][0] == tele["nvfp4"]["grad_noise_ratio"]["initial"]
+    assert curve["ratio"][-1] == tele["nvfp4"]["grad_noise_ratio"]["trained"]
+    # Step 0, independently: both models' weight gradients at seed 0's initial parameters on
+    # the batch after the last step, the FP4 layers' kernels, norms in float64 NumPy.
+    from studies.training.setups import get_setup
+    from studies.training.step import build_model
+
+    p0 = init_params(train.with_seed(0))
+    tokens = jnp.asarray(batch_at(load_data(train), train, train.steps))
+
+    def kernels(name):
+        model = build_model(get_setup(name), train)
+        g = jax.jit(jax.grad(lambda p: lm_loss(
+            model.apply({"params": p}, tokens).astype(jnp.float32), tokens)))(p0)
+        return [np.asarray(g["Block_0"][a][b]["kernel"], np.float64) for a, b in (
+            ("attn", "query"), ("attn", "key"), ("attn", "value"), ("attn", "out"),
+            ("MlpBlock_0", "Dense_0"), ("MlpBlock_0", "Dense_1"))]
+
+    ref, got = kernels("bf16-mixed"), kernels("nvfp4")
+    want = math.sqrt(sum(np.sum(r * r) for r in ref)) / math.sqrt(
+        sum(np.sum((g - r) ** 2) for r, g in zip(ref, got)))
+    assert curve["ratio"][0] == pytest.approx(want, rel=1e-4)
     # Gap curves: paired per seed, relative to the reference's mean curve.
     gc = ablate.gap_curves(group["rows"], "bf16-mixed")
     ref = np.asarray(rows["bf16-mixed"]["per_seed"][0]["history"]["loss"])
@@ -254,7 +281,8 @@ def test_fp4_regime_smoke_gaps_plots_and_telemetry(tmp_path):
     assert "bf16-mixed" not in gc
     paths = ablate.plot(res, tmp_path)
     assert [p.name for p in paths] == ["loss_fp4-training.png", "gapcurve_fp4-training.png",
-                                       "gaps_fp4-training.png"]
+                                       "gradnoise_fp4-training.png", "gaps_fp4-training.png"]
+    assert_plots(paths)
     text = ablate.summarize(res)
     assert "FP4 telemetry" in text and "|g| / |FP4 noise|" in text
 
