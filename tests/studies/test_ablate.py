@@ -316,3 +316,21 @@ def test_fp4_setups_keep_the_last_block_by_position():
         assert every.resolve(path).fp8.name == "nvfp4"
     with pytest.raises(ValueError, match="needs more than 1 blocks"):
         setup_rules(ablate.SETUPS["mxfp4"], TrainConfig(model=MICRO, seq_len=16))  # 1 block
+
+
+def test_train_seeds_snapshots_are_the_parameters_after_those_steps():
+    """``snapshot_steps``: step 0 is the initial parameters, the last step the final state's
+    (seed 0's), exactly; other steps are not kept."""
+    from studies.training import multiseed
+
+    cfg = TrainConfig(model=MICRO, steps=2, seeds=2, batch=2, seq_len=16, warmup=0)
+    res = multiseed.train_seeds("fp32", cfg, snapshot_steps=(0, 2))
+    assert sorted(res.snapshots) == [0, 2]
+    init = init_params(cfg.with_seed(0))
+    final = jax.tree.map(lambda x: np.asarray(x[0]), res.state.params)
+    for a, b in zip(jax.tree.leaves(res.snapshots[0]), jax.tree.leaves(init)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(res.snapshots[2]), jax.tree.leaves(final)):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(res.snapshots[0]),
+                                                        jax.tree.leaves(final)))
