@@ -25,7 +25,8 @@ outlier-features       bf16-mixed, fp8-current, fp8-delayed,   per-tensor worse 
 the FP4 ones) in that regime (default none), reference fp32 when it is among them, else the
 first. ``--regime fp4-training`` runs ``studies.fp4_training.GROUP`` by default: bf16-mixed,
 fp8-blockwise, NVFP4 with and without each ingredient, every layer in FP4, and MXFP4, on a
-4-block model, with per-GEMM FP4 telemetry (``studies.fp4_training``). ``--full``
+4-block model, 100 steps of 32 bytes (``FP4_BUDGET``: the main job's time), with per-GEMM
+FP4 telemetry (``studies.fp4_training``). ``--full``
 runs the contrasts longer and larger (the "small" model, 400 steps, 5 seeds).
 
 Per setup: final loss (mean training loss, nats/byte, of the last 10% of the steps) as mean
@@ -78,7 +79,7 @@ from studies.models import TransformerLM
 from studies.train import DEFAULT_SETUPS, SETUPS, TrainConfig, batch_at, load_data
 from studies.training import distributed, mesh, multiseed
 
-__all__ = ["CONTRASTS", "Config", "gap_curves", "main", "plot", "run", "summarize"]
+__all__ = ["CONTRASTS", "FP4_BUDGET", "Config", "gap_curves", "main", "plot", "run", "summarize"]
 
 CONTRASTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("late-training", ("bf16-master", "pure-bf16", "pure-bf16-sr", "pure-bf16-kahan")),
@@ -90,6 +91,16 @@ CONTRASTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 FULL = dict(model_size="small", steps=400, seeds=5)
 """``--full``: the contrasts with the 4-layer "small" model, longer, more seeds."""
+
+FP4_BUDGET = dict(steps=100, seq_len=32)
+"""``--regime fp4-training`` without ``--full``: fewer steps of shorter sequences, toward
+the main job's time (about 4 minutes on a 2-core CPU). The FP4 emulation costs several
+times a BF16 step and each FP4 setup compiles its own step, so 150 steps of 64 bytes took
+well over that; 100 steps of 32 bytes keep the 4-block stack (the last block in BF16 by
+position) and 3 seeds, so the paired gaps still answer the paper's orderings (measured:
+635 CPU-seconds, still above the budget; the compiles dominate, see the README).
+Applied to the fields left at the main job's defaults (``Config().train``); a ``--steps``
+or ``--seq-len`` set to another value wins."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +182,16 @@ class Config:
         return self.parallel or max(1, min(2, os.cpu_count() or 1))
 
     def train_config(self) -> TrainConfig:
-        """``train`` with the ``--full`` preset applied."""
-        return dataclasses.replace(self.train, **FULL) if self.full else self.train
+        """``train`` with the ``--full`` preset applied, or for the fp4-training regime
+        without it, ``FP4_BUDGET`` on the fields left at their defaults."""
+        if self.full:
+            return dataclasses.replace(self.train, **FULL)
+        if self.train.regime == "fp4-training":
+            default = Config().train
+            return dataclasses.replace(self.train, **{
+                k: v for k, v in FP4_BUDGET.items()
+                if getattr(self.train, k) == getattr(default, k)})
+        return self.train
 
 
 def _checkpoint_root(config: Config) -> Path | None:
@@ -210,11 +229,13 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
     elif regime in ("outlier-features", "fp4-training"):
         params = multiseed.seed_params(gcfg)  # the regime changes the model's config
 
+    keep = (fp4_training.noise_steps(gcfg.steps) if regime == "fp4-training" else ())
+
     def train(name: str) -> tuple[multiseed.SeedsResult, float]:
         t0 = time.perf_counter()
         res = multiseed.train_seeds(
             name, gcfg, progress, run_dir=None if root is None else root / regime / name,
-            resume=resume, data=data, params=params)
+            resume=resume, data=data, params=params, snapshot_steps=keep)
         return res, time.perf_counter() - t0
 
     with ThreadPoolExecutor(workers) as pool:  # results in table order
@@ -233,7 +254,8 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         tokens = mesh.replicate(batch_at(data, gcfg, gcfg.steps), gcfg.data_parallel)
         trained = {n: seeds_lib.unstack(res.state)[0].params
                    for n, (res, _) in zip(names, results)}
-        info = fp4_training.telemetry(gcfg, names, trained, params[0], tokens)
+        info = fp4_training.telemetry(gcfg, names, trained, params[0], tokens,
+                                      {n: res.snapshots for n, (res, _) in zip(names, results)})
     ref = rows[0]["final_loss"]
     for r in rows:
         gap = stats.compare(ref, r["final_loss"], paired=True)
@@ -454,7 +476,8 @@ def plot(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Per group: ``loss_<regime>.png`` (mean ± std bands of the loss curves, 10-step
     moving average), ``gapcurve_<regime>.png`` (each setup's relative loss gap to the
     reference over the steps, paired per seed, mean ± std band, 10-step moving average: the
-    raw curves lie on top of each other when gaps are a fraction of a percent) and
+    raw curves lie on top of each other when gaps are a fraction of a percent),
+    ``gradnoise_<regime>.png`` (fp4-training: ``fp4_training.plot_noise``) and
     ``gaps_<regime>.png`` (final gap to the reference, ±3 SE whiskers)."""
     paths = []
     floor = results.get("entropy_floor_nats")
@@ -470,6 +493,10 @@ def plot(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
                 ylabel=f"(loss - {g['reference']}) / {g['reference']}",
                 title=f"{g['regime']}: loss gap to {g['reference']}, paired per seed, "
                       "mean ± std"))
+        if g.get("fp4"):
+            p = fp4_training.plot_noise(g["fp4"], out_dir, f"gradnoise_{g['regime']}")
+            if p is not None:
+                paths.append(p)
         gaps = {r["setup"]: stats.Gap.from_dict(r["gap"]) for r in g["rows"]
                 if r["setup"] != g["reference"]}
         if gaps:

@@ -12,7 +12,12 @@ trained parameters:
   of blocks whose scaled elements saturate at ±6 or that underflow to zeros);
 * ``grad_noise_ratio``: the norm of the BF16 weight gradient of the FP4 layers over the norm
   of the FP4 gradient's difference from it (``studies.regimes.grad_noise_ratio``; below
-  about sqrt(3), "FP4 All the Way" finds FP4 training stops helping).
+  about sqrt(3), "FP4 All the Way" finds FP4 training stops helping), as a curve over
+  training: at ``noise_steps(steps)`` (``NOISE_POINTS`` evenly spaced step counts, 0 and the
+  last included), on seed 0's parameters of that setup kept after that many steps
+  (``train_seeds(snapshot_steps=...)``: a host copy, the training is unchanged), always with
+  the same batch (the one after the last step), so that the curve moves with the parameters
+  only.
 """
 
 from __future__ import annotations
@@ -32,13 +37,28 @@ from studies.training.config import TrainConfig
 from studies.training.setups import get_setup
 from studies.training.step import build_model, setup_rules
 
-__all__ = ["GROUP", "REFERENCE", "summary_lines", "telemetry"]
+__all__ = ["GROUP", "NOISE_POINTS", "REFERENCE", "noise_steps", "plot_noise", "summary_lines",
+           "telemetry"]
 
 GROUP = ("bf16-mixed", "fp8-blockwise", "nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d",
          "nvfp4-all-layers", "mxfp4")
 """The setups of the regime, reference first (the issue's list)."""
 
 REFERENCE = "bf16-mixed"
+
+NOISE_POINTS = 5
+"""Points of the gradient-noise curve: enough to see a trend over training, few enough that
+its cost (two gradients per point and FP4 setup, one batch) stays a few seconds."""
+
+
+def noise_steps(steps: int, points: int = NOISE_POINTS) -> tuple[int, ...]:
+    """The step counts at which the gradient-noise ratio is measured: ``points`` evenly
+    spaced over ``0..steps`` (both ends included, duplicates dropped)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}.")
+    if isinstance(points, bool) or not isinstance(points, int) or points < 2:
+        raise ValueError(f"points must be an int >= 2, got {points!r}.")
+    return tuple(sorted({round(i * steps / (points - 1)) for i in range(points)}))
 
 
 def _linear_inputs(cfg: TrainConfig, params: Any, tokens: jax.Array) -> dict[str, jax.Array]:
@@ -132,8 +152,17 @@ def _select(tree: Any, paths: list[str]) -> dict[str, Any]:
     return out
 
 
+def _noise_ratio(ref_grad: Any, grad: Any, params: Any, tokens: jax.Array,
+                 paths: list[str]) -> float:
+    """``regimes.grad_noise_ratio`` of the layers ``paths`` at ``params`` (cast to f32)."""
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    return float(regimes.grad_noise_ratio(_select(ref_grad(params, tokens), paths),
+                                          _select(grad(params, tokens), paths)))
+
+
 def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
-              initial: Any, tokens: jax.Array) -> dict[str, Any]:
+              initial: Any, tokens: jax.Array,
+              snapshots: dict[str, dict[int, Any]] | None = None) -> dict[str, Any]:
     """The regime's telemetry (module docstring) for every FP4 setup among ``names``.
 
     Args:
@@ -142,11 +171,16 @@ def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
       trained: setup -> seed 0's trained f32-comparable parameters.
       initial: seed 0's initial parameters (shared by every setup).
       tokens: one batch ``[batch, seq_len]``.
+      snapshots: setup -> {step: seed 0's parameters after that many steps}
+        (``SeedsResult.snapshots``); None or a setup missing: the curve has the initial and
+        trained points only.
 
     Returns:
       ``{setup: {"layers": {path: {"x": stats, "w": stats, "grad": stats}} (at the trained
       parameters),
-      "grad_noise_ratio": {"initial": r0, "trained": r1}}}`` with floats.
+      "grad_noise_ratio": {"initial": r0, "trained": r1},
+      "grad_noise_curve": {"steps": [t...], "ratio": [r...]}}}`` with floats (the curve in
+      step order).
     """
     ref_grad = _grad_fn(build_model(get_setup(REFERENCE), cfg))
     out: dict[str, Any] = {}
@@ -169,12 +203,16 @@ def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
                                                         "grad").items()},
             }
         grad = _grad_fn(build_model(get_setup(name), cfg))
-        ratio = {}
-        for when, p in (("initial", initial), ("trained", params)):
-            g_ref = _select(ref_grad(p, tokens), list(layers))
-            g = _select(grad(p, tokens), list(layers))
-            ratio[when] = float(regimes.grad_noise_ratio(g_ref, g))
-        out[name] = {"layers": stats, "grad_noise_ratio": ratio}
+        points = dict((snapshots or {}).get(name, {}))
+        points.setdefault(0, initial)
+        points[max(cfg.steps, max(points))] = params  # the trained point is the last one
+        curve = {t: _noise_ratio(ref_grad, grad, p, tokens, list(layers))
+                 for t, p in sorted(points.items())}
+        steps = sorted(curve)
+        out[name] = {"layers": stats,
+                     "grad_noise_ratio": {"initial": curve[steps[0]],
+                                          "trained": curve[steps[-1]]},
+                     "grad_noise_curve": {"steps": steps, "ratio": [curve[t] for t in steps]}}
     return out
 
 
@@ -190,7 +228,33 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
                 f"{op} SQNR {np.median([v['sqnr_db'] for v in vals]):.1f} dB, saturated "
                 f"{100 * np.median([v['saturated_blocks'] for v in vals]):.1f}% / underflow "
                 f"{100 * np.median([v['underflow_blocks'] for v in vals]):.2f}% of blocks")
-        r = d["grad_noise_ratio"]
-        lines.append(f"  {name}: {'; '.join(parts)}; |g| / |FP4 noise| {r['initial']:.2f} at "
-                     f"init, {r['trained']:.2f} trained ({len(d['layers'])} FP4 layers)")
+        c = d.get("grad_noise_curve") or {
+            "steps": ["init", "end"], "ratio": [d["grad_noise_ratio"]["initial"],
+                                                d["grad_noise_ratio"]["trained"]]}
+        curve = ", ".join(f"{r:.2f}" for r in c["ratio"])
+        lines.append(f"  {name}: {'; '.join(parts)}; |g| / |FP4 noise| at steps "
+                     f"{'/'.join(map(str, c['steps']))}: {curve} "
+                     f"({len(d['layers'])} FP4 layers)")
     return lines
+
+
+def plot_noise(info: dict[str, Any], out_dir: Any, name: str) -> Any:
+    """``out_dir/name.png``: each FP4 setup's gradient-noise ratio over training (seed 0),
+    log scale, with the sqrt(3) line below which FP4 training stops helping
+    [FP4AllTheWay]. Returns the path, or None when no setup has a curve."""
+    from studies._common import figure, plot_style, save
+
+    curves = {k: d["grad_noise_curve"] for k, d in info.items() if d.get("grad_noise_curve")}
+    if not curves:
+        return None
+    with plot_style():
+        fig, ax = figure(width=7.0, height=4.4)
+        for label, c in curves.items():
+            ax.plot(c["steps"], c["ratio"], marker="o", label=label)
+        ax.axhline(float(np.sqrt(3.0)), color="k", lw=0.8, ls=":", label="sqrt(3)")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("|g_bf16| / |g_fp4 - g_bf16|")
+        ax.set_title("FP4 layers' weight gradient over its FP4 noise (seed 0, one batch)")
+        ax.legend(fontsize=7)
+        return save(fig, out_dir, name)

@@ -570,7 +570,7 @@ class FP4Training(_Regime):
     blocks, or keeping only the last 4 blocks in BF16, each made the loss worse [NVFP4,
     Fig. 4]; a 1.2B model with every layer in FP4 diverged [NVFP4, App. E.2]. Training in
     FP4 stops helping once the gradient's norm falls below about sqrt(3) times its
-    quantization noise [FP4AllTheWay]. These are effects of long runs at scale; at 150
+    quantization noise [FP4AllTheWay]. These are effects of long runs at scale; at 100
     steps of a 4-block model the study reports which orderings appear and which do not.
 
     References: [NVFP4] NVIDIA, "Pretraining Large Language Models with NVFP4", 2025

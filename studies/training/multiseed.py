@@ -88,6 +88,8 @@ class SeedsResult:
       heldout_loss: per seed, the held-out loss (nats/byte) at the end (None: no held-out
         text).
       state: the final stacked ``TrainState`` (leading seeds axis).
+      snapshots: step -> the first seed's parameters after that many steps, for the steps
+        ``train_seeds`` was asked to keep (``snapshot_steps``; empty by default).
     """
 
     setup: str
@@ -101,6 +103,7 @@ class SeedsResult:
     resumed_from: int | None
     heldout_loss: list[float] | None
     state: Any
+    snapshots: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def final_losses(self) -> list[float]:
@@ -162,8 +165,8 @@ def stack_batches(data: np.ndarray, cfg: TrainConfig, step: int) -> jax.Array:
 
 def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_progress,
                 run_dir: str | Path | None = None, resume: bool = False, *,
-                data: np.ndarray | None = None, params: list[Any] | None = None
-                ) -> SeedsResult:
+                data: np.ndarray | None = None, params: list[Any] | None = None,
+                snapshot_steps: tuple[int, ...] = ()) -> SeedsResult:
     """Trains ``cfg.seeds`` seeds of one setup with one vmapped step (module docstring).
 
     Args:
@@ -174,6 +177,9 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
       resume: continue from the latest checkpoint in ``run_dir``.
       data: the training bytes (``load_data(cfg)`` if None).
       params: per seed, the f32 initial parameters (``seed_params(cfg)`` if None).
+      snapshot_steps: step counts after which the first seed's parameters are kept
+        (``SeedsResult.snapshots``; 0: the initial ones): telemetry over training, read
+        without changing it (a copy to the host, nothing recomputed).
 
     Raises:
       StudyError: non-finite loss in a setup not expected to diverge.
@@ -217,6 +223,13 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
     else:
         vstep = seeds_lib.vmap_step(step_fn)
     start = int(state.step[0])
+    snapshots: dict[int, Any] = {}
+
+    def keep(step: int) -> None:
+        if step in snapshot_steps:
+            snapshots[step] = jax.device_get(jax.tree.map(lambda x: x[0], state.params))
+
+    keep(start)
     compiled, compile_seconds = None, 0.0
     if start < cfg.steps:
         t0 = time.perf_counter()
@@ -230,6 +243,7 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
         metrics = jax.device_get(metrics)
         if i > start:
             times.append(time.perf_counter() - t)
+        keep(i + 1)
         for j in range(len(seeds)):
             if diverged_at[j] is not None:
                 continue
@@ -264,7 +278,7 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
         compile_seconds=compile_seconds,
         step_ms=float(np.median(times) * 1e3) if times else float("nan"),
         bytes_per_param=mem.bytes_per_param, memory=mem.as_dict(),
-        resumed_from=resumed_from, heldout_loss=heldout, state=state)
+        resumed_from=resumed_from, heldout_loss=heldout, state=state, snapshots=snapshots)
 
 
 def heldout_loss(setup: Setup | str, cfg: TrainConfig, state: Any) -> list[float] | None:

@@ -3,6 +3,7 @@
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from studies_testlib import assert_plots, plain
 
 from studies import ablate, cli, corpus, fp4_training, runner
-from studies.models import TransformerConfig, TransformerLM
+from studies.models import TransformerConfig, TransformerLM, lm_loss
 from studies.train import TrainConfig, batch_at, init_params, load_data
 
 
@@ -201,6 +202,22 @@ def test_setups_trained_two_at_a_time_give_the_same_numbers():
     assert histories(2) == histories(1)
 
 
+def test_fp4_regime_runs_the_budget_unless_told_otherwise():
+    """--regime fp4-training alone: 100 steps of 32 bytes (the main job's time); an explicit
+    other --steps / --seq-len wins; --full and the other regimes are unchanged."""
+    def train(*argv):
+        return runner.parse_args("ablate", list(argv)).config.train_config()
+
+    t = train("--regime", "fp4-training")
+    assert (t.steps, t.seq_len, t.seeds, t.model_config().num_layers) == (100, 32, 3, 4)
+    t = train("--regime", "fp4-training", "--steps", "300", "--seq-len", "48")
+    assert (t.steps, t.seq_len) == (300, 48)
+    assert train("--regime", "fp4-training", "--seq-len", "16").steps == 100
+    assert train("--regime", "fp4-training", "--full").steps == 400
+    t = train("--regime", "outlier-features")
+    assert (t.steps, t.seq_len) == (150, 64)
+
+
 def test_parallel_must_be_a_count():
     with pytest.raises(ValueError, match="parallel must be an int >= 0"):
         ablate.Config(parallel=-1)
@@ -245,6 +262,32 @@ def test_fp4_regime_smoke_gaps_plots_and_telemetry(tmp_path):
         assert 5 < s["grad"]["sqnr_db"] < 30  # SR: noisier than RNE
         assert 0 <= s["x"]["saturated_blocks"] <= 1 and s["w"]["underflow_blocks"] == 0
     assert all(0 < r < math.inf for r in tele["nvfp4"]["grad_noise_ratio"].values())
+    # The noise ratio over training: at 0, 1 and 2 steps (5 points over 2 steps, deduplicated).
+    curve = tele["nvfp4"]["grad_noise_curve"]
+    assert curve["steps"] == [0, 1, 2] == list(fp4_training.noise_steps(2))
+    assert len(curve["ratio"]) == 3 and all(0 < r < math.inf for r in curve["ratio"])
+    assert curve["ratio"][0] == tele["nvfp4"]["grad_noise_ratio"]["initial"]
+    assert curve["ratio"][-1] == tele["nvfp4"]["grad_noise_ratio"]["trained"]
+    # Step 0, independently: both models' weight gradients at seed 0's initial parameters on
+    # the batch after the last step, the FP4 layers' kernels, norms in float64 NumPy.
+    from studies.training.setups import get_setup
+    from studies.training.step import build_model
+
+    p0 = init_params(train.with_seed(0))
+    tokens = jnp.asarray(batch_at(load_data(train), train, train.steps))
+
+    def kernels(name):
+        model = build_model(get_setup(name), train)
+        g = jax.jit(jax.grad(lambda p: lm_loss(
+            model.apply({"params": p}, tokens).astype(jnp.float32), tokens)))(p0)
+        return [np.asarray(g["Block_0"][a][b]["kernel"], np.float64) for a, b in (
+            ("attn", "query"), ("attn", "key"), ("attn", "value"), ("attn", "out"),
+            ("MlpBlock_0", "Dense_0"), ("MlpBlock_0", "Dense_1"))]
+
+    ref, got = kernels("bf16-mixed"), kernels("nvfp4")
+    want = math.sqrt(sum(np.sum(r * r) for r in ref)) / math.sqrt(
+        sum(np.sum((g - r) ** 2) for r, g in zip(ref, got)))
+    assert curve["ratio"][0] == pytest.approx(want, rel=1e-4)
     # Gap curves: paired per seed, relative to the reference's mean curve.
     gc = ablate.gap_curves(group["rows"], "bf16-mixed")
     ref = np.asarray(rows["bf16-mixed"]["per_seed"][0]["history"]["loss"])
@@ -254,7 +297,8 @@ def test_fp4_regime_smoke_gaps_plots_and_telemetry(tmp_path):
     assert "bf16-mixed" not in gc
     paths = ablate.plot(res, tmp_path)
     assert [p.name for p in paths] == ["loss_fp4-training.png", "gapcurve_fp4-training.png",
-                                       "gaps_fp4-training.png"]
+                                       "gradnoise_fp4-training.png", "gaps_fp4-training.png"]
+    assert_plots(paths)
     text = ablate.summarize(res)
     assert "FP4 telemetry" in text and "|g| / |FP4 noise|" in text
 
@@ -272,3 +316,21 @@ def test_fp4_setups_keep_the_last_block_by_position():
         assert every.resolve(path).fp8.name == "nvfp4"
     with pytest.raises(ValueError, match="needs more than 1 blocks"):
         setup_rules(ablate.SETUPS["mxfp4"], TrainConfig(model=MICRO, seq_len=16))  # 1 block
+
+
+def test_train_seeds_snapshots_are_the_parameters_after_those_steps():
+    """``snapshot_steps``: step 0 is the initial parameters, the last step the final state's
+    (seed 0's), exactly; other steps are not kept."""
+    from studies.training import multiseed
+
+    cfg = TrainConfig(model=MICRO, steps=2, seeds=2, batch=2, seq_len=16, warmup=0)
+    res = multiseed.train_seeds("fp32", cfg, snapshot_steps=(0, 2))
+    assert sorted(res.snapshots) == [0, 2]
+    init = init_params(cfg.with_seed(0))
+    final = jax.tree.map(lambda x: np.asarray(x[0]), res.state.params)
+    for a, b in zip(jax.tree.leaves(res.snapshots[0]), jax.tree.leaves(init)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(res.snapshots[2]), jax.tree.leaves(final)):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(res.snapshots[0]),
+                                                        jax.tree.leaves(final)))
