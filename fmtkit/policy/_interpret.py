@@ -1123,7 +1123,9 @@ class Interpreter:
 
 
 def _is_dynamic(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+    """An array input (a ``jax.ShapeDtypeStruct`` too: tracing needs only its shape, e.g.
+    ``init_fp8_state`` on ``jax.eval_shape``'d parameters)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 @dataclasses.dataclass
