@@ -163,7 +163,7 @@ def test_fp8_errors_name_the_module(monkeypatch):
 
         return dot
 
-    monkeypatch.setattr(fp8, "dot_general", failing)
+    monkeypatch.setattr(fp8, "dot_general_fn", failing)
     model = with_policy(TransformerLM(CFG), "fp8-current")
     tokens = _batches()[0]
     variables = model.init(jax.random.key(0), tokens)
