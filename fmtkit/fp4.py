@@ -502,30 +502,12 @@ def _up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-_BLACKWELL_KINDS = ("B100", "B200", "B300", "GB200", "GB300")  # compute capability 10.x
-
-
-def _on_blackwell() -> bool:
-    """Whether this trace targets a Blackwell GPU: an abstract mesh's device (cross-lowering
-    without one), else the default device."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    if device is None:
-        if jax.default_backend() != "gpu":
-            return False
-        device = jax.devices()[0]
-        cc = getattr(device, "compute_capability", None)
-        if cc is not None:
-            return str(cc).split(".")[0] == "10"
-    return device.platform == "gpu" and any(
-        k in getattr(device, "device_kind", "") for k in _BLACKWELL_KINDS)
-
-
 def _uses_scaled_matmul(recipe: Fp4Recipe, a: Fp4Array, b: Fp4Array) -> bool:
     """Whether this GEMM runs through ``jax.nn.scaled_matmul``: NVFP4 operands on a Blackwell
     GPU ("auto"), or anywhere with ``use_kernel="interpret"`` (JAX's own decomposition)."""
     if recipe.use_kernel == "never" or recipe.block_scale != "e4m3":
         return False
-    return recipe.use_kernel == "interpret" or _on_blackwell()
+    return recipe.use_kernel == "interpret" or fp8.on_blackwell()
 
 
 def _gemm(a: Fp4Array, b: Fp4Array, recipe: Fp4Recipe) -> jax.Array:

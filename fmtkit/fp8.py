@@ -669,7 +669,9 @@ _BLACKWELL_KINDS = ("B100", "B200", "B300", "GB200", "GB300")
 _MX_ELEMENTS = ("float8_e4m3fn", "float8_e5m2")
 
 
-def _is_blackwell() -> bool:
+def on_blackwell() -> bool:
+    """Whether this trace targets a Blackwell GPU (block-scaled tensor cores): an abstract
+    mesh's device (cross-lowering without one), else the default device."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     if device is None:
         if jax.default_backend() != "gpu":
@@ -697,7 +699,7 @@ def _block_scaled_dot(a_values, a_scale, b_values, b_scale, *, impl, out_dtype):
 
 
 register_gemm_backend("jax_block_scaled_dot", _block_scaled_dot,
-                      applies=_fits_block_scaled_dot, available=_is_blackwell)
+                      applies=_fits_block_scaled_dot, available=on_blackwell)
 
 
 def _on_gpu() -> bool:
