@@ -46,4 +46,5 @@ def test_bench_optim_runs_and_reports_copies_and_traffic(tmp_path, capsys):
     # (bf16), master, mu, nu: 2 + 2 + 12 + 2 + 12 = 30 bytes. XLA moves at least that.
     assert per_param["optax_f32"] >= 28 and per_param["fmtkit"] >= 30
     assert res["hlo_passes"]["fmtkit"] > res["hlo_passes"]["optax_f32"] > 0
+    assert res["cpu_ratios_vs_optax_f32"]["optax_f32"] == 1.0 and res["cpu_seconds"]["fmtkit"] > 0
     assert "ratio fmtkit / optax_f32" in capsys.readouterr().out.splitlines()[-1]
