@@ -43,10 +43,15 @@ def all_finite(tree: Any) -> jax.Array:
     ``all(isfinite(x))``), with a fast common path: one f32 sum per leaf, added up. IEEE
     addition propagates inf and NaN (inf + -inf is NaN), so a finite total proves every
     element finite; only a non-finite total (a non-finite element, or finite elements
-    whose sum overflows f32's max, 3.4e38) runs the elementwise test, inside a
-    ``lax.cond``. On CPU the sum is ~4x faster than ``all(isfinite(x))`` for bf16 and f32
-    leaves (a bool array, then a reduce). A max-reduction would not do: XLA's vectorised
-    max may drop a NaN.
+    whose sum overflows f32's max, 3.4e38) runs the exact test, inside a ``lax.cond``: the
+    sum of ``x - x``, which is 0 for every finite element and NaN for inf and NaN, so it is
+    NaN exactly when an element is not finite, and cannot overflow. On CPU the f32 sum is
+    ~4x faster than ``all(isfinite(x))`` for bf16 and f32 leaves (a bool array, then a
+    reduce), and the ``x - x`` fallback needs no parameter-sized temporary (an
+    ``all(isfinite(x))`` fallback made XLA:CPU allocate one bool array per leaf on every
+    step, taken or not: about 2% of ``dynamic_loss_scale(master_weights(adamw))``'s CPU time
+    in ``fmtkit bench optim``). A max-reduction would not do: XLA's vectorised max may drop
+    a NaN.
 
     ``dynamic_loss_scale`` and ``static_loss_scale`` decide their skips with this function.
 
@@ -63,10 +68,13 @@ def all_finite(tree: Any) -> jax.Array:
     for x in leaves:
         total = total + jnp.sum(jnp.asarray(x).astype(F32))
 
-    def elementwise(xs):
-        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+    def exact(xs):
+        nan_if_not_finite = jnp.zeros([], F32)
+        for x in xs:
+            nan_if_not_finite = nan_if_not_finite + jnp.sum(x - x, dtype=F32)
+        return jnp.isfinite(nan_if_not_finite)
 
-    return jax.lax.cond(jnp.isfinite(total), lambda xs: jnp.array(True), elementwise,
+    return jax.lax.cond(jnp.isfinite(total), lambda xs: jnp.array(True), exact,
                         [jnp.asarray(x) for x in leaves])
 
 

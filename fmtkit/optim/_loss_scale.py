@@ -27,8 +27,8 @@ the scale backs off on the h-th overflow since the last growth and on every over
 that (Megatron's docstring says "consecutive"; its code counts since the last growth).
 
 The finiteness check is ``fmtkit.optim.all_finite`` on the scaled gradients: exact, like
-PyTorch's elementwise test (a fast f32 sum per leaf; the elementwise test runs only when the
-sum is not finite).
+PyTorch's elementwise test (a fast f32 sum per leaf; the exact test, a sum of ``x - x``,
+runs only when the sum is not finite).
 
 ``last_step_skipped`` in the state says whether the update that produced it was skipped;
 ``skipped_steps`` counts all skips (and ``DynamicLossScaleState.consecutive_overflows`` the

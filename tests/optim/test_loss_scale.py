@@ -653,3 +653,54 @@ def test_inject_hyperparams_bad_values_and_dtype_arguments():
         # a string, or the name in static_args, works
         inject(make)(optax.sgd(1.0), **{**kwargs, name: "float32"}).init(params)
         inject(make, static_args=(name,))(optax.sgd(1.0), **kwargs).init(params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_exact_fallback_of_all_finite_when_the_fast_sum_overflows(dtype):
+    """Finite elements whose f32 sum overflows send all_finite to its exact test (the sum of
+    x - x); with an inf, -inf, both, or a NaN anywhere it must still say False, and True
+    without. Reference: NumPy's elementwise isfinite."""
+    check = jax.jit(optim.all_finite)
+    big = np.full(4096, 3e38, np.float32)
+    big[::3] = -3e38  # partial sums overflow both ways
+    for bad in [None, np.inf, -np.inf, np.nan, "both"]:
+        for where in [0, 2049, 4095]:
+            a = big.copy()
+            if bad == "both":
+                a[where], a[(where + 7) % 4096] = np.inf, -np.inf
+            elif bad is not None:
+                a[where] = bad
+            leaves = [jnp.asarray(a).astype(dtype), jnp.asarray(a[:5]).astype(dtype)]
+            want = bool(np.all(np.isfinite(np.asarray(leaves[0], np.float32))))
+            assert bool(check(leaves)) is want, (bad, where)
+
+
+def test_all_finite_allocates_no_parameter_sized_temporary(monkeypatch):
+    # The exact fallback (x - x summed) fuses into its reductions; a fallback built on
+    # all(isfinite(x)) made XLA:CPU allocate a bool array per leaf on every step.
+    params = {f"w{i}": jnp.full((96, 80), 0.5, jnp.bfloat16) for i in range(3)}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 8.0, jnp.bfloat16), params)
+
+    def temp_bytes():
+        opt = optim.dynamic_loss_scale(optim.master_weights(optim.adamw(1e-3)))
+
+        def step(params, state, grads):
+            updates, state = opt.update(grads, state, params)
+            return optim.add_updates(params, updates), state
+
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+            params, opt.init(params), grads).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes() < 96 * 80  # less than one bool array of a parameter's shape
+
+    def all_isfinite(tree):  # negative control: the previous fallback
+        leaves = jax.tree.leaves(tree)
+        total = sum(jnp.sum(x.astype(jnp.float32)) for x in leaves)
+        return jax.lax.cond(jnp.isfinite(total), lambda xs: jnp.array(True),
+                            lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
+                                                          for x in xs])), leaves)
+
+    from fmtkit.optim import _loss_scale
+    monkeypatch.setattr(_loss_scale, "all_finite", all_isfinite)
+    assert temp_bytes() >= 3 * 96 * 80
