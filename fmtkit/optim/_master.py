@@ -160,25 +160,6 @@ def _round_masters(m_leaves: list[Any], p_leaves: list[Any], seed: jax.Array | N
     return out
 
 
-def _bf16_round_in_f32(m: jax.Array) -> jax.Array:
-    """``m.astype(bfloat16).astype(float32)`` for a float32 ``m``, computed on the bits.
-
-    Round half to even to the top 16 bits: ``(bits + 0x7FFF + lsb) & 0xFFFF0000`` with
-    ``lsb`` the lowest kept bit (a carry into the exponent rounds up a binade, and past
-    bf16's max to inf, as IEEE rounding does; subnormals round alike because bf16 has f32's
-    exponent range); NaN stays NaN (returned as it is). Equal to the conversion for every
-    non-NaN float32 (tests/optim/test_master_weights.py checks all 65536 bf16 values with
-    their ties and neighbours against ml_dtypes). Why: XLA:CPU's convert to bf16 and back
-    is a longer instruction sequence, and this pass is compute-bound on CPU
-    (``fmtkit bench optim``: about 3% of the ``dynamic_loss_scale(master_weights(adamw))``
-    step's CPU time).
-    """
-    bits = jax.lax.bitcast_convert_type(m, jnp.uint32)
-    lsb = (bits >> 16) & jnp.uint32(1)
-    rounded = (bits + (jnp.uint32(0x7FFF) + lsb)) & jnp.uint32(0xFFFF0000)
-    return jnp.where(jnp.isnan(m), m, jax.lax.bitcast_convert_type(rounded, jnp.float32))
-
-
 def _delta(n: jax.Array, p: jax.Array, dtype: np.dtype) -> jax.Array:
     """``n - p`` computed and returned in ``dtype`` (the master dtype, float32 or wider):
     exact whenever it is representable, see the module docstring."""
@@ -301,12 +282,7 @@ def master_weights(
         state alone, and the passthrough updates of the other parameters."""
         p_leaves, treedef = jax.tree.flatten(params)
         m_leaves = treedef.flatten_up_to(new_state.master)
-        if new_state.seed is None and master_dtype == np.float32:
-            # round to nearest; bf16 parameters take the bit-level rounding (the same values)
-            rounded = [m if is_masked(m) else _bf16_round_in_f32(m) if p.dtype == jnp.bfloat16
-                       else m.astype(p.dtype) for p, m in zip(p_leaves, m_leaves)]
-        else:
-            rounded = _round_masters(m_leaves, p_leaves, new_state.seed, new_state.count)
+        rounded = _round_masters(m_leaves, p_leaves, new_state.seed, new_state.count)
         others = iter(passthrough)
         return treedef.unflatten(
             [next(others) if is_masked(n) else _delta(n, p, master_dtype)
