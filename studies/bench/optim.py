@@ -19,7 +19,8 @@ and for its kernels over parameter-sized buffers (``passes``) and the bytes they
 write per parameter (``B/param``; ``hlo_traffic``): the byte floor is 28 B/param for plain
 f32 adamw (read p, g, mu, nu; write p, mu, nu) and 30 for the chain (bf16 p and g, f32
 master, mu, nu); XLA:CPU makes one loop per output array (it has no multi-output fusion).
-Timing: alternating runs after warm-up, ``block_until_ready``, median of ``--repeats``;
+Timing: alternating runs after warm-up (the order reversed every other round),
+``block_until_ready``, median of ``--repeats``, wall time and CPU time of the process;
 fmtkit and the baseline are timed together first, then the jmp versions with the baseline
 again (each ratio is against the baseline of its own phase). Target (issue 22): fmtkit /
 optax_f32 <= 1.3x on CPU; the ratio printed last.
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from fmtkit import optim
-from studies.bench._timing import time_interleaved, write_results
+from studies.bench._timing import time_samples, write_results
 
 _LR = 1e-3
 _SCALE = 2.0**16  # the scale the gradients were computed with (GradScaler's default init)
@@ -210,6 +211,17 @@ def param_sized_copies(runner: _Runner, text: str | None = None) -> int:
     return sum(1 for shape in found if shape in shapes)
 
 
+def wall_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time (s) per call after 3 warm-up calls each, in alternation with the
+    order reversed every other repeat (the position in a round moved a ratio by about 0.02
+    on the shared 2-core machine)."""
+    for fn in fns.values():
+        for _ in range(3):
+            jax.block_until_ready(fn())
+    samples = time_samples(fns, repeats, alternate=True)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def cpu_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """Median CPU time (s, all threads of this process: ``time.process_time``) per call of
     already warm zero-argument callables, in alternation. On a machine shared with other
@@ -276,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for k, r in runners.items():
         profile(k, r)
-    times = time_interleaved(runners, args.repeats)
+    times = wall_interleaved(runners, args.repeats)
     ratios = {k: t / times["optax_f32"] for k, t in times.items()}
     cpu = cpu_interleaved(runners, args.repeats)
     cpu_ratios = {k: t / cpu["optax_f32"] for k, t in cpu.items()}
@@ -295,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                      _JmpLossScale(jnp.asarray(_SCALE, jnp.float32)))
             runners[name] = _Runner(_jmp_step(adamw, use_cond), pj, state, scaled_bf16)
             profile(name, runners[name])
-        jtimes = time_interleaved(runners, args.repeats)
+        jtimes = wall_interleaved(runners, args.repeats)
         jcpu = cpu_interleaved(runners, args.repeats)
         for name in ("jmp_select", "jmp_cond"):
             times[name] = jtimes[name]
