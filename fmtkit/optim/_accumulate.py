@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from fmtkit.optim._common import check_float_leaves, increment, positive_int
+from fmtkit.optim._common import check_dtype_arg, check_float_leaves, increment, positive_int
 
 __all__ = ["multi_steps"]
 
 
 def multi_steps(inner: optax.GradientTransformation, *, every_k: int,
                 use_grad_mean: bool = True,
-                accumulator_dtype: jax.typing.DTypeLike = jnp.float32,
+                accumulator_dtype: jax.typing.DTypeLike = "float32",
                 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates ``every_k`` micro-batch gradients, then calls ``inner`` once.
 
@@ -42,7 +41,9 @@ def multi_steps(inner: optax.GradientTransformation, *, every_k: int,
       inner: the optimizer to call once per effective batch.
       every_k: micro-batches per effective batch (>= 1).
       use_grad_mean: average (True, Welford update as in optax) or sum the gradients.
-      accumulator_dtype: dtype of the accumulator (default float32).
+      accumulator_dtype: dtype of the accumulator (default float32; a string such as
+        ``"float32"`` under ``optax.inject_hyperparams``, which treats callables such as
+        ``jnp.float32`` as schedules).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with ``optax.MultiStepsState``.
@@ -60,7 +61,7 @@ def multi_steps(inner: optax.GradientTransformation, *, every_k: int,
     """
     inner = optax.with_extra_args_support(inner)
     every_k = positive_int(every_k, "every_k")
-    acc_dtype = np.dtype(accumulator_dtype)
+    acc_dtype = check_dtype_arg(accumulator_dtype, "accumulator_dtype")
     if not jnp.issubdtype(acc_dtype, jnp.floating):
         raise TypeError(f"accumulator_dtype must be floating, got {acc_dtype}.")
 

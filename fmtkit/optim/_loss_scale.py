@@ -27,8 +27,8 @@ the scale backs off on the h-th overflow since the last growth and on every over
 that (Megatron's docstring says "consecutive"; its code counts since the last growth).
 
 The finiteness check is ``fmtkit.optim.all_finite`` on the scaled gradients: exact, like
-PyTorch's elementwise test (a fast f32 sum per leaf; the elementwise test runs only when the
-sum is not finite).
+PyTorch's elementwise test (a fast f32 sum per leaf; the exact test, a sum of ``x - x``,
+runs only when the sum is not finite).
 
 ``last_step_skipped`` in the state says whether the update that produced it was skipped;
 ``skipped_steps`` counts all skips (and ``DynamicLossScaleState.consecutive_overflows`` the
@@ -261,6 +261,14 @@ def dynamic_loss_scale(
     overflowing micro-batch leaves NaN in its accumulator for good (optax 0.2.8), and every
     later step is skipped; this transformation warns when it finds itself inside one.
 
+    ``optax.inject_hyperparams(dynamic_loss_scale)(inner, growth_interval=...)`` works: each
+    numeric hyperparameter may be a scalar array, validated where it is concrete (at
+    ``init``) and used as given where it is traced (``update`` under ``jit``), so it can be
+    scheduled or changed in the state between steps (``init_scale`` only sets the first
+    scale). A schedule of ``inner``'s own hyperparameters goes inside, or around the whole
+    chain: ``optax.inject_hyperparams(lambda learning_rate: dynamic_loss_scale(
+    master_weights(optax.adamw(learning_rate))))`` (a ``def`` with that signature).
+
     Args:
       inner: the optimizer to protect.
       init_scale: initial scale, finite and > 0 (kept as an f32 array in the state).
@@ -289,22 +297,26 @@ def dynamic_loss_scale(
     inner = optax.with_extra_args_support(inner)
     init_scale = positive_float(init_scale, "init_scale")
     growth_factor = positive_float(growth_factor, "growth_factor")
-    if growth_factor <= 1.0:
+    if isinstance(growth_factor, float) and growth_factor <= 1.0:
         raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}.")
     backoff_factor = positive_float(backoff_factor, "backoff_factor")
-    if not 0.0 < backoff_factor < 1.0:
+    if isinstance(backoff_factor, float) and not 0.0 < backoff_factor < 1.0:
         raise ValueError(f"backoff_factor must be in the open interval (0, 1), got "
                          f"{backoff_factor!r}.")
     growth_interval = positive_int(growth_interval, "growth_interval")
     hysteresis = positive_int(hysteresis, "hysteresis")
     min_scale = positive_float(min_scale, "min_scale", allow_none=True)
     max_scale = positive_float(max_scale, "max_scale", allow_none=True)
-    if min_scale is not None and min_scale > init_scale:
-        raise ValueError(f"min_scale={min_scale} must be <= init_scale={init_scale}.")
-    if max_scale is not None and max_scale < init_scale:
-        raise ValueError(f"max_scale={max_scale} must be >= init_scale={init_scale}.")
-    if init_scale > _F32_MAX:
-        raise ValueError(f"init_scale={init_scale} overflows float32 (max {_F32_MAX:.4g}).")
+    # Checks between values run where both are concrete (Python numbers, or arrays at
+    # ``init`` under optax.inject_hyperparams); traced values were checked at ``init``.
+    if isinstance(init_scale, float):
+        if isinstance(min_scale, float) and min_scale > init_scale:
+            raise ValueError(f"min_scale={min_scale} must be <= init_scale={init_scale}.")
+        if isinstance(max_scale, float) and max_scale < init_scale:
+            raise ValueError(f"max_scale={max_scale} must be >= init_scale={init_scale}.")
+        if init_scale > _F32_MAX:
+            raise ValueError(f"init_scale={init_scale} overflows float32 (max "
+                             f"{_F32_MAX:.4g}).")
 
     def init_fn(params):
         _warn_if_in_optax_multisteps("dynamic_loss_scale")
@@ -327,20 +339,20 @@ def dynamic_loss_scale(
 
         # Overflow: PyTorch / Megatron backoff.
         hyst_o = jnp.maximum(state.hysteresis_tracker - 1, 0)
-        backed = scale * jnp.float32(backoff_factor)
+        backed = scale * jnp.asarray(backoff_factor, F32)
         if min_scale is not None:
-            backed = jnp.maximum(backed, jnp.float32(min_scale))
+            backed = jnp.maximum(backed, jnp.asarray(min_scale, F32))
         scale_o = jnp.where(hyst_o == 0, backed, scale)
         # Finite step: growth every growth_interval steps, never to inf.
         tracker = state.growth_tracker + 1
         grow = tracker >= growth_interval
-        grown = scale * jnp.float32(growth_factor)
+        grown = scale * jnp.asarray(growth_factor, F32)
         grown = jnp.where(jnp.isfinite(grown), grown, scale)
         if max_scale is not None:
-            grown = jnp.minimum(grown, jnp.float32(max_scale))
+            grown = jnp.minimum(grown, jnp.asarray(max_scale, F32))
         scale_f = jnp.where(grow, grown, scale)
         tracker_f = jnp.where(grow, 0, tracker)
-        hyst_f = jnp.where(grow, jnp.int32(hysteresis), state.hysteresis_tracker)
+        hyst_f = jnp.where(grow, jnp.asarray(hysteresis, jnp.int32), state.hysteresis_tracker)
 
         zero = jnp.zeros([], jnp.int32)
         new_state = DynamicLossScaleState(
@@ -386,7 +398,7 @@ def static_loss_scale(inner: optax.GradientTransformation, *,
     """
     inner = optax.with_extra_args_support(inner)
     scale = positive_float(scale, "scale")
-    if scale > _F32_MAX:
+    if isinstance(scale, float) and scale > _F32_MAX:
         raise ValueError(f"scale={scale} overflows float32 (max {_F32_MAX:.4g}).")
 
     def init_fn(params):

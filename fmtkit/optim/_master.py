@@ -74,6 +74,7 @@ import optax
 from fmtkit.casting import cast
 from fmtkit.optim._common import (
     F32,
+    check_dtype_arg,
     check_float_leaves,
     check_seed,
     increment,
@@ -170,7 +171,7 @@ def master_weights(
     *,
     rounding: Literal["nearest", "stochastic"] = "nearest",
     seed: int = 0,
-    master_dtype: jax.typing.DTypeLike = jnp.float32,
+    master_dtype: jax.typing.DTypeLike = "float32",
 ) -> optax.GradientTransformationExtraArgs:
     """Keeps a float32 master copy of every low-precision parameter; ``inner`` updates it.
 
@@ -202,13 +203,17 @@ def master_weights(
         deterministic given ``seed`` and the step count).
       seed: int seed of the stochastic rounding (stored in the state).
       master_dtype: dtype of the master copy and of the returned deltas (default float32).
+        Under ``optax.inject_hyperparams`` give it as a string (``"float32"``) or in
+        ``static_args``: inject_hyperparams treats callables such as ``jnp.float32`` as
+        schedules (a ``TypeError`` says so).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with ``MasterWeightsState``.
 
     Raises:
       ValueError: unknown ``rounding``; ``update`` called without ``params``.
-      TypeError: a non-floating parameter, or ``master_dtype`` not wider than 16 bits.
+      TypeError: a non-floating parameter, or ``master_dtype`` not a dtype or not wider than
+        16 bits.
 
     Warns:
       UserWarning: at ``init``, when no parameter is low precision (nothing to master; the
@@ -227,7 +232,7 @@ def master_weights(
     inner = optax.with_extra_args_support(inner)
     rounding = _check_rounding(rounding)
     seed = check_seed(seed)
-    master_dtype = np.dtype(master_dtype)
+    master_dtype = check_dtype_arg(master_dtype, "master_dtype")
     if not jnp.issubdtype(master_dtype, jnp.floating) or master_dtype.itemsize < 4:
         raise TypeError(f"master_dtype must be float32 or wider, got {master_dtype}.")
 
@@ -497,7 +502,7 @@ def kahan_updates(inner: optax.GradientTransformation, *,
     """
     inner = optax.with_extra_args_support(inner)
     if compensation_dtype is not None:
-        compensation_dtype = np.dtype(compensation_dtype)
+        compensation_dtype = check_dtype_arg(compensation_dtype, "compensation_dtype")
         if not jnp.issubdtype(compensation_dtype, jnp.floating):
             raise TypeError(f"compensation_dtype must be floating, got {compensation_dtype}.")
 

@@ -14,8 +14,13 @@
 
 Every step is jitted with the parameters and optimizer state donated and runs on the same
 gradient tree (finite, so every step applies). For each step the compiled HLO is read for
-``copy`` instructions of a parameter's shape (``copies``: buffers XLA duplicates per step).
-Timing: alternating runs after warm-up, ``block_until_ready``, median of ``--repeats``;
+``copy`` instructions of a parameter's shape (``copies``: buffers XLA duplicates per step),
+and for its kernels over parameter-sized buffers (``passes``) and the bytes they read and
+write per parameter (``B/param``; ``hlo_traffic``): the byte floor is 28 B/param for plain
+f32 adamw (read p, g, mu, nu; write p, mu, nu) and 30 for the chain (bf16 p and g, f32
+master, mu, nu); XLA:CPU makes one loop per output array (it has no multi-output fusion).
+Timing: alternating runs after warm-up (the order reversed every other round),
+``block_until_ready``, median of ``--repeats``, wall time and CPU time of the process;
 fmtkit and the baseline are timed together first, then the jmp versions with the baseline
 again (each ratio is against the baseline of its own phase). Target (issue 22): fmtkit /
 optax_f32 <= 1.3x on CPU; the ratio printed last.
@@ -24,7 +29,11 @@ optax_f32 <= 1.3x on CPU; the ratio printed last.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from fmtkit import optim
-from studies.bench._timing import time_interleaved, write_results
+from studies.bench._timing import time_samples, write_results
 
 _LR = 1e-3
 _SCALE = 2.0**16  # the scale the gradients were computed with (GradScaler's default init)
@@ -118,12 +127,114 @@ def _jmp_step(opt: optax.GradientTransformation, use_cond: bool) -> Callable:
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def param_sized_copies(runner: _Runner) -> int:
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*?)\)(.*)$")
+_HEADER = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+_NOT_A_PASS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "conditional"}
+
+
+def _arrays(shape_text: str) -> list[tuple[str, str]]:
+    """(dtype, dims) of every array in an HLO shape (an array or a tuple of arrays)."""
+    return _ARRAY.findall(shape_text)
+
+
+def hlo_traffic(hlo_text: str, param_dims: set[str]) -> dict[str, int]:
+    """Passes over parameter-sized buffers in a compiled step, and the bytes they move.
+
+    Reads the compiled HLO text: every kernel (a fusion, a copy, any other instruction that
+    is not bookkeeping) in the entry computation whose output or an operand has a
+    parameter's dimensions (``param_dims``: "1024,1024"-style strings, any dtype) counts as
+    one pass, and moves the bytes of all its operands and outputs (XLA:CPU makes one loop per
+    fusion output: it has no multi-output fusion). At a ``conditional`` it follows the
+    branch a finite step takes: the last one (the true branch of ``lax.cond``: the update
+    branch of the loss scalers and of ``jmp_cond``, the fast branch of ``all_finite``).
+    A byte count, not a time: it ignores caches, and what each loop computes.
+
+    Returns:
+      ``{"passes": ..., "bytes": ...}`` for one step.
+    """
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        head = _HEADER.match(line)
+        if head:
+            current = head.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+
+    def walk(name: str) -> tuple[int, int]:
+        shapes, passes, moved = {}, 0, 0
+        for line in comps[name]:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            out, shape, op, operands, attrs = m.groups()
+            shapes[out] = shape
+            if op == "conditional":
+                branches = re.search(r"branch_computations=\{([^}]*)\}", attrs)
+                taken = (branches.group(1).split(",")[-1] if branches else
+                         re.search(r"true_computation=(%\S+?),", attrs).group(1))
+                p, b = walk(taken.strip().lstrip("%"))
+                passes, moved = passes + p, moved + b
+                continue
+            if op in _NOT_A_PASS:
+                continue
+            arrays = _arrays(shape) + [a for o in operands.split(",")
+                                       for a in _arrays(shapes.get(o.strip().lstrip("%"), ""))]
+            if any(dims in param_dims for _, dims in arrays):
+                passes += 1
+                moved += sum(_DTYPE_BYTES.get(dt, 4) * math.prod(
+                    int(d) for d in dims.split(",") if d) for dt, dims in arrays)
+        return passes, moved
+
+    passes, moved = walk(entry)
+    return {"passes": passes, "bytes": moved}
+
+
+def compiled_text(runner: _Runner) -> str:
+    return runner.step.lower(runner.params, runner.state, runner.grads).compile().as_text()
+
+
+def param_sized_copies(runner: _Runner, text: str | None = None) -> int:
     """``copy`` instructions of any parameter's shape in the runner's compiled step."""
     shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves(runner.params)}
-    text = runner.step.lower(runner.params, runner.state, runner.grads).compile().as_text()
-    found = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", text)
+    found = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", text or compiled_text(runner))
     return sum(1 for shape in found if shape in shapes)
+
+
+def wall_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time (s) per call after 3 warm-up calls each, in alternation with the
+    order reversed every other repeat (the position in a round moved a ratio by about 0.02
+    on the shared 2-core machine)."""
+    for fn in fns.values():
+        for _ in range(3):
+            jax.block_until_ready(fn())
+    samples = time_samples(fns, repeats, alternate=True)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def cpu_interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median CPU time (s, all threads of this process: ``time.process_time``) per call of
+    already warm zero-argument callables, in alternation. On a machine shared with other
+    jobs the wall time includes waiting for a core and the CPU time does not, so the ratio
+    of CPU times is the steadier measure of the work each step does (under load, 2 cores:
+    plain adamw's CPU time varied by a few percent where its wall time varied 2x)."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(repeats):
+        for k in (list(fns)[::-1] if i % 2 else list(fns)):
+            t0 = time.process_time()
+            jax.block_until_ready(fns[k]())
+            samples[k].append(time.process_time() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 class _Runner:
@@ -167,9 +278,20 @@ def main(argv: list[str] | None = None) -> int:
     pb = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
     runners = {"fmtkit": _Runner(_fmtkit_step(ours), pb, jax.jit(ours.init)(pb), scaled_bf16),
                "optax_f32": baseline()}
-    copies = {k: param_sized_copies(r) for k, r in runners.items()}
-    times = time_interleaved(runners, args.repeats)
+    dims = {",".join(map(str, x.shape)) for x in jax.tree.leaves(p32)}
+    copies, traffic = {}, {}
+
+    def profile(name: str, runner: _Runner) -> None:
+        text = compiled_text(runner)
+        copies[name] = param_sized_copies(runner, text)
+        traffic[name] = hlo_traffic(text, dims)
+
+    for k, r in runners.items():
+        profile(k, r)
+    times = wall_interleaved(runners, args.repeats)
     ratios = {k: t / times["optax_f32"] for k, t in times.items()}
+    cpu = cpu_interleaved(runners, args.repeats)
+    cpu_ratios = {k: t / cpu["optax_f32"] for k, t in cpu.items()}
     del runners, pb
 
     # Phase 2: the jmp compositions against the baseline (separately, so that their larger
@@ -184,26 +306,44 @@ def main(argv: list[str] | None = None) -> int:
             state = (master, jax.jit(adamw.init)(master),
                      _JmpLossScale(jnp.asarray(_SCALE, jnp.float32)))
             runners[name] = _Runner(_jmp_step(adamw, use_cond), pj, state, scaled_bf16)
-            copies[name] = param_sized_copies(runners[name])
-        jtimes = time_interleaved(runners, args.repeats)
+            profile(name, runners[name])
+        jtimes = wall_interleaved(runners, args.repeats)
+        jcpu = cpu_interleaved(runners, args.repeats)
         for name in ("jmp_select", "jmp_cond"):
             times[name] = jtimes[name]
             ratios[name] = jtimes[name] / jtimes["optax_f32"]
+            cpu[name] = jcpu[name]
+            cpu_ratios[name] = jcpu[name] / jcpu["optax_f32"]
         times["optax_f32_phase2"] = jtimes["optax_f32"]
         ratios["optax_f32_phase2"] = 1.0
+        cpu["optax_f32_phase2"], cpu_ratios["optax_f32_phase2"] = jcpu["optax_f32"], 1.0
         copies["optax_f32_phase2"] = copies["optax_f32"]
+        traffic["optax_f32_phase2"] = traffic["optax_f32"]
         del runners
 
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"{n:,d} parameters ({len(jax.tree.leaves(p32))} leaves), median of "
-          f"{args.repeats}, donated state, {jax.devices()[0].platform}")
+          f"{args.repeats}, donated state, {jax.devices()[0].platform}"
+          + (f", load average {load[0]:.1f}" if load else ""))
+    print(f"  {'step':<16} {'time':>12} {'ratio':>7} {'cpu':>10} {'ratio':>7} {'copies':>7} "
+          f"{'passes':>7} {'B/param':>8}   (wall and CPU time; parameter-sized copies, "
+          "kernels and bytes in the compiled step)")
     for k, t in times.items():
-        print(f"  {k:<16} {t * 1e3:9.2f} ms   {ratios[k]:5.2f}x   "
-              f"{copies[k]} parameter-sized copies in the compiled step")
+        print(f"  {k:<16} {t * 1e3:9.2f} ms {ratios[k]:6.2f}x {cpu[k] * 1e3:7.2f} ms "
+              f"{cpu_ratios[k]:6.2f}x {copies[k]:7d} {traffic[k]['passes']:7d} "
+              f"{traffic[k]['bytes'] / n:8.1f}")
     file = write_results("optim", {"params": n, "width": args.width, "repeats": args.repeats,
-                                   "seconds": times, "ratios_vs_optax_f32": ratios,
-                                   "param_sized_copies": copies, "jmp": jmp_note}, args.out)
+                                   "load_average": load, "seconds": times,
+                                   "ratios_vs_optax_f32": ratios, "cpu_seconds": cpu,
+                                   "cpu_ratios_vs_optax_f32": cpu_ratios,
+                                   "param_sized_copies": copies,
+                                   "hlo_passes": {k: v["passes"] for k, v in traffic.items()},
+                                   "hlo_bytes_per_param": {k: v["bytes"] / n
+                                                           for k, v in traffic.items()},
+                                   "jmp": jmp_note}, args.out)
     print(f"wrote {file}")
-    print(f"ratio fmtkit / optax_f32: {ratios['fmtkit']:.2f}x  (target <= 1.3x)")
+    print(f"ratio fmtkit / optax_f32: {ratios['fmtkit']:.2f}x  (target <= 1.3x; CPU time "
+          f"{cpu_ratios['fmtkit']:.2f}x)")
     return 0
 
 

@@ -536,3 +536,171 @@ def test_compiled_master_weights_step_has_no_parameter_sized_copy():
     # Negative control: the whole inner update under the cond (its skip branch returns
     # parameter-sized zeros) makes XLA copy them.
     assert _param_sized_copies(optim.dynamic_loss_scale(_one_part(mw)), params, grads) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# optax.inject_hyperparams around the wrappers: numeric hyperparameters arrive as arrays
+# (traced under jit) and can be changed in the state between steps
+
+
+def test_inject_hyperparams_dynamic_loss_scale_follows_changed_hyperparameters():
+    inner = optim.master_weights(optax.sgd(0.5))
+    opt = optax.inject_hyperparams(optim.dynamic_loss_scale, hyperparam_dtype=jnp.float32)(
+        inner, init_scale=16.0, growth_interval=2, backoff_factor=0.5)
+    direct = optim.dynamic_loss_scale(inner, init_scale=16.0, growth_interval=2,
+                                      backoff_factor=0.5)
+    params = jnp.linspace(-1, 1, 4, dtype=jnp.bfloat16)
+    state, ref_state = opt.init(params), direct.init(params)
+    assert state.hyperparams["growth_interval"].dtype == jnp.int32
+    step, ref_step = _step_fn(opt), _step_fn(direct)
+    g, bad = jnp.full(4, 32.0, jnp.bfloat16), jnp.full(4, jnp.inf, jnp.bfloat16)
+    p, ref_p, scales = params, params, []
+    for grads in (g, g, bad):  # the same trajectory as the un-injected transformation
+        p, state, u = step(p, state, grads)
+        ref_p, ref_state, ref_u = ref_step(ref_p, ref_state, grads)
+        assert _bits((p, state.inner_state, u)) == _bits((ref_p, ref_state, ref_u))
+        scales.append(float(optim.loss_scale(state)))
+    # New values in the state, no retrace needed: backoff x0.25 and growth after every step.
+    state.hyperparams.update(backoff_factor=jnp.float32(0.25),
+                             growth_interval=jnp.int32(1))
+    for grads in (bad, g):
+        p, state, u = step(p, state, grads)
+        scales.append(float(optim.loss_scale(state)))
+    # Hand-derived from the definitions: 16 (1 of 2 finite steps), x2 on the 2nd, x0.5 on
+    # an overflow; then x0.25 on an overflow, x2 after the next finite step (interval 1).
+    assert scales == [16.0, 32.0, 16.0, 4.0, 8.0]
+    assert int(state.inner_state.skipped_steps) == 2
+
+
+def test_inject_hyperparams_static_scale_master_weights_and_multi_steps():
+    params = jnp.linspace(-1, 1, 6, dtype=jnp.bfloat16)
+    grads = [jnp.full(6, 0.1 * (i + 1), jnp.bfloat16) for i in range(4)]
+    inject = optax.inject_hyperparams
+    pairs = [  # (injected, direct): bit-identical updates and states over four steps
+        (inject(optim.static_loss_scale)(optax.sgd(0.5), scale=8.0),
+         optim.static_loss_scale(optax.sgd(0.5), scale=8.0)),
+        (inject(optim.master_weights)(optax.sgd(0.5), rounding="stochastic", seed=3),
+         optim.master_weights(optax.sgd(0.5), rounding="stochastic", seed=3)),
+        (inject(optim.multi_steps)(optim.master_weights(optax.sgd(0.5)), every_k=2),
+         optim.multi_steps(optim.master_weights(optax.sgd(0.5)), every_k=2)),
+    ]
+    for opt, direct in pairs:
+        s, ref_s = opt.init(params), direct.init(params)
+        step, ref_step = _step_fn(opt), _step_fn(direct)
+        p = ref_p = params
+        for g in grads:
+            p, s, u = step(p, s, g)
+            ref_p, ref_s, ref_u = ref_step(ref_p, ref_s, g)
+            assert _bits((p, s.inner_state, u)) == _bits((ref_p, ref_s, ref_u))
+    assert float(optim.loss_scale(pairs[0][0].init(params))) == 8.0
+    # multi_steps' every_k changed in the state: the next emit comes after three micro-steps
+    opt = pairs[2][0]
+    s = opt.init(params)
+    s.hyperparams["every_k"] = jnp.int32(3)
+    step = _step_fn(opt)
+    emitted = []
+    for g in grads[:3]:
+        _, s, u = step(params, s, g)
+        emitted.append(bool(np.any(np.asarray(u))))
+    assert emitted == [False, False, True]
+
+
+def test_inject_hyperparams_learning_rate_of_the_whole_chain():
+    """The learning rate of the inner adamw, injected around the whole chain (constant or a
+    schedule): the same steps as the chain built with that learning rate."""
+    def chain(learning_rate):
+        return optim.dynamic_loss_scale(optim.master_weights(optim.adamw(learning_rate)),
+                                        init_scale=2.0**10)
+
+    params = jnp.linspace(-1, 1, 8, dtype=jnp.bfloat16)
+    grads = jnp.linspace(-64.0, 64.0, 8, dtype=jnp.bfloat16)
+    injected = optax.inject_hyperparams(chain, hyperparam_dtype=jnp.float32)
+    for lr in (1e-3, 2e-2):
+        opt, direct = injected(learning_rate=lr), chain(np.float32(lr))
+        s, ref_s = opt.init(params), direct.init(params)
+        step, ref_step = _step_fn(opt), _step_fn(direct)
+        p = ref_p = params
+        for _ in range(3):
+            p, s, u = step(p, s, grads)
+            ref_p, ref_s, ref_u = ref_step(ref_p, ref_s, grads)
+            assert _bits((p, s.inner_state, u)) == _bits((ref_p, ref_s, ref_u))
+    sched = injected(learning_rate=optax.linear_schedule(1e-2, 0.0, 2))
+    p, s, step, moved = params, sched.init(params), _step_fn(sched), []
+    for _ in range(3):  # learning rates 1e-2, 5e-3, then 0: the parameters stop moving
+        p, s, u = step(p, s, grads)
+        moved.append(bool(np.any(np.asarray(u))))
+    assert moved == [True, True, False]
+
+
+def test_inject_hyperparams_bad_values_and_dtype_arguments():
+    """Concrete hyperparameters are still validated (at init); a dtype given as jnp.float32
+    (a callable, which inject_hyperparams treats as a schedule) gets an error naming it."""
+    params = jnp.ones(4, jnp.bfloat16)
+    inject = optax.inject_hyperparams
+    with pytest.raises(ValueError, match="growth_factor must be > 1"):
+        inject(optim.dynamic_loss_scale)(optax.sgd(1.0), growth_factor=0.5).init(params)
+    with pytest.raises(ValueError, match="every_k must be a positive int"):
+        inject(optim.multi_steps)(optax.sgd(1.0), every_k=0).init(params)
+    with pytest.raises(TypeError, match="growth_interval must be a positive int"):
+        optim.dynamic_loss_scale(optax.sgd(1.0), growth_interval=jnp.float32(3.0))
+    with pytest.raises(ValueError, match="init_scale must be a scalar"):
+        optim.dynamic_loss_scale(optax.sgd(1.0), init_scale=jnp.ones(2))
+    for make, name in [(optim.master_weights, "master_dtype"),
+                       (optim.multi_steps, "accumulator_dtype")]:
+        kwargs = {name: jnp.float32, **({"every_k": 2} if name == "accumulator_dtype" else {})}
+        with pytest.raises(TypeError, match=f"{name} must be a dtype.*static_args"):
+            inject(make)(optax.sgd(1.0), **kwargs).init(params)
+        # a string, or the name in static_args, works
+        inject(make)(optax.sgd(1.0), **{**kwargs, name: "float32"}).init(params)
+        inject(make, static_args=(name,))(optax.sgd(1.0), **kwargs).init(params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_exact_fallback_of_all_finite_when_the_fast_sum_overflows(dtype):
+    """Finite elements whose f32 sum overflows send all_finite to its exact test (the sum of
+    x - x); with an inf, -inf, both, or a NaN anywhere it must still say False, and True
+    without. Reference: NumPy's elementwise isfinite."""
+    check = jax.jit(optim.all_finite)
+    big = np.full(4096, 3e38, np.float32)
+    big[::3] = -3e38  # partial sums overflow both ways
+    for bad in [None, np.inf, -np.inf, np.nan, "both"]:
+        for where in [0, 2049, 4095]:
+            a = big.copy()
+            if bad == "both":
+                a[where], a[(where + 7) % 4096] = np.inf, -np.inf
+            elif bad is not None:
+                a[where] = bad
+            leaves = [jnp.asarray(a).astype(dtype), jnp.asarray(a[:5]).astype(dtype)]
+            want = bool(np.all(np.isfinite(np.asarray(leaves[0], np.float32))))
+            assert bool(check(leaves)) is want, (bad, where)
+
+
+def test_all_finite_allocates_no_parameter_sized_temporary(monkeypatch):
+    # The exact fallback (x - x summed) fuses into its reductions; a fallback built on
+    # all(isfinite(x)) made XLA:CPU allocate a bool array per leaf on every step.
+    params = {f"w{i}": jnp.full((96, 80), 0.5, jnp.bfloat16) for i in range(3)}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 8.0, jnp.bfloat16), params)
+
+    def temp_bytes():
+        opt = optim.dynamic_loss_scale(optim.master_weights(optim.adamw(1e-3)))
+
+        def step(params, state, grads):
+            updates, state = opt.update(grads, state, params)
+            return optim.add_updates(params, updates), state
+
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+            params, opt.init(params), grads).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes() < 96 * 80  # less than one bool array of a parameter's shape
+
+    def all_isfinite(tree):  # negative control: the previous fallback
+        leaves = jax.tree.leaves(tree)
+        total = sum(jnp.sum(x.astype(jnp.float32)) for x in leaves)
+        return jax.lax.cond(jnp.isfinite(total), lambda xs: jnp.array(True),
+                            lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
+                                                          for x in xs])), leaves)
+
+    from fmtkit.optim import _loss_scale
+    monkeypatch.setattr(_loss_scale, "all_finite", all_isfinite)
+    assert temp_bytes() >= 3 * 96 * 80
