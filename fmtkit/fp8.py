@@ -642,13 +642,15 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
         return out.T if transposed else out
     ca, cb_ = int(not a.cmajor), int(not b.cmajor)  # the stored axis each one contracts
     if nb > 1 and _folds_scales(a.sa, b.sa):
-        # Power-of-two scales: dequantize (exact) and run one f32 dot over all of C.
-        av, bv = dequantize(a.sa), dequantize(b.sa)
-        if transposed:
-            return lax.dot_general(bv, av, (((cb_,), (ca,)), ((), ())),
+        # Power-of-two scales: dequantize (exact) and run one f32 dot over all of C, in a
+        # named scope that tells a jaxpr reader the operands' formats (FOLDED_SCOPE).
+        with jax.named_scope(f"{FOLDED_SCOPE}-{a.sa.fmt.name}-{b.sa.fmt.name}"):
+            av, bv = dequantize(a.sa), dequantize(b.sa)
+            if transposed:
+                return lax.dot_general(bv, av, (((cb_,), (ca,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+            return lax.dot_general(av, bv, (((ca,), (cb_,)), ((), ())),
                                    preferred_element_type=jnp.float32)
-        return lax.dot_general(av, bv, (((ca,), (cb_,)), ((), ())),
-                               preferred_element_type=jnp.float32)
     if nb == 1:
         sa, sb = _row_scales(a), _row_scales(b)
         if transposed:
@@ -700,6 +702,12 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
                       jnp.arange(nb // group))
     return acc
 
+
+FOLDED_SCOPE = "fmtkit_fp8_folded"
+"""Prefix of the named scope around a GEMM whose power-of-two scales were folded into f32
+operands (``_folds_scales``), ``fmtkit_fp8_folded-<lhs format>-<rhs format>`` (e.g.
+``fmtkit_fp8_folded-float8_e4m3fn-float8_e4m3fn``): its dot reads f32 operands, and a jaxpr
+reader (``fmtkit.policy.inspect_policy``) reports the FP8 formats the GEMM computes in."""
 
 _FOLD_POW2_SCALES = True
 """Private switch of the power-of-two fold (``_folds_scales``); tests turn it off to compare

@@ -154,6 +154,9 @@ def test_off_gpu_only_power_of_two_scales_fold_into_one_f32_dot(name):
         if name in _POW2_RECIPES:
             assert dtypes == [jnp.float32, jnp.float32], dtypes
             assert e.params["dimension_numbers"][1] == ((), ())  # no per-block batch
+            # ... in a scope that names the FP8 formats for jaxpr readers (inspect_policy)
+            assert (f"{fp8.FOLDED_SCOPE}-float8_e4m3fn-float8_e4m3fn"
+                    in str(e.source_info.name_stack))
         else:
             assert all(jnp.dtype(d).itemsize == 1 for d in dtypes), dtypes
 
