@@ -516,7 +516,7 @@ def _split_scale(xs: jax.Array, axes: tuple[int, ...], fmt: Format, recipe: Reci
         # FP6/FP4 cannot store a NaN element, and XLA's CPU max reduction drops NaN: map NaN
         # to inf so the block's amax is non-finite and the block dequantizes to NaN. (Formats
         # with NaN keep NaN elements as NaN values; their reduction stays on the fast path.)
-        a = jnp.where(jnp.isnan(a), jnp.float32(jnp.inf), a)
+        a = jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, a.dtype), a)
     amax = (jnp.max(a, axis=axes, keepdims=True) if axes else a).astype(jnp.float32)
     if isinstance(recipe, MXScaling):
         e = _mx_exponent(amax, fmt, recipe.scale_rounding)
