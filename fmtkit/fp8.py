@@ -17,7 +17,9 @@ contraction (DeepSeek-V3's promotion into f32):
 
 with each partial product an FP8 dot accumulated in f32. When both scales are constant along
 the contraction (per-tensor, per-row) this is one FP8 dot followed by the outer product of
-the scales.
+the scales. When both are powers of two (MX, ``power_of_two``) and the GEMM runs off a GPU,
+the scales are folded into the operands (exact) and one dot sums the same products
+(``_folds_scales``); on a GPU the operands always enter the dot as FP8.
 
 Recipes (``RECIPES``; every field overridable with ``dataclasses.replace``):
 
