@@ -17,7 +17,9 @@ contraction (DeepSeek-V3's promotion into f32):
 
 with each partial product an FP8 dot accumulated in f32. When both scales are constant along
 the contraction (per-tensor, per-row) this is one FP8 dot followed by the outer product of
-the scales.
+the scales. When both are powers of two (MX, ``power_of_two``) and the GEMM runs off a GPU,
+the scales are folded into the operands (exact) and one dot sums the same products
+(``_folds_scales``); on a GPU the operands always enter the dot as FP8.
 
 Recipes (``RECIPES``; every field overridable with ``dataclasses.replace``):
 
@@ -54,6 +56,7 @@ from fmtkit.scaling import (
     ScaledArray,
     TensorScaling,
     delayed_amax_of,
+    dequantize,
     keep_nonfinite,
     quantize,
     record_amax,
@@ -430,23 +433,69 @@ def _pad2(t: jax.Array, f: int, c: int) -> jax.Array:
     return jnp.pad(t, ((0, pf), (0, pc))) if pf or pc else t
 
 
-def _scaling(tile: _Tile, recipe: Fp8Recipe) -> Recipe | None:
-    """The scaling recipe of a tile of a [free, contraction] operand (None: no scale)."""
+def _scaling(tile: _Tile, recipe: Fp8Recipe, cmajor: bool = False) -> Recipe | None:
+    """The scaling recipe of a tile of a [free, contraction] operand (None: no scale), or,
+    ``cmajor``, of the same operand stored as its transpose [contraction, free]."""
     if tile.kind == "tensor":
         return TensorScaling(recipe.power_of_two, recipe.margin)
     if tile.kind == "row":
-        return AxisScaling(-1, recipe.power_of_two, recipe.margin)
+        return AxisScaling(0 if cmajor else -1, recipe.power_of_two, recipe.margin)
     if tile.kind == "mx":
-        return MXScaling(tile.arg, recipe.mx_scale_rounding, axis=-1)
+        return MXScaling(tile.arg, recipe.mx_scale_rounding, axis=0 if cmajor else -1)
     if tile.kind == "block":
-        return BlockScaling(tile.arg, recipe.power_of_two, recipe.margin)
+        return BlockScaling(tile.arg[::-1] if cmajor else tile.arg, recipe.power_of_two,
+                            recipe.margin)
     return None
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["sa"],
+                   meta_fields=["cmajor"])
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+    """A quantized GEMM operand, logically ``[F, C]`` (free, contraction): ``sa`` holds it
+    as stored, ``[F, C]``, or (``cmajor``) as its transpose ``[C, F]``.
+
+    Quantizing ``t.T`` along its rows gives, element for element, the transpose of
+    quantizing ``t`` along its columns (the same blocks: a max is order-free), so an operand
+    that a GEMM contracts along the major axis of the array it comes from (x and dy in the
+    weight gradient, a ``[K, N]`` kernel in the forward GEMM) is quantized in that array's
+    own layout and contracted there by ``lax.dot_general``'s dimension numbers. XLA:CPU
+    writes a transposed f32 array several times slower than a copy (a 1024 x 1024
+    transpose-and-quantize took 6.5 ms, the same quantization in place 2 ms), and a dot reads
+    either layout at the same speed.
+    """
+
+    sa: ScaledArray
+    cmajor: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical shape [F, C]."""
+        f, c = self.sa.values.shape[::-1] if self.cmajor else self.sa.values.shape
+        return f, c
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """The logical block (free, contraction)."""
+        bf, bc = self.sa.block[::-1] if self.cmajor else self.sa.block
+        return bf, bc
+
+    def scale(self) -> jax.Array:
+        """The scale laid out per logical block, [F / bf, C / bc] (a small array)."""
+        return self.sa.scale.T if self.cmajor else self.sa.scale
+
+    def logical(self) -> ScaledArray:
+        """The operand as a ``ScaledArray`` [F, C] (transposed if stored ``cmajor``)."""
+        if not self.cmajor:
+            return self.sa
+        return ScaledArray(self.sa.values.T, self.sa.scale.T, self.sa.fmt, self.sa.recipe)
+
+
 def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: Fp8Recipe,
-              amax: jax.Array | None) -> ScaledArray:
-    """Quantizes a 2-D [free, contraction] operand (already padded to its blocks)."""
-    scaling = _scaling(tile, recipe)
+              amax: jax.Array | None, cmajor: bool = False) -> ScaledArray:
+    """Quantizes a 2-D [free, contraction] operand (already padded to its blocks), or
+    (``cmajor``) its transpose, given as [contraction, free]."""
+    scaling = _scaling(tile, recipe, cmajor)
     if scaling is not None:
         if tile.kind != "tensor":
             return quantize(t, fmt, scaling)
@@ -459,25 +508,35 @@ def _quantize(t: jax.Array, fmt: str, tile: _Tile, recipe: Fp8Recipe,
 
 
 def _operand(t: jax.Array, fmt: str, tile: _Tile, recipe: Fp8Recipe, amax: jax.Array | None,
-             c_to: int) -> ScaledArray:
-    """Zero-pads ``t`` [F, C] to its free block and to ``c_to`` columns, then quantizes.
+             c_to: int, *, cmajor: bool = False) -> _Operand:
+    """Zero-pads ``t`` [F, C] to its free block and to ``c_to`` columns, then quantizes;
+    ``cmajor``: ``t`` is given as [C, F] (the operand's transpose) and stays in that layout.
 
     Padding is exact: zeros never raise a block's amax, an all-zero block gets scale 1 and
     zero values, and padded rows / columns contribute zero products (sliced off after).
     """
-    return _quantize(_pad2(t, _round_up(t.shape[0], tile.f), c_to), fmt, tile, recipe, amax)
+    if cmajor:
+        t = _pad2(t, c_to, _round_up(t.shape[1], tile.f))
+    else:
+        t = _pad2(t, _round_up(t.shape[0], tile.f), c_to)
+    return _Operand(_quantize(t, fmt, tile, recipe, amax, cmajor), cmajor)
 
 
-def _transpose(sa: ScaledArray, f_to: int, c_to: int) -> ScaledArray:
+def _transpose(op: _Operand, f_to: int, c_to: int) -> _Operand:
     """The transpose of a quantized operand with a transposable tile, padded to [f_to, c_to]
-    (per-tensor: zero values, same scale; square blocks: zero blocks of scale 1)."""
-    v, s = sa.values.T, sa.scale.T
-    f_to = max(f_to, v.shape[0])  # extra zero rows are sliced off with the output
+    (per-tensor: zero values, same scale; square blocks: zero blocks of scale 1). No data
+    moves: the stored arrays are kept and the layout flag flips (see ``_Operand``)."""
+    sa, cmajor = op.sa, not op.cmajor
+    v, s = sa.values, sa.scale
+    if cmajor:  # stored [C', F'] of the new logical [F', C']
+        to = (c_to, max(f_to, v.shape[1]))  # extra zero rows are sliced off with the output
+    else:
+        to = (max(f_to, v.shape[0]), c_to)
     if s.shape != (1, 1):
-        bf, bc = sa.block[1], sa.block[0]
-        s = jnp.pad(s, ((0, f_to // bf - s.shape[0]), (0, c_to // bc - s.shape[1])),
+        b0, b1 = sa.block
+        s = jnp.pad(s, ((0, to[0] // b0 - s.shape[0]), (0, to[1] // b1 - s.shape[1])),
                     constant_values=1)
-    return ScaledArray(_pad2(v, f_to, c_to), s, sa.fmt, sa.recipe)
+    return _Operand(ScaledArray(_pad2(v, *to), s, sa.fmt, sa.recipe), cmajor)
 
 
 def _expand_scale(sa: ScaledArray, g: int) -> jax.Array:
@@ -544,7 +603,9 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
     ``PARTIALS_BUDGET_BYTES`` are they one batched dot; a larger GEMM accumulates one block
     per ``lax.scan`` step, so its temporaries are the accumulator and one partial product.
     When both scales are constant along C (per tensor, per row) it is one FP8 dot and an
-    outer product of scales.
+    outer product of scales. When both are powers of two (MX's E8M0, ``power_of_two``) and
+    the GEMM runs off a GPU, the scales are folded into the operands and one f32 dot sums
+    the same exact products (``_folds_scales``: equal up to the f32 summation order).
 
     Raises:
       ValueError: mismatched contraction sizes.
@@ -552,39 +613,55 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
     return _scaled_matmul(a, b, recipe, transposed=False)
 
 
-def _scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None, *,
-                   transposed: bool) -> jax.Array:
-    """``scaled_matmul``; ``transposed``: its transpose [F2, F1], bit for bit. Where both
-    scales are constant along C it is computed in that layout (the product ``b · aᵀ`` holds
-    the same sums, and the scales are applied in the same order, a's first): a weight
-    gradient wanted as [K, N] for a [K, N] kernel is then written once, not transposed and
-    copied after."""
-    fa, c = a.values.shape
-    fb, cb = b.values.shape
+def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
+                   recipe: Fp8Recipe | None, *, transposed: bool) -> jax.Array:
+    """``scaled_matmul`` of operands stored either way (``_Operand``); ``transposed``: its
+    transpose [F2, F1], bit for bit. Where both scales are constant along C it is computed
+    in that layout (the product ``b · aᵀ`` holds the same sums, and the scales are applied in
+    the same order, a's first): a weight gradient wanted as [K, N] for a [K, N] kernel is
+    then written once, not transposed and copied after."""
+    a, b = (t if isinstance(t, _Operand) else _Operand(t) for t in (a, b))
+    fa, c = a.shape
+    fb, cb = b.shape
     if c != cb:
         raise ValueError(f"contraction sizes differ: a has {c}, b has {cb}.")
     g = min(a.block[1], b.block[1])
     nb = c // g
     acc_bits = recipe.accum_mantissa_bits if recipe is not None else None
     if acc_bits is not None:
-        sa, sb = _expand_scale(a, g), _expand_scale(b, g)
+        la, lb = a.logical(), b.logical()
+        sa, sb = _expand_scale(la, g), _expand_scale(lb, g)
         if recipe.promote_every is not None and recipe.promote_every % g and g % (
                 recipe.promote_every):
             raise ValueError(f"promote_every={recipe.promote_every} must divide or be a "
                              f"multiple of the scale block {g}.")
         # Emulation: dequantize per element (exact products), accumulate in the limited
         # register; scales are folded into the operands, equivalent up to f32 round-off.
-        av = a.values.astype(jnp.float32) * jnp.repeat(sa, g, axis=1)
-        bv = b.values.astype(jnp.float32) * jnp.repeat(sb, g, axis=1)
+        av = la.values.astype(jnp.float32) * jnp.repeat(sa, g, axis=1)
+        bv = lb.values.astype(jnp.float32) * jnp.repeat(sb, g, axis=1)
         out = limited_precision_matmul(av, bv, mantissa_bits=acc_bits,
                                        promote_every=recipe.promote_every)
         return out.T if transposed else out
+    ca, cb_ = int(not a.cmajor), int(not b.cmajor)  # the stored axis each one contracts
+    if nb > 1 and _folds_scales(a.sa, b.sa):
+        # Power-of-two scales: dequantize (exact, in bf16) and run one dot over all of C,
+        # accumulated in f32, in a named scope that tells a jaxpr reader the operands'
+        # formats (FOLDED_SCOPE).
+        with jax.named_scope(f"{FOLDED_SCOPE}-{a.sa.fmt.name}-{b.sa.fmt.name}"):
+            av, bv = dequantize(a.sa, _FOLD_DTYPE), dequantize(b.sa, _FOLD_DTYPE)
+            if transposed:
+                return lax.dot_general(bv, av, (((cb_,), (ca,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+            return lax.dot_general(av, bv, (((ca,), (cb_,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
     if nb == 1:
         sa, sb = _row_scales(a), _row_scales(b)
         if transposed:
-            out_t = lax.dot_general(b.values, a.values, _NT, preferred_element_type=jnp.float32)
+            out_t = lax.dot_general(b.sa.values, a.sa.values, (((cb_,), (ca,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
             return out_t * sa.T * sb
-        out = lax.dot_general(a.values, b.values, _NT, preferred_element_type=jnp.float32)
+        out = lax.dot_general(a.sa.values, b.sa.values, (((ca,), (cb_,)), ((), ())),
+                              preferred_element_type=jnp.float32)
         # (out * sa) * sb, in that order: bit-identical to the earlier releases.
         return out * sa * sb.T
     # Per-block partial products (DeepSeek-V3's promotion into f32), scaled per block and
@@ -594,32 +671,93 @@ def _scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None, *,
     group = nb if 4 * nb * fa * fb <= PARTIALS_BUDGET_BYTES else 1
     sa = _rows(_block_scale(a, g), fa)  # [F1, nb]
     sb = _rows(_block_scale(b, g), fb)  # [F2, nb]
-    av = a.values.reshape(fa, nb // group, group, g)
-    bv = b.values.reshape(fb, nb // group, group, g)
+
+    def split(t: _Operand) -> tuple[jax.Array, int]:
+        """Stored values split into [..., nb / group, group, g, ...] and the axis of
+        nb / group ([F, nb/group, group, g], or [nb/group, group, g, F] if cmajor)."""
+        f = t.shape[0]
+        if t.cmajor:
+            return t.sa.values.reshape(nb // group, group, g, f), 0
+        return t.sa.values.reshape(f, nb // group, group, g), 1
+
+    (av, ia), (bv, ib) = split(a), split(b)
+
+    da = (1, 0) if a.cmajor else (2, 1)  # (contracting, batch) axis of a block of a
+    db = (1, 0) if b.cmajor else (2, 1)
 
     def chunk(i):
-        pa = lax.dynamic_index_in_dim(av, i, axis=1, keepdims=False)  # [F1, group, g]
-        pb = lax.dynamic_index_in_dim(bv, i, axis=1, keepdims=False)
-        parts = lax.dot_general(pa, pb, (((2,), (2,)), ((1,), (1,))),
+        pa = lax.dynamic_index_in_dim(av, i, axis=ia, keepdims=False)  # [F1, group, g]
+        pb = lax.dynamic_index_in_dim(bv, i, axis=ib, keepdims=False)  # (or [group, g, F])
+        ca_ = lax.dynamic_slice_in_dim(sa, i * group, group, axis=1).T  # [group, F1]
+        cb2 = lax.dynamic_slice_in_dim(sb, i * group, group, axis=1).T
+        if transposed:  # the same products, scaled in the same order, laid out [F2, F1]
+            parts = lax.dot_general(pb, pa, (((db[0],), (da[0],)), ((db[1],), (da[1],))),
+                                    preferred_element_type=jnp.float32)  # [group, F2, F1]
+            return jnp.sum(parts * ca_[:, None, :] * cb2[:, :, None], axis=0)
+        parts = lax.dot_general(pa, pb, (((da[0],), (db[0],)), ((da[1],), (db[1],))),
                                 preferred_element_type=jnp.float32)  # [group, F1, F2]
-        ca = lax.dynamic_slice_in_dim(sa, i * group, group, axis=1).T  # [group, F1]
-        cb_ = lax.dynamic_slice_in_dim(sb, i * group, group, axis=1).T
-        return jnp.sum(parts * ca[:, :, None] * cb_[:, None, :], axis=0)
+        return jnp.sum(parts * ca_[:, :, None] * cb2[:, None, :], axis=0)
 
-    # (Transposed: the sum over blocks of transposed partials was found to round differently
-    # in some batched cases, so the per-block product is transposed after.)
     if group == nb:
-        return chunk(0).T if transposed else chunk(0)
-    acc, _ = lax.scan(lambda acc, i: (acc + chunk(i), None), jnp.zeros((fa, fb), jnp.float32),
+        return chunk(0)
+    acc, _ = lax.scan(lambda acc, i: (acc + chunk(i), None),
+                      jnp.zeros((fb, fa) if transposed else (fa, fb), jnp.float32),
                       jnp.arange(nb // group))
-    return acc.T if transposed else acc
+    return acc
 
 
-def _row_scales(sa: ScaledArray) -> jax.Array:
+FOLDED_SCOPE = "fmtkit_fp8_folded"
+"""Prefix of the named scope around a GEMM whose power-of-two scales were folded into f32
+operands (``_folds_scales``), ``fmtkit_fp8_folded-<lhs format>-<rhs format>`` (e.g.
+``fmtkit_fp8_folded-float8_e4m3fn-float8_e4m3fn``): its dot reads f32 operands, and a jaxpr
+reader (``fmtkit.policy.inspect_policy``) reports the FP8 formats the GEMM computes in."""
+
+_FOLD_POW2_SCALES = True
+_FOLD_DTYPE = jnp.bfloat16
+"""The dtype of the folded operands: bf16 holds every dequantized element exactly (at most
+4 significant bits of an FP8 element times a power of two; bf16 keeps 8 bits and f32's
+exponent range), and XLA:CPU runs a bf16 x bf16 -> f32 dot (f32 accumulation) about 4x
+faster than the f32 GEMM it makes of an f32 or FP8 dot (0.41 vs 1.76 ms at 512³,
+2026-12-02)."""
+"""Private switch of the power-of-two fold (``_folds_scales``); tests turn it off to compare
+the fold with the per-block form it replaces."""
+
+
+def _pow2_scales(sa: ScaledArray) -> bool:
+    """Whether every scale of ``sa`` is a power of two: E8M0 (MX) or ``power_of_two``."""
+    return sa.scale.dtype == jnp.float8_e8m0fnu or bool(
+        getattr(sa.recipe, "power_of_two", False))
+
+
+def _folds_scales(a: ScaledArray, b: ScaledArray) -> bool:
+    """Whether ``scaled_matmul`` folds the per-block scales into the operands and runs one
+    f32 dot over the whole contraction instead of one FP8 dot per block.
+
+    Where both operands' scales are powers of two, ``values * scale`` is exact (a power of
+    two only shifts the exponent; held in bf16, ``_FOLD_DTYPE``), and so is each product of
+    two such elements in the dot's f32 accumulation (at most 4 + 4 significant bits of
+    FP8 x FP8, 24 available): the one dot sums the same
+    exact products as the per-block partials ``(a_q · b_q) * sa * sb``; only the order of
+    the f32 summation differs (which XLA's dot does not fix either). Bounds: exact while
+    the dequantized elements and their products are f32 normals (above 2^-126, the range
+    an f32 matmul of the unquantized inputs itself keeps: a block's dequantized elements
+    are its inputs rounded to the FP8 grid, within 2x of its amax), so the two forms can
+    differ only for products below 2^-126 (XLA:CPU flushes those to zero; the per-block form
+    may keep a sum of such products) or outputs beyond f32's range.
+
+    Done only off GPUs: XLA:CPU runs every FP8 dot as an f32 GEMM of converted operands
+    anyway (the conversion and the scale fuse into one pass), and the per-block form costs
+    C/32 partial products of the output's size. On a GPU the FP8 operands go into the dot
+    (per block), as the FP8 GEMM contract requires.
+    """
+    return (_FOLD_POW2_SCALES and _pow2_scales(a) and _pow2_scales(b) and not _on_gpu())
+
+
+def _row_scales(op: _Operand) -> jax.Array:
     """f32 scales [F, 1] (or [1, 1]) of an operand whose scale is constant along C."""
-    s = sa.scale.astype(jnp.float32)
-    if sa.block[0] > 1 and s.shape[0] > 1:
-        s = jnp.repeat(s, sa.block[0], axis=0)
+    s = op.scale().astype(jnp.float32)
+    if op.block[0] > 1 and s.shape[0] > 1:
+        s = jnp.repeat(s, op.block[0], axis=0)
     return s
 
 
@@ -630,10 +768,10 @@ the loop form is several times slower on CPU at such sizes); above it (a 4096 x 
 is 112 MiB per partial), blocks are accumulated one at a time."""
 
 
-def _block_scale(sa: ScaledArray, g: int) -> jax.Array:
+def _block_scale(op: _Operand, g: int) -> jax.Array:
     """f32 scale [F / bf, C / g] (repeated along C when the operand's blocks exceed g)."""
-    s = sa.scale.astype(jnp.float32)
-    c = sa.values.shape[1]
+    s = op.scale().astype(jnp.float32)
+    c = op.shape[1]
     if s.shape[1] != c // g:
         s = jnp.repeat(s, (c // g) // s.shape[1], axis=1)
     return s
@@ -710,12 +848,15 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _gemm(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe, out_dtype=jnp.float32,
+def _gemm(a: _Operand, b: _Operand, recipe: Fp8Recipe, out_dtype=jnp.float32,
           transposed: bool = False) -> jax.Array:
     """``a · bᵀ`` [F1, F2] through a registered kernel or ``scaled_matmul``; ``transposed``:
     its transpose [F2, F1] (same bits), produced in that layout where it can be."""
-    found = _kernel_backend(recipe, a, b)
+    found = None
+    if recipe.use_kernel == "interpret" or (recipe.use_kernel == "auto" and _on_gpu()):
+        found = _kernel_backend(recipe, a.logical(), b.logical())
     if found is not None:
+        a, b = a.logical(), b.logical()
         backend, impl = found
         out = backend.fn(a.values, a.scale, b.values, b.scale, impl=impl,
                          out_dtype=out_dtype)
@@ -742,8 +883,10 @@ def _gemm_dtype(consumer_dtype) -> jnp.dtype:
 
 
 def _amax(t: jax.Array, recipe: Fp8Recipe) -> jax.Array:
-    # In f32: XLA:CPU's whole-array max of a bf16 array runs several times slower.
-    amax = jnp.max(jnp.abs(t.astype(jnp.float32)))
+    # max |t| in t's own dtype, then f32: exact (|t| and max only pick elements), and a
+    # bf16 operand is read once instead of converted into an f32 copy first (in the bf16
+    # bench MLP the f32 form cost about 10% of the step on XLA:CPU, 2026-12-02).
+    amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
     for axis in recipe.amax_reduce_axes:
         amax = lax.pmax(amax, axis)
     return amax
@@ -792,8 +935,9 @@ def _core_fwd(recipe, out_dtype, x, w, hist):
     kp = _c_to(k, tx, tw)
     xq = _operand(x, recipe.x_format, tx, recipe,
                   _tensor_amax(recipe, tx, hist[0], x, amax_x), kp)
-    wq = _operand(w, recipe.w_format, tw, recipe,
-                  _tensor_amax(recipe, tw, hist[1], w.T, amax_w), kp)
+    # w is quantized as w.T [K, N] (contraction-major: see _Operand), the kernel's layout.
+    wq = _operand(w.T, recipe.w_format, tw, recipe,
+                  _tensor_amax(recipe, tw, hist[1], w.T, amax_w), kp, cmajor=True)
     y = _gemm(xq, wq, recipe, _gemm_dtype(out_dtype))[:m, :n]
     # Residuals: the quantized operand where the backward GEMMs can reuse it, else the input.
     # (Empty arrays carry K and the input dtypes: residuals must be arrays.)
@@ -801,16 +945,20 @@ def _core_fwd(recipe, out_dtype, x, w, hist):
                amax_x, amax_w, jnp.zeros((0, k), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _backward_operand(res: jax.Array | ScaledArray, fmt: str, tile: _Tile,
+def _backward_operand(res: jax.Array | _Operand, fmt: str, tile: _Tile,
                       recipe: Fp8Recipe, hist_row: jax.Array, amax: jax.Array, k: int,
-                      c_to: int) -> ScaledArray:
+                      c_to: int, *, stored_transposed: bool) -> _Operand:
     """A forward operand ([F, K], saved by ``_core_fwd``) as a backward GEMM reads it,
     contracting F: its quantized forward value transposed where the tile allows, else the
-    saved input re-quantized along the new contraction (padded to ``c_to`` columns)."""
+    saved input re-quantized along the new contraction (padded to ``c_to`` columns), in the
+    layout it is stored in: ``stored_transposed`` (w, the transpose of a [K, N] kernel) is
+    quantized from ``res.T``, otherwise (x [M, K]) ``res`` is quantized contraction-major."""
     if tile.transposable:
         return _transpose(res, _round_up(k, tile.f), c_to)
-    return _operand(res.T, fmt, tile, recipe, _tensor_amax(recipe, tile, hist_row, res, amax),
-                    c_to)
+    amax = _tensor_amax(recipe, tile, hist_row, res, amax)
+    if stored_transposed:
+        return _operand(res.T, fmt, tile, recipe, amax, c_to)
+    return _operand(res, fmt, tile, recipe, amax, c_to, cmajor=True)
 
 
 def _core_bwd(recipe, out_dtype, res, g):
@@ -825,7 +973,8 @@ def _core_bwd(recipe, out_dtype, res, g):
     # dgrad: dx [M, K] = g [M, N] · w [N, K], contracting N.
     np_ = _c_to(n, tg, tw)
     gq_n = _operand(g, recipe.grad_format, tg, recipe, d_g, np_)
-    wq_n = _backward_operand(w_res, recipe.w_format, tw, recipe, hist[1], amax_w, k, np_)
+    wq_n = _backward_operand(w_res, recipe.w_format, tw, recipe, hist[1], amax_w, k, np_,
+                             stored_transposed=True)
     with jax.named_scope(DGRAD_SCOPE):
         dx = _gemm(gq_n, wq_n, recipe, _gemm_dtype(x_dtype))[:m, :k].astype(x_dtype)
     # wgrad: dw [N, K] = gᵀ [N, M] · x [M, K], contracting the tokens M.
@@ -835,12 +984,13 @@ def _core_bwd(recipe, out_dtype, res, g):
         # same padding along M and N; re-quantizing g is as cheap as padding it again)
         gq_m = _transpose(gq_n, _round_up(n, tg.f), mp)
     else:
-        gq_m = _operand(g.T, recipe.grad_format, tg, recipe, d_g, mp)
-    xq_m = _backward_operand(x_res, recipe.x_format, tx, recipe, hist[0], amax_x, k, mp)
+        gq_m = _operand(g, recipe.grad_format, tg, recipe, d_g, mp, cmajor=True)
+    xq_m = _backward_operand(x_res, recipe.x_format, tx, recipe, hist[0], amax_x, k, mp,
+                             stored_transposed=False)
     # Computed as dwᵀ [K, N]: the kernel's layout when w was given as [K, N] (a Dense
     # kernel), so the transpose back cancels with _canonicalize's.
     with jax.named_scope(WGRAD_SCOPE):
-        dw = _gemm(gq_m, xq_m, recipe, transposed=True)[:k, :n].T.astype(w_dtype)
+        dw = _gemm(gq_m, xq_m, recipe, transposed=True)[:k, :n].astype(w_dtype).T
     observed = jnp.zeros_like(hist)  # only a delayed recipe's history observes the amaxes
     if recipe.delayed:  # (elsewhere a per-shard amax under shard_map would not type-check)
         observed = observed.at[:, 0].set(jnp.stack([amax_x, amax_w, amax_g]))

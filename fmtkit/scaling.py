@@ -65,6 +65,8 @@ __all__ = [
 ]
 
 _F32_TINY = np.float32(2.0**-126)  # smallest normal f32: floor for scales (see module doc)
+_AMAX_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+"""Input dtypes whose block amax is reduced in place (they have inf: see ``_split_scale``)."""
 
 
 def _check_margin(margin: int) -> None:
@@ -507,13 +509,15 @@ def _split_scale(xs: jax.Array, axes: tuple[int, ...], fmt: Format, recipe: Reci
     if amax is not None:
         amax = jnp.asarray(amax, jnp.float32).reshape((1,) * xs.ndim)
         return _scale_and_inverse(amax, fmt, recipe, state)
-    a = jnp.abs(xs.astype(jnp.float32))
+    # |x| and its block max in x's own dtype when it has inf (bf16, f16, f32), then f32:
+    # exact (they only pick elements), and a bf16 x is not first converted into an f32 copy.
+    a = jnp.abs(xs if xs.dtype in _AMAX_DTYPES else xs.astype(jnp.float32))
     if not fmt.has_nan:
         # FP6/FP4 cannot store a NaN element, and XLA's CPU max reduction drops NaN: map NaN
         # to inf so the block's amax is non-finite and the block dequantizes to NaN. (Formats
         # with NaN keep NaN elements as NaN values; their reduction stays on the fast path.)
-        a = jnp.where(jnp.isnan(a), jnp.float32(jnp.inf), a)
-    amax = jnp.max(a, axis=axes, keepdims=True) if axes else a
+        a = jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, a.dtype), a)
+    amax = (jnp.max(a, axis=axes, keepdims=True) if axes else a).astype(jnp.float32)
     if isinstance(recipe, MXScaling):
         e = _mx_exponent(amax, fmt, recipe.scale_rounding)
         nan = ~jnp.isfinite(amax)

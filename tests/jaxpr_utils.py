@@ -2,12 +2,15 @@
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.extend
 import jax.numpy as jnp
+
+from fmtkit.fp8 import FOLDED_SCOPE
 
 
 def _subjaxprs(eqn) -> Iterator:
@@ -47,6 +50,7 @@ def dot_operand_dtypes(closed_jaxpr) -> list[tuple]:
 # ``("mm", id)`` was reached from that matmul through no other matmul (a weight gradient).
 
 PARAM, DATA, COTANGENT = "param", "data", "cotangent"
+_FOLDED_RX = re.compile(re.escape(FOLDED_SCOPE) + r"-(\w+)-(\w+)")
 MATMULS = ("dot_general", "conv_general_dilated")
 _EMPTY = frozenset()
 
@@ -227,6 +231,9 @@ def matmuls(records: list[Labeled], out_labels, head_size: int) -> list[Matmul]:
     for rec in records:
         if rec.eqn.primitive.name in MATMULS:
             dts = tuple(str(v.aval.dtype) for v in rec.eqn.invars[:2])
+            folded = _FOLDED_RX.findall(str(rec.eqn.source_info.name_stack))
+            if folded:  # an FP8 GEMM whose power-of-two scales were folded (fmtkit.fp8)
+                dts = folded[-1]
             shapes = " x ".join(str(v.aval.shape) for v in rec.eqn.invars[:2])
             found.append(Matmul(matmul_role(rec, head_size, weight_grads), dts,
                                 matmul_flops(rec.eqn), f"{rec.eqn.primitive.name} {shapes}",

@@ -110,15 +110,56 @@ def test_per_tensor_equals_float64_reference_of_same_quantization():
     np.testing.assert_allclose(np.asarray(gx, np.float64), dyq @ wq, rtol=2e-5, atol=2e-5)
 
 
+def _on_h200():
+    """Traces as for an H200 (``fp8``'s GPU checks read the abstract mesh's device)."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev))
+
+
 @pytest.mark.parametrize("name", list(fp8.RECIPES))
 def test_all_three_gemms_take_fp8_operands(name):
-    x, w, dy = _data(128, 256, 128)
-    state = fp8.init_state() if fp8.RECIPES[name].delayed else None
-    jaxpr = jax.make_jaxpr(lambda a, b, g: _fwd_bwd(name, a, b, g, state))(x, w, dy)
+    """On a GPU every GEMM of every recipe's pure-JAX path is an FP8 dot (where no kernel
+    backend takes it). (Off GPUs the power-of-two recipes fold their scales into one f32
+    dot: see the next test.)"""
+    x, w, dy = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _data(128, 256, 128))
+    recipe = dataclasses.replace(fp8.RECIPES[name], use_kernel="never")
+    state = fp8.init_state() if recipe.delayed else None
+    with _on_h200():
+        jaxpr = jax.make_jaxpr(lambda a, b, g: _fwd_bwd(recipe, a, b, g, state))(x, w, dy)
     dots = dot_operand_dtypes(jaxpr)
     assert len(dots) == 3
     for dtypes in dots:
         assert all(jnp.dtype(d).itemsize == 1 for d in dtypes), dtypes
+
+
+_POW2_RECIPES = {
+    "mxfp8": fp8.RECIPES["mxfp8"],
+    "blockwise-pow2": dataclasses.replace(fp8.RECIPES["blockwise"], power_of_two=True),
+}
+
+
+@pytest.mark.parametrize("name", [*fp8.RECIPES, "blockwise-pow2"])
+def test_off_gpu_only_power_of_two_scales_fold_into_one_dot(name):
+    """On CPU (XLA:CPU runs FP8 dots as f32 GEMMs anyway) a GEMM whose operands both have
+    power-of-two block scales is one dot of the dequantized operands (held exactly in bf16,
+    f32 output), without per-block partials (no batch dimension); every other GEMM keeps
+    FP8 operands."""
+    recipe = _POW2_RECIPES.get(name, fp8.RECIPES.get(name))
+    x, w, dy = _data(256, 256, 256)  # two 128-blocks along every contraction
+    state = fp8.init_state() if recipe.delayed else None
+    jaxpr = jax.make_jaxpr(lambda a, b, g: _fwd_bwd(recipe, a, b, g, state))(x, w, dy)
+    dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 3
+    for e in dots:
+        dtypes = [v.aval.dtype for v in e.invars]
+        if name in _POW2_RECIPES:
+            assert dtypes == [jnp.bfloat16, jnp.bfloat16], dtypes  # exact: see fp8
+            assert e.params["dimension_numbers"][1] == ((), ())  # no per-block batch
+            # ... in a scope that names the FP8 formats for jaxpr readers (inspect_policy)
+            assert (f"{fp8.FOLDED_SCOPE}-float8_e4m3fn-float8_e4m3fn"
+                    in str(e.source_info.name_stack))
+        else:
+            assert all(jnp.dtype(d).itemsize == 1 for d in dtypes), dtypes
 
 
 def test_delayed_bootstrap_history_and_accumulation():
@@ -867,3 +908,69 @@ def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(name):
     xq = scaling.quantize(x.T, r.x_format, tile[r.x_tile])
     want = jax.jit(lambda a, b: fp8.scaled_matmul(a, b).T)(gq, xq)
     np.testing.assert_array_equal(np.asarray(gw), np.asarray(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# Power-of-two scales: the fold (one f32 dot of dequantized operands) against the per-block
+# form it replaces off GPUs (``fmtkit.fp8._FOLD_POW2_SCALES`` switches it).
+
+
+def _fold_vs_per_block(monkeypatch, recipe, x, w, dy):
+    f = jax.jit(lambda a, b, g: _fwd_bwd(recipe, a, b, g))
+    folded = f(x, w, dy)
+    monkeypatch.setattr(fp8, "_FOLD_POW2_SCALES", False)
+    per_block = jax.jit(lambda a, b, g: _fwd_bwd(recipe, a, b, g))(x, w, dy)
+    return folded, per_block
+
+
+def _summation_bounds(recipe, x, w, dy):
+    """Per output, the f32 summation error bound of either form: (C - 1) * 2^-24 times the
+    sum of |products| of the recipe's quantized operands (float64 reference quantization;
+    the products themselves are exact in f32 here). Two summation orders differ by at most
+    twice that."""
+    r = fp8.get_recipe(recipe)
+    x, w, dy = (np.asarray(a, np.float32) for a in (x, w, dy))
+    q = {"x": lambda t: np.abs(_np_tile_qdq(t, r.x_tile, r.x_format)),
+         "w": lambda t: np.abs(_np_tile_qdq(t, r.w_tile, r.w_format)),
+         "g": lambda t: np.abs(_np_tile_qdq(t, r.grad_tile, r.grad_format))}
+    sums = (q["x"](x) @ q["w"](w.T).T, q["g"](dy) @ q["w"](w).T,
+            (q["g"](dy.T) @ q["x"](x.T).T).T)
+    terms = (x.shape[1], w.shape[1], x.shape[0])  # K, N, M
+    return [2 * (c - 1) * 2.0**-24 * s for s, c in zip(sums, terms)]
+
+
+@pytest.mark.parametrize("name", list(_POW2_RECIPES))
+def test_power_of_two_fold_equals_per_block_form_up_to_summation_order(monkeypatch, name):
+    """Gaussian data with 100x outlier channels (blocks of very different scales): the fold
+    and the per-block partials sum the same exact products; their difference stays within
+    the f32 summation bound of the two orders, for y, dx and dw."""
+    recipe = _POW2_RECIPES[name]
+    x, w, dy = _data(256, 512, 128, seed=5)
+    x = x.at[:, ::37].multiply(100.0)
+    folded, per_block = _fold_vs_per_block(monkeypatch, recipe, x, w, dy)
+    for what, a, b, bound in zip(("y", "dx", "dw"), folded, per_block,
+                                 _summation_bounds(recipe, x, w, dy)):
+        diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+        assert np.all(diff <= bound), (what, float((diff - bound).max()))
+
+
+@pytest.mark.parametrize("scale", [2.0**-100, 2.0**100], ids=["tiny", "huge"])
+def test_power_of_two_fold_at_extreme_block_scales(monkeypatch, scale):
+    """Blocks of x scaled by 2^-100 (E8M0 scales near 2^-108: dequantized elements near
+    2^-117, still f32 normals) or 2^100 (scales near 2^92), next to ordinary blocks: the fold
+    gives the per-block form's values (within the summation bound) and flushes nothing the
+    per-block form keeps (the exactness bounds in ``fp8._folds_scales``)."""
+    x, w, dy = _data(128, 256, 64, seed=9)
+    x = x.at[:, :64].multiply(scale)  # two MX blocks of every row, one 128-block half
+    if scale > 1:
+        w, dy = w * 2.0**-20, dy * 2.0**-20  # keep the products inside f32's range
+    folded, per_block = _fold_vs_per_block(monkeypatch, "mxfp8", x, w, dy)
+    for what, a, b, bound in zip(("y", "dx", "dw"), folded, per_block,
+                                 _summation_bounds("mxfp8", x, w, dy)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)), what
+        assert np.all((a == 0) == (b == 0)), what  # nothing flushed by one form only
+        assert np.all(np.abs(a - b) <= bound), what
+    # dw rows 0..63 come only from the scaled x columns: their magnitude is kept
+    dw = np.asarray(folded[2], np.float64)
+    assert 0 < np.abs(dw[:64]).max() < np.inf

@@ -960,3 +960,19 @@ def test_empty_arrays_quantize_to_empty_scaled_arrays(recipe, shape):
 def test_recipe_fields_are_validated_at_construction(make, err, match):
     with pytest.raises(err, match=match):
         make()
+
+
+@pytest.mark.parametrize("fmt,recipe", [("fp4", MXScaling(32)), ("e4m3", BlockScaling((1, 32))),
+                                        ("fp6_e2m3", BlockScaling((1, 32)))])
+def test_bf16_input_quantizes_as_its_f32_value(fmt, recipe):
+    """Block amaxes reduce in a bf16 input's own dtype (exact): the values and scales equal
+    those of the same numbers given in f32, a NaN block included (FP4/FP6 have no NaN: the
+    NaN becomes an inf amax, in bf16 too, under strict dtype promotion)."""
+    x = jax.random.normal(jax.random.key(4), (4, 64), jnp.float32).astype(jnp.bfloat16)
+    x = x.at[1, 3].set(jnp.nan).at[2, 40].set(jnp.inf)
+    got = quantize(x, fmt, recipe)
+    want = quantize(x.astype(jnp.float32), fmt, recipe)
+    for g, w in ((got.values, want.values), (got.scale, want.scale)):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
+                                      np.asarray(w.astype(jnp.float32)))
+    assert np.isnan(np.asarray(dequantize(got))[1, :32]).all()

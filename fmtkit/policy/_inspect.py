@@ -28,6 +28,8 @@ from fmtkit.policy._policy import Policy, Rules, is_floating
 __all__ = ["MatmulOp", "ModuleReport", "PolicyReport", "inspect_policy"]
 
 _OP_RX = re.compile(re.escape(_interpret.OP_SCOPE) + r"(\d+)")
+# An FP8 GEMM whose power-of-two scales were folded into f32 operands (fmtkit.fp8.FOLDED_SCOPE)
+_FOLDED_RX = re.compile(re.escape(fp8.FOLDED_SCOPE) + r"-(\w+)-(\w+)")
 _FP8_KINDS = ("float8", "float6", "float4")
 MATMUL_KINDS = ("forward", "dgrad", "wgrad")
 
@@ -496,6 +498,9 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
         a = entry(op.path)
         if name in _ops.MATMUL:
             d = _matmul_dtypes(eqn)
+            folded = _FOLDED_RX.findall(stack)
+            if folded:  # off GPUs an MX GEMM's dot reads its FP8 operands dequantized
+                d = f"{folded[-1][0]} x {folded[-1][1]} -> {_dtype(eqn.outvars[0])}"
             kind = _matmul_kind(eqn, op, backward, stack)
             table = a["head" if op.head else "matmuls"].setdefault(kind, [])
             if op.head:

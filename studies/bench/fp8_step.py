@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -95,16 +96,23 @@ def lax_dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 class _Mlp(nn.Module):
+    """``layers`` dense layers of ``width`` with ``activation`` between them: the bench's
+    hand-written layers (``_Dense``, GELU) or ``nn.Dense`` as a user plugs FP8 into it
+    (``user_dense``: ``_UserDense``, ReLU in issue 22's configuration)."""
+
     width: int
     layers: int
     kind: str
+    activation: Callable[[jax.Array], jax.Array] = nn.gelu
+    user_dense: bool = False
 
     @nn.compact
     def __call__(self, x):
+        layer = _UserDense if self.user_dense else _Dense
         for i in range(self.layers):
-            x = _Dense(self.width, self.kind, name=f"Dense_{i}")(x)
+            x = layer(self.width, self.kind, name=f"Dense_{i}")(x)
             if i < self.layers - 1:
-                x = nn.gelu(x)
+                x = self.activation(x)
         return x.astype(jnp.float32)
 
 
@@ -167,20 +175,6 @@ class _UserDense(nn.Module):
         return nn.Dense(self.features, dot_general=dg, name="Dense")(x)
 
 
-class _UserMlp(nn.Module):
-    width: int
-    layers: int
-    kind: str
-
-    @nn.compact
-    def __call__(self, x):
-        for i in range(self.layers):
-            x = _UserDense(self.width, self.kind, name=f"Layer_{i}")(x)
-            if i < self.layers - 1:
-                x = nn.relu(x)
-        return x
-
-
 def _adamw_step(model: nn.Module, lr: float):
     """jit(step(state, batch) -> (state, loss)), state = (variables, adamw state), donated:
     MSE loss, ``optax.adamw`` on params, ``fp8.update_state`` on ``fp8_state``, overwrite on
@@ -215,7 +209,7 @@ def _dense_variants(args, kinds):
     for kind in kinds:
         if kind == "bf16":
             continue
-        model = _UserMlp(args.dense_width, args.layers, kind)
+        model = _Mlp(args.dense_width, args.layers, kind, nn.relu, user_dense=True)
         variables = dict(jax.jit(model.init)(jax.random.key(2), x))
         step, tx = _adamw_step(model, args.adam_lr)
         out[kind] = (step, (variables, tx.init(variables["params"])), (x, target))
@@ -309,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {"args": vars(args), "targets": TARGETS,
                                "flax_targets": FLAX_TARGETS}
+    load = [round(v, 2) for v in os.getloadavg()]
     print(f"median of {args.repeats} interleaved steps after warm-up; device "
-          f"{jax.devices()[0].device_kind}")
+          f"{jax.devices()[0].device_kind}; load average {load[0]} (1 min) at start")
     if "dense" in model_names:
         print(f"dense: {args.layers} x nn.Dense({args.dense_width}), batch {args.dense_batch}, "
               "relu, MSE, adamw, f32")
@@ -341,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{k}={row[k]:.2f}x" + (f" (<= {TARGETS[k]})" if k in TARGETS else "")
                  for k in row if k != "bf16"]
         print(f"  {m:<11} " + "  ".join(cells))
+    results["load_average"] = {"start": load, "end": [round(v, 2) for v in os.getloadavg()]}
+    print(f"load average {results['load_average']['end'][0]} (1 min) at the end: other "
+          "processes share the CPU; only the ratios within one run mean anything")
     file = write_results("fp8-step", results, args.out)
     print(f"wrote {file}")
     return 0

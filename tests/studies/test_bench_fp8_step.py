@@ -34,6 +34,8 @@ def test_bench_fp8_step_runs_every_variant(tmp_path, capsys):
             assert math.isfinite(v) and abs(v - loss["f32"]) <= 0.05 * loss["f32"], (model, k)
         assert res[model]["ratio_to_f32"]["f32"] == 1.0
     assert res["mlp"]["ratio_to_bf16"]["bf16"] == 1.0
+    # the machine's load is recorded with the numbers (they are measured on a shared CPU)
+    assert all(len(res["load_average"][k]) == 3 for k in ("start", "end"))
     out = capsys.readouterr().out
     assert out.index("ratios to Flax's") > out.index("transformer")
     assert out.index("ratios to the bf16 step") > out.index("transformer")  # ratios last
