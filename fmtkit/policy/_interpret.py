@@ -581,11 +581,62 @@ def _scan_counts(eqn) -> tuple[int, int, int] | None:
 # Interpretation.
 
 
+# Private switch for tests and benchmarks: False binds every rebuilt equation directly (the
+# behaviour before the per-primitive ``jit``), to show the two give the same program.
+_JIT_PRIMITIVES = True
+# How those jits are inlined: JAX_EARLY, into the enclosing jaxpr as it is traced (private, so
+# a test can show that another mode changes the program).
+_JIT_INLINE = jax.Inline.JAX_EARLY
+
+
 def _bind(eqn, invals: Sequence[Any], **overrides) -> list[Any]:
-    params = dict(eqn.primitive.get_bind_params(eqn.params))
-    params.update(overrides)
-    out = eqn.primitive.bind(*invals, **params)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if overrides:
+        params = {**params, **overrides}
+    call = _primitive_call(eqn.primitive, params) if _JIT_PRIMITIVES and not eqn.effects \
+        else None
+    out = (call(*invals) if call is not None else eqn.primitive.bind(*invals, **params))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _primitive_call(primitive, params: dict) -> Callable | None:
+    """The primitive as a ``jax.jit(inline=JAX_EARLY)`` function of its operands, shared by
+    every equation with the same parameters; None if a parameter is not hashable.
+
+    Why: under the user's ``jax.grad`` a primitive bound by itself is linearized from its
+    JVP rule on every bind (a fresh trace and partial evaluation each: about 1 ms on this
+    CPU), while a ``jit`` is linearized once per jaxpr and operand types (``jax.jit``'s
+    trace cache gives the same jaxpr, JAX's linearization cache keys on it). ``jnp`` binds
+    its own operators the same way (``jnp.add`` is such a ``jit``), which is why the
+    unwrapped model's trace pays this cost once per operator type, not per call. JAX_EARLY
+    inlines the body into the enclosing jaxpr as it is traced: the program is the same."""
+    if any(callable(v) or isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr))
+           for v in params.values()):
+        return None  # a body or a rule (custom_jvp_call, an opaque call): bound directly
+    try:
+        return _jitted_primitive(primitive, tuple(sorted(params.items())))
+    except TypeError:  # an unhashable parameter (a list)
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _jitted_primitive(primitive, params: tuple) -> Callable:
+    kwargs = dict(params)
+
+    def call(*xs):
+        return primitive.bind(*xs, **kwargs)
+
+    call.__name__ = primitive.name
+    return jax.jit(call, inline=_JIT_INLINE)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_cast(dtype: np.dtype) -> Callable:
+    """``convert_element_type`` to ``dtype`` as a shared ``jit`` (see ``_primitive_call``)."""
+    def cast(x):
+        return lax.convert_element_type(x, dtype)
+
+    return jax.jit(cast, inline=_JIT_INLINE)
 
 
 def _is_float_value(x) -> bool:
@@ -596,7 +647,9 @@ def _cast(x, dtype):
     if not _is_float_value(x) or not _floating(dtype):
         return x
     dtype = np.dtype(dtype)
-    return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+    if x.dtype == dtype:
+        return x
+    return _jitted_cast(dtype)(x) if _JIT_PRIMITIVES else lax.convert_element_type(x, dtype)
 
 
 def _wider(a, b) -> np.dtype:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax import lax
 from flax import nnx
 
 from fmtkit.policy import Policy, _interpret, with_policy
@@ -240,3 +241,89 @@ def test_nnx_eager_call_traces_once_and_writes_state_back():
     xs = np.asarray(x).astype(bf).astype(np.float64)
     b = np.asarray(model.dense.bias.get_value()).astype(bf).astype(np.float64)
     np.testing.assert_allclose(np.asarray(first, np.float64), xs @ w + b, rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace time: each rebuilt equation is bound through a shared jax.jit (JAX_EARLY inlining).
+
+
+@jax.custom_vjp
+def _scaled(x, w):
+    return x @ w
+
+
+_scaled.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+
+def _bodies(params, x):
+    """A function with a jit, a cond, a scan and a custom_vjp around matmuls."""
+    h = jax.jit(lambda a: jnp.tanh(a @ params["w"]))(x)
+    h = lax.cond(jnp.sum(h) > 0, lambda a: _scaled(a, params["v"]), lambda a: a * 2.0, h)
+
+    def body(c, _):
+        return jax.nn.gelu(c @ params["v"]), jnp.sum(c)
+
+    h, ys = lax.scan(body, h, None, length=2)
+    return jax.nn.log_softmax(h).sum() + ys.sum()
+
+
+def _policied_grad_jaxpr(case_fn) -> str:
+    return str(jax.make_jaxpr(case_fn())(*case_fn.args))
+
+
+def _cases():
+    from policy_testlib import build, init_params
+
+    out = []
+    for api, name, preset in (("linen", "lm_moe_tied", "bf16-mixed"),
+                              ("linen", "lm", "fp8-current"), ("nnx", "moe", "fp16-mixed")):
+        case = build(api, name)
+        policied = with_policy(case.model, preset)
+        if api == "linen":
+            params = init_params(case)
+
+            def make(policied=policied, case=case):
+                return jax.value_and_grad(
+                    lambda p: case.loss_fn(policied.apply({"params": p}, *case.inputs)))
+        else:
+            graphdef, params, rest = nnx.split(policied, nnx.Param, ...)
+
+            def make(graphdef=graphdef, rest=rest, case=case):
+                return jax.value_and_grad(
+                    lambda p: case.loss_fn(nnx.merge(graphdef, p, rest)(*case.inputs)))
+        make.args = (params,)
+        out.append(make)
+    fn = with_policy(_bodies, "bf16-mixed")
+    params = {"w": jnp.full((4, 3), 0.25, jnp.float32), "v": jnp.eye(3, dtype=jnp.float32)}
+
+    def make_fn():
+        return jax.value_and_grad(fn)
+
+    make_fn.args = (params, _x())
+    out.append(make_fn)
+    return out
+
+
+def test_jitted_primitives_leave_the_program_unchanged(monkeypatch):
+    """Binding each rebuilt equation through a shared ``jit`` only changes how JAX
+    linearizes it while tracing: the jaxpr of loss + gradient is the same text as with
+    every equation bound directly (so the compiled program and its numbers are the same),
+    on linen and NNX models under bf16, fp16 and FP8 presets and a function with jit, cond,
+    scan and custom_vjp bodies."""
+    cases = _cases()
+    with_jit = [_policied_grad_jaxpr(c) for c in cases]
+    assert _interpret._jitted_primitive.cache_info().currsize > 0  # the path was taken
+    monkeypatch.setattr(_interpret, "_JIT_PRIMITIVES", False)
+    direct = [_policied_grad_jaxpr(c) for c in cases]
+    for a, b in zip(with_jit, direct):
+        assert a == b
+    # Negative control: a jit that is not inlined while tracing shows in the jaxpr.
+    monkeypatch.setattr(_interpret, "_JIT_PRIMITIVES", True)
+    monkeypatch.setattr(_interpret, "_JIT_INLINE", jax.Inline.JAX_LATE)
+    _interpret._jitted_primitive.cache_clear()
+    _interpret._jitted_cast.cache_clear()
+    try:
+        assert _policied_grad_jaxpr(cases[0]) != direct[0]
+    finally:
+        _interpret._jitted_primitive.cache_clear()
+        _interpret._jitted_cast.cache_clear()
