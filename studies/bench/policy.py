@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import statistics
 import time
@@ -42,6 +43,7 @@ from studies import models
 from studies.bench._timing import time_fn, time_interleaved, write_results
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
+_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = \S+ ([\w\-]+)\(", re.MULTILINE)
 
 
 def hlo_op_count(compiled) -> int:
@@ -131,13 +133,73 @@ def eager_apply_seconds(model, params, tokens, repeats: int = 5) -> float:
     return time_fn(lambda: model.apply({"params": params}, tokens), repeats=repeats, warmup=1)
 
 
-def trace_and_compile_seconds(step, *args) -> tuple[float, float]:
-    """(trace + lower, compile) wall seconds of a jitted step."""
-    t0 = time.perf_counter()
-    lowered = step.lower(*args)
-    t1 = time.perf_counter()
-    lowered.compile()
-    return t1 - t0, time.perf_counter() - t1
+def hlo_stats(compiled) -> dict[str, int]:
+    """Instructions of the optimized HLO module, and of them converts, fusions, copies."""
+    ops = _OPCODE.findall(compiled.as_text())
+    return {"instructions": len(ops), "convert": ops.count("convert"),
+            "fusion": ops.count("fusion"), "copy": ops.count("copy")}
+
+
+def trace_overhead(args, cfg, hand_cfg, tokens, lr) -> tuple[dict, dict]:
+    """The policy's overhead on an ``--trace-layers``-layer LM: trace and compile of the
+    train step, unwrapped (f32), cast by hand (bf16 ``dtype``, the twin of the preset) and
+    ``with_policy`` (the preset on the f32 model), in alternation with a fresh ``jit`` each
+    round; equations, ``round_cotangent`` calls, compiled-HLO counts and an eager apply."""
+    deep = dataclasses.replace(cfg, num_layers=args.trace_layers)
+    model = models.TransformerLM(deep)
+    params = jax.jit(model.init)(jax.random.key(1), tokens)["params"]
+    wrapped = {"unwrapped": model,
+               "hand_written": models.TransformerLM(
+                   dataclasses.replace(hand_cfg, num_layers=args.trace_layers)),
+               "with_policy": with_policy(model, args.trace_preset)}
+    # In alternation, a fresh jit per round (the first trace of a process also fills JAX's
+    # own caches, so a single ordered measurement favours the later models); round 1 is
+    # reported but left out of the median (it fills the caches of every model).
+    rounds_s: dict[str, list] = {k: [] for k in wrapped}
+    hlo: dict[str, dict] = {}
+    for _ in range(args.trace_rounds + 1):
+        for k, m in wrapped.items():
+            t0 = time.perf_counter()
+            lowered = _linen_step(m, lr).lower(params, tokens)
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            rounds_s[k].append((t1 - t0, time.perf_counter() - t1))
+            hlo.setdefault(k, hlo_stats(compiled))
+    tracing, overhead = {}, {}
+    for k, m in wrapped.items():
+        kept = rounds_s[k][1:]
+        tracing[k] = tuple(statistics.median(r[i] for r in kept) for i in (0, 1))
+        eqns, rounds = equation_count(jax.make_jaxpr(_linen_step(m, lr))(params, tokens))
+        overhead[k] = {"equations": eqns, "round_cotangent": rounds, "hlo": hlo[k],
+                       "eager_apply_s": eager_apply_seconds(m, params, tokens),
+                       "trace_rounds_s": [r[0] for r in rounds_s[k]],
+                       "compile_rounds_s": [r[1] for r in rounds_s[k]]}
+    print(f"{args.trace_layers}-layer model under {args.trace_preset} (trace and compile: "
+          f"median of {args.trace_rounds} rounds after a first [range]; load average "
+          f"{os.getloadavg()[0]:.1f}):")
+    for k, (tr, co) in tracing.items():
+        o = overhead[k]
+        span = rounds_s[k][1:]
+        print(f"  {k:<13} trace {tr:5.2f} s [{min(r[0] for r in span):.2f}-"
+              f"{max(r[0] for r in span):.2f}] (first {rounds_s[k][0][0]:.2f})"
+              f"   compile {co:5.2f} s [{min(r[1] for r in span):.2f}-"
+              f"{max(r[1] for r in span):.2f}]"
+              f"   equations {o['equations']:5d} (round_cotangent {o['round_cotangent']})"
+              f"   HLO {o['hlo']['instructions']} (convert {o['hlo']['convert']}, fusion "
+              f"{o['hlo']['fusion']})   eager apply {o['eager_apply_s'] * 1e3:7.2f} ms")
+    w, u, h = (overhead[k] for k in ("with_policy", "unwrapped", "hand_written"))
+    tr_ratio = tracing["with_policy"][0] / tracing["unwrapped"][0]
+    co_ratio = tracing["with_policy"][1] / tracing["unwrapped"][1]
+    print(f"ratio with_policy / unwrapped: trace {tr_ratio:.2f}x (target <= 1.3x), compile "
+          f"{co_ratio:.2f}x (target: unchanged), equations "
+          f"{w['equations'] / u['equations']:.2f}x, eager apply "
+          f"{w['eager_apply_s'] / u['eager_apply_s']:.2f}x")
+    print(f"ratio with_policy / hand_written: trace "
+          f"{tracing['with_policy'][0] / tracing['hand_written'][0]:.2f}x, compile "
+          f"{tracing['with_policy'][1] / tracing['hand_written'][1]:.2f}x, equations "
+          f"{w['equations'] / h['equations']:.2f}x, HLO instructions "
+          f"{w['hlo']['instructions'] / h['hlo']['instructions']:.2f}x")
+    return tracing, overhead
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,40 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio with_policy / hand_written: {ratio:.3f}x  (target <= 1.05x)")
     tracing, overhead = {}, {}
     if args.trace_layers:
-        deep = dataclasses.replace(cfg, num_layers=args.trace_layers)
-        model = models.TransformerLM(deep)
-        params = jax.jit(model.init)(jax.random.key(1), tokens)["params"]
-        wrapped = {"unwrapped": model, "with_policy": with_policy(model, args.trace_preset)}
-        # In alternation, a fresh jit per round (the first trace of a process also fills
-        # JAX's own caches, so a single ordered measurement favours the second model).
-        rounds_s: dict[str, list] = {k: [] for k in wrapped}
-        for _ in range(args.trace_rounds):
-            for k, m in wrapped.items():
-                rounds_s[k].append(trace_and_compile_seconds(_linen_step(m, lr), params, tokens))
-        for k, m in wrapped.items():
-            tracing[k] = tuple(statistics.median(r[i] for r in rounds_s[k]) for i in (0, 1))
-            step = _linen_step(m, lr)
-            eqns, rounds = equation_count(jax.make_jaxpr(step)(params, tokens))
-            overhead[k] = {"equations": eqns, "round_cotangent": rounds,
-                           "eager_apply_s": eager_apply_seconds(m, params, tokens)}
-        print(f"{args.trace_layers}-layer model under {args.trace_preset}:")
-        for k, (tr, co) in tracing.items():
-            o = overhead[k]
-            print(f"  {k:<12} trace {tr:6.2f} s   compile {co:6.2f} s"
-                  f" (median of {args.trace_rounds})"
-                  f"   equations {o['equations']:6d} (round_cotangent {o['round_cotangent']})"
-                  f"   eager apply {o['eager_apply_s'] * 1e3:8.2f} ms")
-        w, u = overhead["with_policy"], overhead["unwrapped"]
-        tr_ratio = tracing["with_policy"][0] / tracing["unwrapped"][0]
-        co_ratio = tracing["with_policy"][1] / tracing["unwrapped"][1]
-        print(f"ratio trace {tr_ratio:.2f}x (target <= 1.3x), compile {co_ratio:.2f}x "
-              f"(target: unchanged), equations {w['equations'] / u['equations']:.2f}x, "
-              f"eager apply {w['eager_apply_s'] / u['eager_apply_s']:.2f}x")
+        tracing, overhead = trace_overhead(args, cfg, hand_cfg, tokens, lr)
     file = write_results("policy", {
         "api": args.api, "model": args.model, "config": dataclasses.asdict(cfg),
         "batch": args.batch, "seconds": times, "hlo_ops": ops, "compile_seconds": compile_s,
         "loss": losses, "ratio": ratio, "trace_compile_seconds": tracing,
-        "overhead": overhead}, args.out)
+        "overhead": overhead, "loadavg": os.getloadavg()}, args.out)
     print(f"wrote {file}")
     return 0
 

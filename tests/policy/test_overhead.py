@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax import lax
 from flax import nnx
+from jax import lax
 
 from fmtkit.policy import Policy, _interpret, with_policy
 
