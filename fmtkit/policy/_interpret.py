@@ -7,7 +7,8 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    ``nn.intercept_methods``; NNX: the traced copy's classes are swapped for subclasses whose
    methods enter the scope), and a ``Registry`` maps ``i`` to the module's path and class
    names. Every equation's name stack then says which modules wrote it, innermost last, even
-   inside ``jit``, ``scan`` and ``remat`` bodies.
+   inside ``jit``, ``scan`` and ``remat`` bodies. The trace is kept per input signature
+   (``_trace_cache``), so a second trace of the same call only re-interprets it.
 2. **Analyze** (``analyze``). One pass over the jaxpr finds, for every matmul: whether one
    operand is a view of a parameter (a *projection*, what FP8 recipes target: Dense,
    DenseGeneral, Einsum, Linear, LinearGeneral, ``x @ w`` with a parameter), whether it is the
@@ -26,7 +27,9 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    in its traced dtypes), ``shard_map`` (same mesh and specs), ``custom_vjp`` (the user's
    forward rule interpreted; the user's backward rule on residuals and cotangents in their
    traced dtypes). Any other body (``pallas_call``, a primitive this module does not know)
-   runs as traced, inputs cast back, with one warning per module and primitive.
+   runs as traced, inputs cast back, with one warning per module and primitive. Each
+   rebuilt equation is bound through a ``jit`` shared by equal equations (``_bind``), as
+   ``jnp`` binds its operators: under ``jax.grad`` it is linearized once, not per bind.
 
 Why re-interpretation rather than intercepting ``Primitive.bind`` as the model runs (qwix's
 way): changing a dtype while user code still runs breaks its Python-level dtype logic
@@ -75,7 +78,7 @@ import numpy as np
 from jax import lax
 
 from fmtkit import fp8
-from fmtkit.policy import _ops
+from fmtkit.policy import _ops, _trace_cache
 from fmtkit.policy._policy import Policy, Rules, ancestor_types
 
 MODULE_SCOPE = "fmtkit_module_"
@@ -580,6 +583,10 @@ def _scan_counts(eqn) -> tuple[int, int, int] | None:
 # ---------------------------------------------------------------------------------------------
 # Interpretation.
 
+
+# Private switch for tests and benchmarks: False traces the model on every call even where its
+# policied model keeps traces (``_trace_cache``).
+_TRACE_CACHE = True
 
 # Private switch for tests and benchmarks: False binds every rebuilt equation directly (the
 # behaviour before the per-primitive ``jit``), to show the two give the same program.
@@ -1195,17 +1202,31 @@ class Traced:
 
 def trace(fn: Callable, args: tuple, kwargs: dict, *,
           is_param: Callable[[tuple, Any], bool] = lambda path, x: True,
-          scopes: Callable | None = None) -> Traced:
+          scopes: Callable | None = None, cache: _trace_cache.TraceCache | None = None,
+          cache_key: Any = None, static_types: tuple[type, ...] = ()) -> Traced:
     """Traces ``fn(*args, **kwargs)`` recording module scopes; array leaves are the inputs.
 
     Args:
       is_param: ``(key path in (args, kwargs), leaf) -> bool``: which inputs are parameters.
       scopes: a context-manager factory entered around the call inside the trace (the NNX
         adapter's class swap); linen's interceptor is installed by its adapter inside ``fn``.
+      cache: where to keep the trace per input signature (``_trace_cache``); None: always
+        trace. ``cache_key`` identifies ``fn`` in it (``fn`` itself is often a new closure);
+        ``static_types``: leaf types the key compares by value (an adapter's placeholders).
     """
     with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     leaves = [x for _, x in with_path]
     dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    dyn = [leaves[i] for i in dyn_idx]
+    params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
+    key = (None if cache is None or not _TRACE_CACHE
+           else _trace_cache.signature(leaves, dyn_idx, treedef, static_types))
+    if key is not None:
+        key = (cache_key, key)
+        hit = cache.get(key)
+        if hit is not None:
+            closed, registry, out_tree, avals = hit
+            return Traced(closed, registry, dyn, params, out_tree, avals)
     registry = Registry()
 
     def flat_fn(*dyn_vals):
@@ -1216,7 +1237,6 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
         with tracing(registry), (scopes() if scopes else contextlib.nullcontext()):
             return fn(*a, **k)
 
-    dyn = [leaves[i] for i in dyn_idx]
     # The model is traced in the caller's promotion mode, except when it holds parameters or
     # inputs below f32 (pure-bf16 storage): Flax's own layers raise under "strict" once given
     # bf16 (LayerNorm's promote_types(dtype, float32), attention's f32 scale), so that trace
@@ -1226,7 +1246,10 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     with jax.numpy_dtype_promotion(mode):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
     avals, out_tree = jax.tree.flatten(out_shape)
-    params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
+    # A constant that is a tracer (the model closed over a value of an enclosing trace)
+    # exists in that trace only: such a jaxpr is not kept.
+    if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+        cache.put(key, (closed, registry, out_tree, avals))
     return Traced(closed, registry, dyn, params, out_tree, avals)
 
 
