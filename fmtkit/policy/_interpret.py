@@ -617,8 +617,8 @@ def _primitive_call(primitive, params: dict) -> Callable | None:
     its own operators the same way (``jnp.add`` is such a ``jit``), which is why the
     unwrapped model's trace pays this cost once per operator type, not per call. JAX_EARLY
     inlines the body into the enclosing jaxpr as it is traced: the program is the same."""
-    if any(callable(v) or isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr))
-           for v in params.values()):
+    if "subfuns" in params or any(callable(v) or isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr))
+                                  for v in params.values()):
         return None  # a body or a rule (custom_jvp_call, an opaque call): bound directly
     try:
         return _jitted_primitive(primitive, tuple(sorted(params.items())))
