@@ -223,8 +223,17 @@ def mark_head(logits: Any) -> Any:
 
 
 def _chain(eqn, prefix: tuple[int, ...]) -> tuple[int, ...]:
-    found = _MODULE_RX.findall(str(eqn.source_info.name_stack))
-    return prefix + tuple(int(i) for i in found) if found else prefix
+    found = _scopes(eqn.source_info.name_stack)[0]
+    return prefix + found if found else prefix
+
+
+@functools.lru_cache(maxsize=8192)
+def _scopes(name_stack) -> tuple[tuple[int, ...], bool]:
+    """(module scope indices, innermost last; whether ``mark_head``'s scope is in it) of an
+    equation's name stack. Cached: equal stacks recur (every equation a module writes) and
+    hashing one is several times cheaper than printing it."""
+    text = str(name_stack)
+    return tuple(int(i) for i in _MODULE_RX.findall(text)), HEAD_SCOPE in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,8 +267,9 @@ def _round_cotangent_jvp(dtype, primals, tangents):
 # Analysis: projections, the head, delayed-FP8 slots.
 
 
+@functools.lru_cache(maxsize=256)
 def _floating(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
+    return jnp.issubdtype(dtype, jnp.floating)  # cached: a few dtypes, asked per operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +386,7 @@ class Analysis:
         n_out = len(eqn.outvars)
         data = any(a.data for a in args)
         narrowed = next((a.narrowed for a in args if a.narrowed is not None), None)
-        if HEAD_SCOPE in str(eqn.source_info.name_stack):
+        if _scopes(eqn.source_info.name_stack)[1]:
             self.marked = True
             self._marked.update(*(a.head for a in args))
         if name in _ops.INLINE_CALLS:
