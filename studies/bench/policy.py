@@ -119,12 +119,20 @@ def _rms_norm(x, scale, dt):
     return (y * scale[None, None, :]).astype(dt)
 
 
+# The named scope of a cotangent rounding's tangent rule (``fmtkit.policy``'s
+# ``round_cotangent``): in a differentiated step only its narrowing convert is left of it.
+_GRAD_ROUND_SCOPE = "fmtkit_grad_round_"
+
+
 def equation_count(closed) -> tuple[int, int]:
-    """(equations at every depth, ``round_cotangent`` calls) of a traced jaxpr."""
+    """(equations at every depth, cotangent roundings) of a traced train step: a rounding is
+    the narrowing convert in the scope of ``round_cotangent``'s tangent rule."""
     eqns = rounds = 0
     for eqn in closed.jaxpr.eqns:
         eqns += 1
-        rounds += eqn.params.get("name") == "round_cotangent"
+        rounds += (eqn.primitive.name == "convert_element_type"
+                   and _GRAD_ROUND_SCOPE in str(eqn.source_info.name_stack)
+                   and eqn.outvars[0].aval.dtype.itemsize < eqn.invars[0].aval.dtype.itemsize)
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             e, r = equation_count(sub if hasattr(sub, "jaxpr")
                                   else jax.extend.core.ClosedJaxpr(sub, ()))
