@@ -11,7 +11,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from fmtkit.policy import _eager, _interpret
+from fmtkit.policy import _eager, _interpret, _trace_cache
 from fmtkit.policy._policy import Policy, Rules, as_rules
 
 __all__ = ["module_paths", "with_policy"]
@@ -39,7 +39,8 @@ def flax_kind(model: Any, argname: str = "model") -> str:
 
 
 def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
-                strict: bool = False, params_argnums: Any = "auto") -> Any:
+                strict: bool = False, params_argnums: Any = "auto",
+                cache_traces: bool = True) -> Any:
     """Applies a precision policy to an unmodified Flax linen or NNX model or a JAX function.
 
     The policy decides per *operation*, wherever the model writes it (inside Flax layers, in
@@ -96,6 +97,14 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
         is called with two or more positional arguments (``apply(params, x)``), none when
         called with one (``f(x)``: data; under an FP8 policy that warns, since no matmul
         then has a parameter operand); say ``params_argnums=0`` for ``f(params)``.
+      cache_traces: keep the model's traced jaxpr per input signature, as ``jax.jit`` keeps
+        its traces (key: the model — a linen module by value, an NNX graphdef, a function
+        object — the arguments' tree structure, array shapes/dtypes/shardings, and the
+        values of Python scalars among them): a second trace with the same signature (an
+        eval step, a fresh ``jit`` of the step) re-interprets the kept jaxpr without running
+        the model's Python again. ``jax.jit``'s caveat applies: a model whose Python reads a
+        global or a mutable object that changes between calls is not re-traced, and its
+        Python side effects happen on the first trace only; pass False for such a model.
 
     Returns:
       linen: a ``PolicyModel`` with ``init``/``apply`` as the module's (same variables, plus
@@ -122,6 +131,8 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
     kind = flax_kind(model)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}.")
+    if not isinstance(cache_traces, bool):
+        raise TypeError(f"cache_traces must be a bool, got {type(cache_traces).__name__}.")
     if kind != "function" and _param_argnums(params_argnums) != _AUTO:
         raise TypeError(f"params_argnums is for plain functions; a {kind} model knows its "
                         "parameters (linen: variables['params']; NNX: its nnx.Param).")
@@ -132,12 +143,13 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
         if isinstance(model, _linen.PolicyModel):
             raise ValueError("This linen model already has a policy (it is a PolicyModel); "
                              "apply with_policy once, to the unwrapped model, with all rules.")
-        return _linen.PolicyModel(inner=model, rules=rules, strict=strict)
+        return _linen.PolicyModel(inner=model, rules=rules, strict=strict,
+                                  cache_traces=cache_traces)
     if kind == "nnx":
         from fmtkit.policy import _nnx
 
-        return _nnx.wrap(model, rules, strict)
-    return _policied_function(model, rules, strict, params_argnums)
+        return _nnx.wrap(model, rules, strict, cache_traces)
+    return _policied_function(model, rules, strict, params_argnums, cache_traces)
 
 
 _AUTO = "auto"
@@ -192,7 +204,8 @@ def _has_matmul(traced: Any) -> bool:
     return walk(traced.closed.jaxpr)
 
 
-def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any) -> Any:
+def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
+                       cache_traces: bool = True) -> Any:
     from fmtkit.policy import _linen
     from fmtkit.policy._policy import check_param_dtypes, has_delayed_fp8, report_unmatched
 
@@ -204,6 +217,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any)
                          "apply with_policy once, to the unwrapped model, with all rules.")
     argnums_spec = _param_argnums(params_argnums)
     eager_calls = _eager.EagerCache()
+    traces = _trace_cache.TraceCache() if cache_traces else None
     delayed = has_delayed_fp8(rules)
     has_fp8 = any(p is not None and p.fp8 is not None
                   for p in (rules.default, *(p for _, p in rules.rules)))
@@ -227,7 +241,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any)
                 return len(path) > 2 and getattr(path[2], "key", None) == "params"
             return True
 
-        traced = _interpret.trace(call, args, kwargs, is_param=is_param)
+        traced = _interpret.trace(call, args, kwargs, is_param=is_param, cache=traces)
         if has_fp8 and not argnums and argnums_spec == _AUTO and _has_matmul(traced):
             warnings.warn(
                 "with_policy: this function was called with one positional argument, which "

@@ -32,7 +32,7 @@ MAX_SIGNATURES = 16
 # Static leaves a cached call may hold, compared by value: plain Python values. Any other
 # object (a module, an object holding arrays) could change between calls without changing
 # its hash, and would be baked into the compiled call, so such calls are not cached.
-_STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None), np.dtype)
+STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None), np.dtype)
 
 
 def _is_dynamic(x: Any) -> bool:
@@ -59,7 +59,7 @@ class EagerCache:
         (it is part of the key). ``aux=True``: ``fn`` returns ``(arrays, python_data)``;
         the data (recorded when the call was traced) is returned with the arrays."""
         leaves, treedef = jax.tree.flatten(tree)
-        allowed = _STATIC_TYPES + tuple(static_types)
+        allowed = STATIC_TYPES + tuple(static_types)
         if not all((_is_dynamic(x) and not isinstance(x, jax.core.Tracer))
                    or isinstance(x, allowed) for x in leaves):
             return False, None

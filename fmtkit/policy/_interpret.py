@@ -7,7 +7,8 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    ``nn.intercept_methods``; NNX: the traced copy's classes are swapped for subclasses whose
    methods enter the scope), and a ``Registry`` maps ``i`` to the module's path and class
    names. Every equation's name stack then says which modules wrote it, innermost last, even
-   inside ``jit``, ``scan`` and ``remat`` bodies.
+   inside ``jit``, ``scan`` and ``remat`` bodies. The trace is kept per input signature
+   (``_trace_cache``), so a second trace of the same call only re-interprets it.
 2. **Analyze** (``analyze``). One pass over the jaxpr finds, for every matmul: whether one
    operand is a view of a parameter (a *projection*, what FP8 recipes target: Dense,
    DenseGeneral, Einsum, Linear, LinearGeneral, ``x @ w`` with a parameter), whether it is the
@@ -26,7 +27,9 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    in its traced dtypes), ``shard_map`` (same mesh and specs), ``custom_vjp`` (the user's
    forward rule interpreted; the user's backward rule on residuals and cotangents in their
    traced dtypes). Any other body (``pallas_call``, a primitive this module does not know)
-   runs as traced, inputs cast back, with one warning per module and primitive.
+   runs as traced, inputs cast back, with one warning per module and primitive. Each
+   rebuilt equation is bound through a ``jit`` shared by equal equations (``_bind``), as
+   ``jnp`` binds its operators: under ``jax.grad`` it is linearized once, not per bind.
 
 Why re-interpretation rather than intercepting ``Primitive.bind`` as the model runs (qwix's
 way): changing a dtype while user code still runs breaks its Python-level dtype logic
@@ -75,7 +78,7 @@ import numpy as np
 from jax import lax
 
 from fmtkit import fp8
-from fmtkit.policy import _ops
+from fmtkit.policy import _ops, _trace_cache
 from fmtkit.policy._policy import Policy, Rules, ancestor_types
 
 MODULE_SCOPE = "fmtkit_module_"
@@ -220,8 +223,17 @@ def mark_head(logits: Any) -> Any:
 
 
 def _chain(eqn, prefix: tuple[int, ...]) -> tuple[int, ...]:
-    found = _MODULE_RX.findall(str(eqn.source_info.name_stack))
-    return prefix + tuple(int(i) for i in found) if found else prefix
+    found = _scopes(eqn.source_info.name_stack)[0]
+    return prefix + found if found else prefix
+
+
+@functools.lru_cache(maxsize=8192)
+def _scopes(name_stack) -> tuple[tuple[int, ...], bool]:
+    """(module scope indices, innermost last; whether ``mark_head``'s scope is in it) of an
+    equation's name stack. Cached: equal stacks recur (every equation a module writes) and
+    hashing one is several times cheaper than printing it."""
+    text = str(name_stack)
+    return tuple(int(i) for i in _MODULE_RX.findall(text)), HEAD_SCOPE in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,8 +267,9 @@ def _round_cotangent_jvp(dtype, primals, tangents):
 # Analysis: projections, the head, delayed-FP8 slots.
 
 
+@functools.lru_cache(maxsize=256)
 def _floating(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
+    return jnp.issubdtype(dtype, jnp.floating)  # cached: a few dtypes, asked per operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +386,7 @@ class Analysis:
         n_out = len(eqn.outvars)
         data = any(a.data for a in args)
         narrowed = next((a.narrowed for a in args if a.narrowed is not None), None)
-        if HEAD_SCOPE in str(eqn.source_info.name_stack):
+        if _scopes(eqn.source_info.name_stack)[1]:
             self.marked = True
             self._marked.update(*(a.head for a in args))
         if name in _ops.INLINE_CALLS:
@@ -581,11 +594,66 @@ def _scan_counts(eqn) -> tuple[int, int, int] | None:
 # Interpretation.
 
 
+# Private switch for tests and benchmarks: False traces the model on every call even where its
+# policied model keeps traces (``_trace_cache``).
+_TRACE_CACHE = True
+
+# Private switch for tests and benchmarks: False binds every rebuilt equation directly (the
+# behaviour before the per-primitive ``jit``), to show the two give the same program.
+_JIT_PRIMITIVES = True
+# How those jits are inlined: JAX_EARLY, into the enclosing jaxpr as it is traced (private, so
+# a test can show that another mode changes the program).
+_JIT_INLINE = jax.Inline.JAX_EARLY
+
+
 def _bind(eqn, invals: Sequence[Any], **overrides) -> list[Any]:
-    params = dict(eqn.primitive.get_bind_params(eqn.params))
-    params.update(overrides)
-    out = eqn.primitive.bind(*invals, **params)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if overrides:
+        params = {**params, **overrides}
+    call = _primitive_call(eqn.primitive, params) if _JIT_PRIMITIVES and not eqn.effects \
+        else None
+    out = (call(*invals) if call is not None else eqn.primitive.bind(*invals, **params))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _primitive_call(primitive, params: dict) -> Callable | None:
+    """The primitive as a ``jax.jit(inline=JAX_EARLY)`` function of its operands, shared by
+    every equation with the same parameters; None if a parameter is not hashable.
+
+    Why: under the user's ``jax.grad`` a primitive bound by itself is linearized from its
+    JVP rule on every bind (a fresh trace and partial evaluation each: about 1 ms on this
+    CPU), while a ``jit`` is linearized once per jaxpr and operand types (``jax.jit``'s
+    trace cache gives the same jaxpr, JAX's linearization cache keys on it). ``jnp`` binds
+    its own operators the same way (``jnp.add`` is such a ``jit``), which is why the
+    unwrapped model's trace pays this cost once per operator type, not per call. JAX_EARLY
+    inlines the body into the enclosing jaxpr as it is traced: the program is the same."""
+    if "subfuns" in params or any(callable(v) or isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr))
+                                  for v in params.values()):
+        return None  # a body or a rule (custom_jvp_call, an opaque call): bound directly
+    try:
+        return _jitted_primitive(primitive, tuple(sorted(params.items())))
+    except TypeError:  # an unhashable parameter (a list)
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _jitted_primitive(primitive, params: tuple) -> Callable:
+    kwargs = dict(params)
+
+    def call(*xs):
+        return primitive.bind(*xs, **kwargs)
+
+    call.__name__ = primitive.name
+    return jax.jit(call, inline=_JIT_INLINE)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_cast(dtype: np.dtype) -> Callable:
+    """``convert_element_type`` to ``dtype`` as a shared ``jit`` (see ``_primitive_call``)."""
+    def cast(x):
+        return lax.convert_element_type(x, dtype)
+
+    return jax.jit(cast, inline=_JIT_INLINE)
 
 
 def _is_float_value(x) -> bool:
@@ -596,7 +664,9 @@ def _cast(x, dtype):
     if not _is_float_value(x) or not _floating(dtype):
         return x
     dtype = np.dtype(dtype)
-    return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+    if x.dtype == dtype:
+        return x
+    return _jitted_cast(dtype)(x) if _JIT_PRIMITIVES else lax.convert_element_type(x, dtype)
 
 
 def _wider(a, b) -> np.dtype:
@@ -1142,17 +1212,31 @@ class Traced:
 
 def trace(fn: Callable, args: tuple, kwargs: dict, *,
           is_param: Callable[[tuple, Any], bool] = lambda path, x: True,
-          scopes: Callable | None = None) -> Traced:
+          scopes: Callable | None = None, cache: _trace_cache.TraceCache | None = None,
+          cache_key: Any = None, static_types: tuple[type, ...] = ()) -> Traced:
     """Traces ``fn(*args, **kwargs)`` recording module scopes; array leaves are the inputs.
 
     Args:
       is_param: ``(key path in (args, kwargs), leaf) -> bool``: which inputs are parameters.
       scopes: a context-manager factory entered around the call inside the trace (the NNX
         adapter's class swap); linen's interceptor is installed by its adapter inside ``fn``.
+      cache: where to keep the trace per input signature (``_trace_cache``); None: always
+        trace. ``cache_key`` identifies ``fn`` in it (``fn`` itself is often a new closure);
+        ``static_types``: leaf types the key compares by value (an adapter's placeholders).
     """
     with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     leaves = [x for _, x in with_path]
     dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    dyn = [leaves[i] for i in dyn_idx]
+    params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
+    key = (None if cache is None or not _TRACE_CACHE
+           else _trace_cache.signature(leaves, dyn_idx, treedef, static_types))
+    if key is not None:
+        key = (cache_key, key)
+        hit = cache.get(key)
+        if hit is not None:
+            closed, registry, out_tree, avals = hit
+            return Traced(closed, registry, dyn, params, out_tree, avals)
     registry = Registry()
 
     def flat_fn(*dyn_vals):
@@ -1163,7 +1247,6 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
         with tracing(registry), (scopes() if scopes else contextlib.nullcontext()):
             return fn(*a, **k)
 
-    dyn = [leaves[i] for i in dyn_idx]
     # The model is traced in the caller's promotion mode, except when it holds parameters or
     # inputs below f32 (pure-bf16 storage): Flax's own layers raise under "strict" once given
     # bf16 (LayerNorm's promote_types(dtype, float32), attention's f32 scale), so that trace
@@ -1173,7 +1256,10 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     with jax.numpy_dtype_promotion(mode):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
     avals, out_tree = jax.tree.flatten(out_shape)
-    params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
+    # A constant that is a tracer (the model closed over a value of an enclosing trace)
+    # exists in that trace only: such a jaxpr is not kept.
+    if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+        cache.put(key, (closed, registry, out_tree, avals))
     return Traced(closed, registry, dyn, params, out_tree, avals)
 
 

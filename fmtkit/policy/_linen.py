@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fmtkit.policy import _eager, _interpret
+from fmtkit.policy import _eager, _interpret, _trace_cache
 from fmtkit.policy._policy import (
     Rules,
     ancestor_types,
@@ -87,11 +87,17 @@ class PolicyModel:
       inner: the unmodified model.
       rules: the policy rules.
       strict: raise (instead of warning) when a rule pattern matches no module.
+      cache_traces: keep the model's trace per input signature (``_trace_cache``): a second
+        trace with the same signature (an eval step, a fresh ``jit``) does not run the
+        model's Python again.
     """
 
     inner: nn.Module
     rules: Rules
     strict: bool = False
+    cache_traces: bool = True
+    _traces: _trace_cache.TraceCache = dataclasses.field(
+        default_factory=_trace_cache.TraceCache, init=False, repr=False, compare=False)
     _eager_calls: _eager.EagerCache = dataclasses.field(default_factory=_eager.EagerCache,
                                                         init=False, repr=False,
                                                         compare=False)
@@ -133,7 +139,10 @@ class PolicyModel:
             with scoped():
                 return self.inner.apply(v, *a, rngs=r, method=method, mutable=mutable, **k)
 
-        return _interpret.trace(fn, (variables, rngs, args, kwargs), {}, is_param=_is_param)
+        mutable_key = tuple(mutable) if isinstance(mutable, list) else mutable
+        return _interpret.trace(fn, (variables, rngs, args, kwargs), {}, is_param=_is_param,
+                                cache=self._traces if self.cache_traces else None,
+                                cache_key=(self.inner, method, mutable_key))
 
     def as_module(self, **module_kwargs: Any) -> nn.Module:
         """This policied model as an ``nn.Module`` (``PolicyModule``; ``name=`` etc. go to

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fmtkit.policy import _eager, _interpret
+from fmtkit.policy import _eager, _interpret, _trace_cache
 from fmtkit.policy._policy import (
     Rules,
     ancestor_types,
@@ -183,7 +183,9 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
         return out, new_state
 
     def run(tree):
-        traced = _interpret.trace(pure, tree, {}, is_param=_is_param)
+        traced = _interpret.trace(pure, tree, {}, is_param=_is_param,
+                                  cache=_TRACES if type(model)._fmtkit_cache_traces else None,
+                                  cache_key=(graphdef, fn), static_types=(_Slot,))
         (out, new_state), _ = _interpret.run(traced, rules, main=_main_outputs(traced),
                                              fp8_state=_fp8_state(model, traced, rules))
         return out, new_state
@@ -215,6 +217,10 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
 # Eager policied NNX calls, shared by every policied model: the key holds the graphdef (the
 # model's structure and class) and the signature of its state and arguments.
 _EAGER_CALLS = _eager.EagerCache()
+# Traces of policied NNX calls (``_trace_cache``), shared likewise: keyed by the graphdef (the
+# policied root class, so the rules and the switch, the structure and static attributes) and
+# the method, a few signatures per model.
+_TRACES = _trace_cache.TraceCache(maxsize=4 * _trace_cache.MAX_SIGNATURES)
 
 
 def _values(states) -> dict:
@@ -301,12 +307,13 @@ def _policied_method(fn):
 _ROOT_CLASSES: dict[tuple[type, Rules], type] = {}
 
 
-def _policied_class(cls: type, rules: Rules) -> type:
-    key = (cls, rules)
+def _policied_class(cls: type, rules: Rules, cache_traces: bool = True) -> type:
+    key = (cls, rules, cache_traces)
     if key not in _ROOT_CLASSES:
         namespace = {n: _policied_method(getattr(cls, n)) for n in _method_names(cls)}
         namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
-                         __doc__=cls.__doc__, _fmtkit_base=cls, _fmtkit_rules=rules)
+                         __doc__=cls.__doc__, _fmtkit_base=cls, _fmtkit_rules=rules,
+                         _fmtkit_cache_traces=cache_traces)
         _ROOT_CLASSES[key] = type(cls.__name__, (cls,), namespace)
     return _ROOT_CLASSES[key]
 
@@ -315,7 +322,8 @@ def is_wrapped(obj: Any) -> bool:
     return isinstance(obj, nnx.Module) and "_fmtkit_rules" in vars(type(obj))
 
 
-def wrap(model: nnx.Module, rules: Rules, strict: bool) -> nnx.Module:
+def wrap(model: nnx.Module, rules: Rules, strict: bool, cache_traces: bool = True
+         ) -> nnx.Module:
     """A copy of ``model``'s module graph whose root runs under ``rules``; it shares the
     model's Variables except the Params its rules store narrower (converted copies), so the
     user's model is never changed. Params narrower than their rule's ``param_dtype`` raise
@@ -327,5 +335,5 @@ def wrap(model: nnx.Module, rules: Rules, strict: bool) -> nnx.Module:
     _check_params(model, nnx.split((model,), nnx.Param, ...)[1], rules)
     copy = nnx.clone(model, variables=False)
     _store_params(copy, rules)
-    copy.__class__ = _policied_class(type(model), rules)
+    copy.__class__ = _policied_class(type(model), rules, cache_traces)
     return copy
