@@ -269,9 +269,10 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
             "steps": ["init", "end"], "ratio": [d["grad_noise_ratio"]["initial"],
                                                 d["grad_noise_ratio"]["trained"]]}
         curve = ", ".join(f"{r:.2f}" for r in c["ratio"])
+        took = f", telemetry {d['seconds']:.0f} s" if "seconds" in d else ""
         lines.append(f"  {name}: {'; '.join(parts)}; |g| / |FP4 noise| at steps "
                      f"{'/'.join(map(str, c['steps']))}: {curve} "
-                     f"({len(d['layers'])} FP4 layers)")
+                     f"({len(d['layers'])} FP4 layers{took})")
     return lines
 
 

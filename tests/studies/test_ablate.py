@@ -308,6 +308,7 @@ def test_fp4_regime_smoke_gaps_plots_and_telemetry(tmp_path):
     assert_plots(paths)
     text = ablate.summarize(res)
     assert "FP4 telemetry" in text and "|g| / |FP4 noise|" in text
+    assert tele["nvfp4"]["seconds"] > 0 and "telemetry" in text.split("nvfp4:")[1]
 
 
 def test_fp4_setups_keep_the_last_block_by_position():
