@@ -99,9 +99,9 @@ FP4_BUDGET = dict(steps=100, seq_len=32)
 the main job's time (about 4 minutes on a 2-core CPU). The FP4 emulation costs several
 times a BF16 step and each FP4 setup compiles its own step, so 150 steps of 64 bytes took
 well over that; 100 steps of 32 bytes keep the 4-block stack (the last block in BF16 by
-position) and 3 seeds, so the paired gaps still answer the paper's orderings. Measured
-side by side under load: ~1.85x the main job's CPU time (632 vs 341 CPU-seconds), still
-above the budget (README, "Time budget").
+position) and 3 seeds, so the paired gaps still answer the paper's orderings. Measured:
+~1.7x the main job's time (287 vs 168 s wall, 524 vs 312 CPU-seconds), still above the
+budget (README, "Time budget").
 Applied to the fields left at the main job's defaults (``Config().train``); a ``--steps``
 or ``--seq-len`` set to another value wins."""
 
