@@ -473,7 +473,10 @@ def _sr_key(recipe: Fp4Recipe, t: jax.Array, role: int) -> jax.Array:
     bits = lax.bitcast_convert_type(t.astype(jnp.float32), jnp.uint32).reshape(-1)
     weights = lax.iota(jnp.uint32, bits.size) * jnp.uint32(2654435761) | jnp.uint32(1)
     h = jnp.sum((bits ^ (bits >> 15)) * weights, dtype=jnp.uint32)
-    key = jax.random.fold_in(jax.random.key(recipe.sr_seed), role)
+    # The seed's and role's key is a constant: folded at trace time, so the compiled step
+    # holds one threefry loop fewer per SR quantization (same key, same stream).
+    with jax.ensure_compile_time_eval():
+        key = jax.random.fold_in(jax.random.key(recipe.sr_seed), role)
     return jax.random.fold_in(key, h)
 
 
@@ -510,8 +513,25 @@ def _uses_scaled_matmul(recipe: Fp4Recipe, a: Fp4Array, b: Fp4Array) -> bool:
     return recipe.use_kernel == "interpret" or fp8.on_blackwell()
 
 
+GEMM_SCOPE = "fmtkit_fp4"
+"""Prefix of the named scope around every FP4 GEMM, ``fmtkit_fp4_<a block>_<b block>`` (e.g.
+``fmtkit_fp4_1x16_16x16``: each operand's block shape over its [free, contraction] dims), so
+a jaxpr reader (``fmtkit.policy.inspect_policy``) reports the GEMM's operands as E2M1 with
+their blocks: the emulation's dot takes them widened, exactly, to E4M3."""
+
+
+def _gemm_scope(a: Fp4Array, b: Fp4Array) -> str:
+    """The named scope of the GEMM of ``a`` and ``b`` (``GEMM_SCOPE``)."""
+    return "_".join([GEMM_SCOPE, *("x".join(map(str, t.block[-2:])) for t in (a, b))])
+
+
 def _gemm(a: Fp4Array, b: Fp4Array, recipe: Fp4Recipe) -> jax.Array:
     """f32 ``a [F1, C] · b [F2, C]ᵀ`` of two FP4 operands (see the module docstring)."""
+    with jax.named_scope(_gemm_scope(a, b)):
+        return _gemm_body(a, b, recipe)
+
+
+def _gemm_body(a: Fp4Array, b: Fp4Array, recipe: Fp4Recipe) -> jax.Array:
     alpha = a.tensor_scale * b.tensor_scale
     if _uses_scaled_matmul(recipe, a, b):
         # cuDNN's NVFP4 layout: 1x16 scales along C; a 16x16 block's scale repeats per row.

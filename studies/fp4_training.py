@@ -22,6 +22,8 @@ trained parameters:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -37,8 +39,8 @@ from studies.training.config import TrainConfig
 from studies.training.setups import get_setup
 from studies.training.step import build_model, setup_rules
 
-__all__ = ["GROUP", "NOISE_POINTS", "REFERENCE", "noise_steps", "plot_noise", "summary_lines",
-           "telemetry"]
+__all__ = ["GROUP", "NOISE_POINTS", "REFERENCE", "noise_steps", "plot_noise", "reference_grad",
+           "setup_telemetry", "summary_lines", "telemetry"]
 
 GROUP = ("bf16-mixed", "fp8-blockwise", "nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d",
          "nvfp4-all-layers", "mxfp4")
@@ -81,6 +83,18 @@ def _output_grads(cfg: TrainConfig, params: Any, tokens: jax.Array) -> dict[str,
     """Module path -> the loss gradient at the output of every Dense / DenseGeneral of the
     plain model (what its dgrad and wgrad GEMMs read), as ``[tokens, features]``: Flax's
     ``perturb`` on each output, differentiated."""
+    grads = _output_grads_fn(cfg.model_config())(params, tokens)
+    out = {}
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        names = [getattr(k, "key", str(k)) for k in path][:-1]  # drop the "dy" leaf name
+        out["/".join(names)] = g.reshape(tokens.size, -1)
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _output_grads_fn(model_config: Any) -> Any:
+    """The jitted ``(params, tokens) -> perturbation gradients`` of the plain model: one
+    compile per model, shared by every setup of the group (the plain model is the same)."""
     def hook(next_fun, args, kwargs, context):
         y = next_fun(*args, **kwargs)
         if context.method_name == "__call__" and isinstance(
@@ -88,22 +102,21 @@ def _output_grads(cfg: TrainConfig, params: Any, tokens: jax.Array) -> dict[str,
             y = context.module.perturb("dy", y)
         return y
 
-    model = TransformerLM(cfg.model_config())
-    with nn.intercept_methods(hook):
-        zeros = jax.eval_shape(model.init, jax.random.key(0), tokens)["perturbations"]
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+    model = TransformerLM(model_config)
 
-    def loss(pert):
+    def grads(params, tokens):
         with nn.intercept_methods(hook):
-            logits = model.apply({"params": params, "perturbations": pert}, tokens)
-        return lm_loss(logits.astype(jnp.float32), tokens)
+            zeros = jax.eval_shape(model.init, jax.random.key(0), tokens)["perturbations"]
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
 
-    grads = jax.jit(jax.grad(loss))(zeros)
-    out = {}
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        names = [getattr(k, "key", str(k)) for k in path][:-1]  # drop the "dy" leaf name
-        out["/".join(names)] = g.reshape(tokens.size, -1)
-    return out
+        def loss(pert):
+            with nn.intercept_methods(hook):
+                logits = model.apply({"params": params, "perturbations": pert}, tokens)
+            return lm_loss(logits.astype(jnp.float32), tokens)
+
+        return jax.grad(loss)(zeros)
+
+    return jax.jit(grads)
 
 
 def _fp4_layers(name: str, cfg: TrainConfig, paths: list[str]) -> dict[str, fp4.Fp4Recipe]:
@@ -160,10 +173,56 @@ def _noise_ratio(ref_grad: Any, grad: Any, params: Any, tokens: jax.Array,
                                           _select(grad(params, tokens), paths)))
 
 
+def reference_grad(cfg: TrainConfig, params: Any, tokens: jax.Array) -> Any:
+    """The reference setup's parameter gradient of the LM loss, compiled for f32 ``params``
+    like the given ones and ``tokens``: what ``setup_telemetry`` compares each FP4 setup's
+    gradient with (compile it once per group)."""
+    f32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    return _grad_fn(build_model(get_setup(REFERENCE), cfg)).lower(f32, tokens).compile()
+
+
+def setup_telemetry(cfg: TrainConfig, name: str, params: Any, initial: Any,
+                    tokens: jax.Array, snapshots: dict[int, Any] | None = None,
+                    ref_grad: Callable[[], Any] | None = None) -> dict[str, Any] | None:
+    """The regime's telemetry (module docstring) of one setup; None when none of its layers
+    runs in FP4. ``telemetry``'s arguments, for one setup: ``params`` its seed 0's trained
+    parameters, ``snapshots`` its ``{step: parameters}``; ``ref_grad`` returns
+    ``reference_grad``'s function (shared by the group's setups; None: built here).
+    Independent of the other setups, so ``fmtkit ablate`` runs it in the setup's own
+    thread, right after its training."""
+    params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    inputs = _linear_inputs(cfg, params, tokens)
+    layers = _fp4_layers(name, cfg, list(inputs))
+    if not layers:
+        return None
+    out_grads = _output_grads(cfg, params, tokens)
+    stats = {}
+    for path, recipe in layers.items():
+        stats[path] = {
+            "x": {k: float(v) for k, v in _stats(inputs[path], recipe, "x").items()},
+            "w": {k: float(v) for k, v in _stats(_kernel(params, path), recipe,
+                                                 "w").items()},
+            "grad": {k: float(v) for k, v in _stats(out_grads[path], recipe,
+                                                    "grad").items()},
+        }
+    ref = reference_grad(cfg, initial, tokens) if ref_grad is None else ref_grad()
+    grad = _grad_fn(build_model(get_setup(name), cfg))
+    points = dict(snapshots or {})
+    points.setdefault(0, initial)
+    points[max(cfg.steps, max(points))] = params  # the trained point is the last one
+    curve = {t: _noise_ratio(ref, grad, p, tokens, list(layers))
+             for t, p in sorted(points.items())}
+    steps = sorted(curve)
+    return {"layers": stats,
+            "grad_noise_ratio": {"initial": curve[steps[0]], "trained": curve[steps[-1]]},
+            "grad_noise_curve": {"steps": steps, "ratio": [curve[t] for t in steps]}}
+
+
 def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
               initial: Any, tokens: jax.Array,
               snapshots: dict[str, dict[int, Any]] | None = None) -> dict[str, Any]:
-    """The regime's telemetry (module docstring) for every FP4 setup among ``names``.
+    """The regime's telemetry (module docstring) for every FP4 setup among ``names``
+    (``setup_telemetry`` of each, one reference gradient for all).
 
     Args:
       cfg: the group's training configuration (regime applied).
@@ -182,37 +241,15 @@ def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
       "grad_noise_curve": {"steps": [t...], "ratio": [r...]}}}`` with floats (the curve in
       step order).
     """
-    ref_grad = _grad_fn(build_model(get_setup(REFERENCE), cfg))
+    ref_grad = functools.cache(lambda: reference_grad(cfg, initial, tokens))
     out: dict[str, Any] = {}
     for name in names:
         if name not in trained:
             continue
-        params = jax.tree.map(lambda x: x.astype(jnp.float32), trained[name])
-        inputs = _linear_inputs(cfg, params, tokens)
-        out_grads = _output_grads(cfg, params, tokens)
-        layers = _fp4_layers(name, cfg, list(inputs))
-        if not layers:
-            continue
-        stats = {}
-        for path, recipe in layers.items():
-            stats[path] = {
-                "x": {k: float(v) for k, v in _stats(inputs[path], recipe, "x").items()},
-                "w": {k: float(v) for k, v in _stats(_kernel(params, path), recipe,
-                                                     "w").items()},
-                "grad": {k: float(v) for k, v in _stats(out_grads[path], recipe,
-                                                        "grad").items()},
-            }
-        grad = _grad_fn(build_model(get_setup(name), cfg))
-        points = dict((snapshots or {}).get(name, {}))
-        points.setdefault(0, initial)
-        points[max(cfg.steps, max(points))] = params  # the trained point is the last one
-        curve = {t: _noise_ratio(ref_grad, grad, p, tokens, list(layers))
-                 for t, p in sorted(points.items())}
-        steps = sorted(curve)
-        out[name] = {"layers": stats,
-                     "grad_noise_ratio": {"initial": curve[steps[0]],
-                                          "trained": curve[steps[-1]]},
-                     "grad_noise_curve": {"steps": steps, "ratio": [curve[t] for t in steps]}}
+        info = setup_telemetry(cfg, name, trained[name], initial, tokens,
+                               (snapshots or {}).get(name), ref_grad)
+        if info is not None:
+            out[name] = info
     return out
 
 
@@ -232,9 +269,10 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
             "steps": ["init", "end"], "ratio": [d["grad_noise_ratio"]["initial"],
                                                 d["grad_noise_ratio"]["trained"]]}
         curve = ", ".join(f"{r:.2f}" for r in c["ratio"])
+        took = f", telemetry {d['seconds']:.0f} s" if "seconds" in d else ""
         lines.append(f"  {name}: {'; '.join(parts)}; |g| / |FP4 noise| at steps "
                      f"{'/'.join(map(str, c['steps']))}: {curve} "
-                     f"({len(d['layers'])} FP4 layers)")
+                     f"({len(d['layers'])} FP4 layers{took})")
     return lines
 
 

@@ -20,7 +20,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from fmtkit import fp8
+from fmtkit import fp4, fp8
 from fmtkit.policy import _interpret, _ops
 from fmtkit.policy._apply import flax_kind
 from fmtkit.policy._policy import Policy, Rules, is_floating
@@ -30,6 +30,9 @@ __all__ = ["MatmulOp", "ModuleReport", "PolicyReport", "inspect_policy"]
 _OP_RX = re.compile(re.escape(_interpret.OP_SCOPE) + r"(\d+)")
 # An FP8 GEMM whose power-of-two scales were folded into f32 operands (fmtkit.fp8.FOLDED_SCOPE)
 _FOLDED_RX = re.compile(re.escape(fp8.FOLDED_SCOPE) + r"-(\w+)-(\w+)")
+# An FP4 GEMM's scope names its operands' block shapes (fmtkit.fp4.GEMM_SCOPE).
+_FP4_RX = re.compile(re.escape(fp4.GEMM_SCOPE) + r"_(\d+x\d+)_(\d+x\d+)")
+_E2M1 = "float4_e2m1fn"
 _FP8_KINDS = ("float8", "float6", "float4")
 MATMUL_KINDS = ("forward", "dgrad", "wgrad")
 
@@ -43,7 +46,8 @@ class ModuleReport:
       type_name: the module's class name.
       policy: the Policy the rules gave it (None: untouched).
       matmuls: ``"forward"``, ``"dgrad"``, ``"wgrad"`` -> the module's matmuls (excluding the
-        head) as ``"lhs x rhs -> out"`` dtype strings. FP8 matmuls show FP8 operand dtypes.
+        head) as ``"lhs x rhs -> out"`` dtype strings. FP8 matmuls show FP8 operand dtypes, FP4
+        ones ``float4_e2m1fn`` (``MatmulOp.blocks``).
       head: the same for the output head's matmul, when it is written in this module.
       head_policy: the Policy the head ran under (``Rules.head``), when ``head`` is set.
       ops: primitive -> result dtypes of its other forward ops (``exp``, ``rsqrt``,
@@ -103,6 +107,11 @@ class MatmulOp:
       head: it is the output head's matmul.
       projection: one of its operands is a view of a parameter (what the FP8 presets target);
         a backward matmul inherits its forward op's.
+      blocks: an FP4 GEMM's operand block shapes over their [free, contraction] dims,
+        ``"lhs x rhs"`` (e.g. ``"1x16 x 16x16"``: NVFP4's activations or gradients times its
+        2D weight blocks); ``""`` for other matmuls. Its ``dtypes`` name the operands E2M1
+        (``float4_e2m1fn``), the format the GEMM computes in, though the emulated dot reads
+        them widened exactly to E4M3 (``fmtkit.fp4``).
     """
 
     path: str
@@ -114,6 +123,7 @@ class MatmulOp:
     reason: str = ""
     head: bool = False
     projection: bool = False
+    blocks: str = ""
 
     @property
     def low_precision(self) -> bool:
@@ -501,6 +511,9 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
             folded = _FOLDED_RX.findall(stack)
             if folded:  # off GPUs an MX GEMM's dot reads its FP8 operands dequantized
                 d = f"{folded[-1][0]} x {folded[-1][1]} -> {_dtype(eqn.outvars[0])}"
+            fp4_gemm = _FP4_RX.findall(stack)
+            if fp4_gemm:  # the emulation's dot reads the E2M1 operands widened to E4M3
+                d = f"{_E2M1} x {_E2M1} -> {_dtype(eqn.outvars[0])}"
             kind = _matmul_kind(eqn, op, backward, stack)
             table = a["head" if op.head else "matmuls"].setdefault(kind, [])
             if op.head:
@@ -511,7 +524,8 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
                 path=op.path, primitive=name, kind=kind, dtypes=d,
                 flops=matmul_flops(eqn) * times, policied=op.policy is not None,
                 reason="" if op.policy is not None else "no rule", head=op.head,
-                projection=op.projection))
+                projection=op.projection,
+                blocks=" x ".join(fp4_gemm[-1]) if fp4_gemm else ""))
         elif not list(jex.jaxprs_in_params(eqn.params)):
             ops = a["grad_ops" if backward else "ops"]
             ops.setdefault(name, set()).update(_dtype(v) for v in eqn.outvars)

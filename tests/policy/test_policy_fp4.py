@@ -113,3 +113,38 @@ def test_plain_dense_with_fp4_recipe_as_rule():
     jaxpr = jax.make_jaxpr(jax.value_and_grad(
         lambda p: jnp.sum(model.apply({"params": p}, x).astype(jnp.float32))))(params)
     assert len(fp4_gemms(jaxpr)) == 3
+
+
+# Operand block shapes over [free, contraction] of each FP4 GEMM (fmtkit.fp4's recipe table):
+# NVFP4 forward x 1x16 with the 16x16 weight, dgrad dy 1x16 with the same 16x16 weight
+# blocks, wgrad dy and x both 1x16 along the tokens; MXFP4 1x32 everywhere.
+FP4_BLOCKS = {"nvfp4": {"forward": "1x16 x 16x16", "dgrad": "1x16 x 16x16",
+                        "wgrad": "1x16 x 1x16"},
+              "mxfp4": dict.fromkeys(("forward", "dgrad", "wgrad"), "1x32 x 1x32")}
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_inspect_policy_reports_fp4_gemms_as_e2m1(name):
+    from fmtkit.policy import inspect_policy
+
+    rules = keep_blocks(name, module_paths(TransformerLM(CFG), TOKENS), last=1)
+    report = inspect_policy(with_policy(TransformerLM(CFG), rules), TOKENS,
+                            loss_fn=lambda y: lm_loss(y.astype(jnp.float32), TOKENS))
+    proj = [m for m in report.matmul_ops if m.projection and not m.head]
+    fp4_ops = [m for m in proj if not m.path.startswith("Block_2/")]
+    kept = [m for m in proj if m.path.startswith("Block_2/")]
+    # Blocks 0 and 1: 6 projections x 3 GEMMs each, every one on E2M1 operands (the emulated
+    # dot reads them as E4M3: the report must say what the GEMM computes in).
+    assert len(fp4_ops) == 3 * PROJECTIONS * 2
+    for m in fp4_ops:
+        assert m.dtypes == "float4_e2m1fn x float4_e2m1fn -> float32", m
+        assert m.blocks == FP4_BLOCKS[name][m.kind], m
+        assert m.low_precision and m.policied
+    assert {m.kind for m in fp4_ops} == {"forward", "dgrad", "wgrad"}
+    # The kept block (by position) computes in bf16; nothing else reports E4M3 or blocks.
+    assert len(kept) == 3 * PROJECTIONS
+    assert all(m.dtypes.startswith("bfloat16 x bfloat16") and m.blocks == "" for m in kept)
+    assert not any("float8" in m.dtypes for m in report.matmul_ops)
+    fwd = dict(report.matmuls("forward"))
+    assert fwd["Block_0/attn/query"].startswith("float4_e2m1fn x float4_e2m1fn")
+    assert fwd["Block_2/attn/query"].startswith("bfloat16 x bfloat16")

@@ -140,6 +140,13 @@ def test_registered_and_listed():
         ablate.Config(policies=("fp32", "fp32"))
 
 
+def test_run_order_starts_the_fp4_setups_first():
+    # Longest first: the FP4 setups compile longest and run their telemetry after training.
+    assert ablate.run_order(fp4_training.GROUP) == (*fp4_training.GROUP[2:],
+                                                    *fp4_training.GROUP[:2])
+    assert ablate.run_order(("fp32", "bf16-mixed")) == ("fp32", "bf16-mixed")
+
+
 def test_seeds_regime_full_and_stdlib_options_parse():
     inv = runner.parse_args("ablate", ["--seeds", "5", "--regime", "late-training",
                                        "--data", "stdlib", "--full"])
@@ -301,6 +308,7 @@ def test_fp4_regime_smoke_gaps_plots_and_telemetry(tmp_path):
     assert_plots(paths)
     text = ablate.summarize(res)
     assert "FP4 telemetry" in text and "|g| / |FP4 noise|" in text
+    assert tele["nvfp4"]["seconds"] > 0 and "telemetry" in text.split("nvfp4:")[1]
 
 
 def test_fp4_setups_keep_the_last_block_by_position():
