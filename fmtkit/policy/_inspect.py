@@ -359,6 +359,13 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
             inner=model, rules=Rules())
         streams = dict(rngs) if rngs is not None else {"dropout": jax.random.key(1)}
         if variables is None:
+            if inputs and isinstance(inputs[0], Mapping) and "params" in inputs[0]:
+                # inspect_policy(model, variables, x), apply's order: a TypeError from the
+                # model's __call__ deep inside init would not say what went wrong.
+                raise TypeError(
+                    "inspect_policy's first input looks like the model's variables (a dict "
+                    "with 'params'); pass them by keyword: inspect_policy(model, *inputs, "
+                    "variables=variables).")
             keys = {"params": jax.random.key(0), **streams}
             variables = jax.eval_shape(
                 lambda arrs: wrapped.init(keys, *rebuild(arrs), **kwargs), in_arrays)

@@ -272,6 +272,10 @@ def test_report_linen_rngs_and_positional_bool():
     assert report.modules["Dense_0"].matmuls["forward"] == ("bfloat16 x bfloat16 -> bfloat16",)
     with pytest.raises(TypeError, match="rngs is for linen"):
         inspect_policy(with_policy(lm_plain, "bf16-mixed"), PARAMS, X, rngs={})
+    variables = Noisy().init({"params": jax.random.key(0), "noise": jax.random.key(1)}, X,
+                             False)
+    with pytest.raises(TypeError, match="variables=variables"):  # apply's argument order
+        inspect_policy(with_policy(Noisy(), "bf16-mixed"), variables, X, False)
     with pytest.raises(TypeError, match="argnums must be ints"):
         inspect_policy(with_policy(lm_plain, "bf16-mixed"), PARAMS, X, argnums=5)
 
