@@ -25,7 +25,7 @@ outlier-features       bf16-mixed, fp8-current, fp8-delayed,   per-tensor worse 
 the FP4 ones) in that regime (default none), reference fp32 when it is among them, else the
 first. ``--regime fp4-training`` runs ``studies.fp4_training.GROUP`` by default: bf16-mixed,
 fp8-blockwise, NVFP4 with and without each ingredient, every layer in FP4, and MXFP4, on a
-4-block model, 100 steps of 32 bytes (``FP4_BUDGET``: the main job's time), with per-GEMM
+4-block model, 60 steps of 32 bytes (``FP4_BUDGET``: the main job's time), with per-GEMM
 FP4 telemetry (``studies.fp4_training``). ``--full``
 runs the contrasts longer and larger (the "small" model, 400 steps, 5 seeds).
 
@@ -94,7 +94,7 @@ CONTRASTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 FULL = dict(model_size="small", steps=400, seeds=5)
 """``--full``: the contrasts with the 4-layer "small" model, longer, more seeds."""
 
-FP4_BUDGET = dict(steps=100, seq_len=32)
+FP4_BUDGET = dict(steps=60, seq_len=32)
 """``--regime fp4-training`` without ``--full``: fewer steps of shorter sequences, toward
 the main job's time (about 4 minutes on a 2-core CPU). The FP4 emulation costs several
 times a BF16 step and each FP4 setup compiles its own step, so 150 steps of 64 bytes took
