@@ -210,16 +210,16 @@ def test_setups_trained_two_at_a_time_give_the_same_numbers():
 
 
 def test_fp4_regime_runs_the_budget_unless_told_otherwise():
-    """--regime fp4-training alone: 100 steps of 32 bytes (the main job's time); an explicit
+    """--regime fp4-training alone: 60 steps of 32 bytes (the main job's time); an explicit
     other --steps / --seq-len wins; --full and the other regimes are unchanged."""
     def train(*argv):
         return runner.parse_args("ablate", list(argv)).config.train_config()
 
     t = train("--regime", "fp4-training")
-    assert (t.steps, t.seq_len, t.seeds, t.model_config().num_layers) == (100, 32, 3, 4)
+    assert (t.steps, t.seq_len, t.seeds, t.model_config().num_layers) == (60, 32, 3, 4)
     t = train("--regime", "fp4-training", "--steps", "300", "--seq-len", "48")
     assert (t.steps, t.seq_len) == (300, 48)
-    assert train("--regime", "fp4-training", "--seq-len", "16").steps == 100
+    assert train("--regime", "fp4-training", "--seq-len", "16").steps == 60
     assert train("--regime", "fp4-training", "--full").steps == 400
     t = train("--regime", "outlier-features")
     assert (t.steps, t.seq_len) == (150, 64)
