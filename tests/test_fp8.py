@@ -1057,3 +1057,21 @@ def _np_dot_general(a, b, dims):
     free = [c for c in la if c not in (la[ca[0]], *batch)] + [
         c for c in lb if c not in la]
     return np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(batch + free)}", a, b)
+
+
+@pytest.mark.parametrize("name", [*fp8.RECIPES])
+def test_widened_dots_equal_fp8_dots_up_to_summation_order(monkeypatch, name):
+    """Off GPUs the dots read FP8 operands widened to bf16; against the FP8 dots they replace
+    (``fp8._WIDEN_OFF_GPU`` off) y, dx and dw differ at most by the f32 summation bound of
+    the two orders (the values and products are the same), on data with outlier channels."""
+    x, w, dy = _data(128, 384, 256, seed=11)
+    x = x.at[:, ::37].multiply(100.0)
+    state = fp8.init_state() if fp8.RECIPES[name].delayed else None  # bootstrap: current
+    widened = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g, state))(x, w, dy)
+    monkeypatch.setattr(fp8, "_WIDEN_OFF_GPU", False)
+    jax.clear_caches()  # JAX caches the custom VJP's traces, made with the widening
+    fp8_dots = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g, state))(x, w, dy)
+    for what, a, b, bound in zip(("y", "dx", "dw"), widened, fp8_dots,
+                                 _summation_bounds(name, x, w, dy)):
+        diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+        assert np.all(diff <= bound), (what, float((diff - bound).max()))
