@@ -757,30 +757,25 @@ def _emulated_dot(a: _Operand, b: _Operand, av: jax.Array, bv: jax.Array, dims) 
 
 
 def _wide_dot(av: jax.Array, bv: jax.Array, dims) -> jax.Array:
-    """``lax.dot_general(av, bv, dims)`` of bf16 operands into f32, in a form XLA:CPU runs
-    fast: a batched dot (at most one batch axis: the per-block partials) as one 2-D dot per
-    batch element, stacked [batch, a free, b free] as ``lax.dot_general`` lays it out.
+    """``lax.dot_general(av, bv, dims)`` of bf16 operands into f32, in a form XLA:CPU runs.
 
-    XLA:CPU (jax 0.11) runs a batched bf16 dot through a slow generic loop (4 blocks of
-    512 x 512 x 128: 1.34 ms, against 0.70 ms for the four 2-D dots with the scaled sum,
-    2026-12-02), and rejects some layouts of it outright ("Unsupported element type for
-    DotThunk::Execute: BF16 x BF16 = F32", e.g. a contraction-major operand with a
-    contraction-minor one). Each 2-D dot sums the same products in f32."""
+    XLA:CPU (jax 0.11) rejects some batched bf16 x bf16 -> f32 dots ("Unsupported element
+    type for DotThunk::Execute") where the two operands' batch and contraction axes sit in
+    different places (the per-block partials of a contraction-major operand with a
+    contraction-minor one): batched operands are laid out [batch, free, contraction] first
+    (the transpose fuses with the widening into one pass). Same output and layout
+    [batch, a free, b free] as ``lax.dot_general``."""
     (ca, cb), (ba, bb) = dims
-    if not ba:
-        return lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
-    if len(ba) != 1:
-        raise ValueError(f"at most one batch axis, got dimension numbers {dims}.")
-
-    def drop(axes, batch):  # contraction axes once the batch axis is indexed away
-        return tuple(d - (d > batch) for d in axes)
-
-    ca2, cb2 = drop(ca, ba[0]), drop(cb, bb[0])
-    return jnp.stack([
-        lax.dot_general(lax.index_in_dim(av, i, ba[0], keepdims=False),
-                        lax.index_in_dim(bv, i, bb[0], keepdims=False),
-                        ((ca2, cb2), ((), ())), preferred_element_type=jnp.float32)
-        for i in range(av.shape[ba[0]])])
+    if ba:
+        free_a = [d for d in range(av.ndim) if d not in (*ca, *ba)]
+        free_b = [d for d in range(bv.ndim) if d not in (*cb, *bb)]
+        av = jnp.transpose(av, (*ba, *free_a, *ca))
+        bv = jnp.transpose(bv, (*bb, *free_b, *cb))
+        n = len(ba)
+        dims = ((tuple(range(av.ndim - len(ca), av.ndim)),
+                 tuple(range(bv.ndim - len(cb), bv.ndim))),
+                (tuple(range(n)), tuple(range(n))))
+    return lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
 
 
 def _pow2_scales(sa: ScaledArray) -> bool:
