@@ -36,14 +36,17 @@ def dot_operand_dtypes(closed_jaxpr, entered: bool = False) -> list[tuple]:
     """(lhs dtype, rhs dtype) of every dot_general, in order: the FP8 formats an emulated FP8
     GEMM computes in where its dot reads them widened (``fmtkit.fp8.FOLDED_SCOPE``), or with
     ``entered`` the dtypes that enter the dot."""
-    out = []
-    for e in iter_eqns(closed_jaxpr):
-        if e.primitive.name != "dot_general":
-            continue
-        folded = None if entered else _FOLDED_RX.findall(str(e.source_info.name_stack))
-        out.append(tuple(jnp.dtype(d) for d in folded[-1]) if folded else
-                   tuple(v.aval.dtype for v in e.invars))
-    return out
+    return [tuple(v.aval.dtype for v in e.invars) if entered else operand_dtypes(e)
+            for e in iter_eqns(closed_jaxpr) if e.primitive.name == "dot_general"]
+
+
+def operand_dtypes(eqn) -> tuple:
+    """A matmul equation's (lhs, rhs) dtypes, or the FP8 formats named by its
+    ``fmtkit.fp8.FOLDED_SCOPE`` where an emulated FP8 GEMM reads them widened (off GPUs)."""
+    folded = _FOLDED_RX.findall(str(eqn.source_info.name_stack))
+    if folded:
+        return tuple(jnp.dtype(d) for d in folded[-1])
+    return tuple(v.aval.dtype for v in eqn.invars[:2])
 
 
 # ---------------------------------------------------------------------------------------------
