@@ -19,7 +19,9 @@ with each partial product an FP8 dot accumulated in f32. When both scales are co
 the contraction (per-tensor, per-row) this is one FP8 dot followed by the outer product of
 the scales. When both are powers of two (MX, ``power_of_two``) and the GEMM runs off a GPU,
 the scales are folded into the operands (exact) and one dot sums the same products
-(``_folds_scales``); on a GPU the operands always enter the dot as FP8.
+(``_folds_scales``). Off GPUs every dot reads its FP8 operands widened exactly to bf16
+(XLA:CPU would convert them to f32 and run its slower f32 GEMM: ``_emulated_dot``); on a GPU
+the operands always enter the dot as FP8.
 
 Recipes (``RECIPES``; every field overridable with ``dataclasses.replace``):
 
@@ -647,8 +649,8 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
         # Power-of-two scales: dequantize (exact, in bf16) and run one dot over all of C,
         # accumulated in f32, in a named scope that tells a jaxpr reader the operands'
         # formats (FOLDED_SCOPE).
-        with jax.named_scope(f"{FOLDED_SCOPE}-{a.sa.fmt.name}-{b.sa.fmt.name}"):
-            av, bv = dequantize(a.sa, _FOLD_DTYPE), dequantize(b.sa, _FOLD_DTYPE)
+        with jax.named_scope(_scope(a, b)):
+            av, bv = dequantize(a.sa, _WIDE_DTYPE), dequantize(b.sa, _WIDE_DTYPE)
             if transposed:
                 return lax.dot_general(bv, av, (((cb_,), (ca,)), ((), ())),
                                        preferred_element_type=jnp.float32)
@@ -657,11 +659,9 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
     if nb == 1:
         sa, sb = _row_scales(a), _row_scales(b)
         if transposed:
-            out_t = lax.dot_general(b.sa.values, a.sa.values, (((cb_,), (ca,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+            out_t = _emulated_dot(b, a, b.sa.values, a.sa.values, (((cb_,), (ca,)), ((), ())))
             return out_t * sa.T * sb
-        out = lax.dot_general(a.sa.values, b.sa.values, (((ca,), (cb_,)), ((), ())),
-                              preferred_element_type=jnp.float32)
+        out = _emulated_dot(a, b, a.sa.values, b.sa.values, (((ca,), (cb_,)), ((), ())))
         # (out * sa) * sb, in that order: bit-identical to the earlier releases.
         return out * sa * sb.T
     # Per-block partial products (DeepSeek-V3's promotion into f32), scaled per block and
@@ -691,11 +691,11 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
         ca_ = lax.dynamic_slice_in_dim(sa, i * group, group, axis=1).T  # [group, F1]
         cb2 = lax.dynamic_slice_in_dim(sb, i * group, group, axis=1).T
         if transposed:  # the same products, scaled in the same order, laid out [F2, F1]
-            parts = lax.dot_general(pb, pa, (((db[0],), (da[0],)), ((db[1],), (da[1],))),
-                                    preferred_element_type=jnp.float32)  # [group, F2, F1]
+            parts = _emulated_dot(b, a, pb, pa, (((db[0],), (da[0],)), ((db[1],), (da[1],)))
+                             )  # [group, F2, F1]
             return jnp.sum(parts * ca_[:, None, :] * cb2[:, :, None], axis=0)
-        parts = lax.dot_general(pa, pb, (((da[0],), (db[0],)), ((da[1],), (db[1],))),
-                                preferred_element_type=jnp.float32)  # [group, F1, F2]
+        parts = _emulated_dot(a, b, pa, pb, (((da[0],), (db[0],)), ((da[1],), (db[1],)))
+                         )  # [group, F1, F2]
         return jnp.sum(parts * ca_[:, :, None] * cb2[:, None, :], axis=0)
 
     if group == nb:
@@ -707,20 +707,75 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
 
 
 FOLDED_SCOPE = "fmtkit_fp8_folded"
-"""Prefix of the named scope around a GEMM whose power-of-two scales were folded into f32
-operands (``_folds_scales``), ``fmtkit_fp8_folded-<lhs format>-<rhs format>`` (e.g.
-``fmtkit_fp8_folded-float8_e4m3fn-float8_e4m3fn``): its dot reads f32 operands, and a jaxpr
+"""Prefix of the named scope around an emulated FP8 GEMM's dot whose operands enter it
+widened off GPUs (``_emulated_dot``; scales folded in by ``_folds_scales``, or not),
+``fmtkit_fp8_folded-<lhs format>-<rhs format>`` (e.g.
+``fmtkit_fp8_folded-float8_e4m3fn-float8_e4m3fn``): its dot reads bf16 operands, and a jaxpr
 reader (``fmtkit.policy.inspect_policy``) reports the FP8 formats the GEMM computes in."""
 
 _FOLD_POW2_SCALES = True
-_FOLD_DTYPE = jnp.bfloat16
-"""The dtype of the folded operands: bf16 holds every dequantized element exactly (at most
-4 significant bits of an FP8 element times a power of two; bf16 keeps 8 bits and f32's
-exponent range), and XLA:CPU runs a bf16 x bf16 -> f32 dot (f32 accumulation) about 4x
-faster than the f32 GEMM it makes of an f32 or FP8 dot (0.41 vs 1.76 ms at 512³,
-2026-12-02)."""
 """Private switch of the power-of-two fold (``_folds_scales``); tests turn it off to compare
 the fold with the per-block form it replaces."""
+
+_WIDEN_OFF_GPU = True
+"""Private switch of the bf16 widening of FP8 dot operands off GPUs (``_emulated_dot``); tests
+turn it off to compare with the FP8 dot it replaces."""
+
+_WIDE_DTYPE = jnp.bfloat16
+"""The dtype FP8 dot operands enter the dot in off GPUs (and the folded operands'): bf16
+holds every FP8 element exactly (E4M3 / E5M2 have at most 4 significant bits and bf16's
+exponent range covers theirs; a folded element is such a value times a power of two),
+and XLA:CPU runs a bf16 x bf16 -> f32 dot (f32 accumulation) about 4x faster than the f32
+GEMM it makes of an f32 or FP8 dot: it converts FP8 operands to f32 first (0.41 vs 1.76 ms
+at 512³, 2026-12-02)."""
+
+
+def _scope(a: _Operand, b: _Operand) -> str:
+    return f"{FOLDED_SCOPE}-{a.sa.fmt.name}-{b.sa.fmt.name}"
+
+
+def _widens(values: jax.Array) -> bool:
+    """Whether ``_emulated_dot`` widens these stored values: off GPUs, a format bf16 holds
+    exactly (at most 8 significant bits, exponents within bf16's)."""
+    fi = jnp.finfo(values.dtype)
+    wide = jnp.finfo(_WIDE_DTYPE)
+    return (_WIDEN_OFF_GPU and fi.bits < 16 and fi.nmant <= wide.nmant
+            and fi.maxexp <= wide.maxexp and fi.minexp >= wide.minexp and not _on_gpu())
+
+
+def _emulated_dot(a: _Operand, b: _Operand, av: jax.Array, bv: jax.Array, dims) -> jax.Array:
+    """``lax.dot_general(av, bv, dims)`` with f32 accumulation of the stored FP8 values
+    ``av`` (of ``a``) and ``bv`` (of ``b``). On a GPU they enter the dot as FP8 (the FP8
+    GEMM contract). Off GPUs they enter it widened to bf16 (``_WIDE_DTYPE``), in the
+    ``FOLDED_SCOPE`` scope that names their formats: the same values (bf16 holds every
+    FP8 element), the same exact products in f32, summed in f32 (only the summation order
+    may differ from the f32 GEMM XLA:CPU makes of an FP8 dot), at about 4x the speed."""
+    if not (_widens(av) and _widens(bv)):
+        return lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
+    with jax.named_scope(_scope(a, b)):
+        return _wide_dot(av.astype(_WIDE_DTYPE), bv.astype(_WIDE_DTYPE), dims)
+
+
+def _wide_dot(av: jax.Array, bv: jax.Array, dims) -> jax.Array:
+    """``lax.dot_general(av, bv, dims)`` of bf16 operands into f32, in a form XLA:CPU runs.
+
+    XLA:CPU (jax 0.11) rejects some batched bf16 x bf16 -> f32 dots ("Unsupported element
+    type for DotThunk::Execute") where the two operands' batch and contraction axes sit in
+    different places (the per-block partials of a contraction-major operand with a
+    contraction-minor one): batched operands are laid out [batch, free, contraction] first
+    (the transpose fuses with the widening into one pass). Same output and layout
+    [batch, a free, b free] as ``lax.dot_general``."""
+    (ca, cb), (ba, bb) = dims
+    if ba:
+        free_a = [d for d in range(av.ndim) if d not in (*ca, *ba)]
+        free_b = [d for d in range(bv.ndim) if d not in (*cb, *bb)]
+        av = jnp.transpose(av, (*ba, *free_a, *ca))
+        bv = jnp.transpose(bv, (*bb, *free_b, *cb))
+        n = len(ba)
+        dims = ((tuple(range(av.ndim - len(ca), av.ndim)),
+                 tuple(range(bv.ndim - len(cb), bv.ndim))),
+                (tuple(range(n)), tuple(range(n))))
+    return lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
 
 
 def _pow2_scales(sa: ScaledArray) -> bool:
@@ -734,7 +789,7 @@ def _folds_scales(a: ScaledArray, b: ScaledArray) -> bool:
     f32 dot over the whole contraction instead of one FP8 dot per block.
 
     Where both operands' scales are powers of two, ``values * scale`` is exact (a power of
-    two only shifts the exponent; held in bf16, ``_FOLD_DTYPE``), and so is each product of
+    two only shifts the exponent; held in bf16, ``_WIDE_DTYPE``), and so is each product of
     two such elements in the dot's f32 accumulation (at most 4 + 4 significant bits of
     FP8 x FP8, 24 available): the one dot sums the same
     exact products as the per-block partials ``(a_q · b_q) * sa * sb``; only the order of
@@ -745,9 +800,9 @@ def _folds_scales(a: ScaledArray, b: ScaledArray) -> bool:
     differ only for products below 2^-126 (XLA:CPU flushes those to zero; the per-block form
     may keep a sum of such products) or outputs beyond f32's range.
 
-    Done only off GPUs: XLA:CPU runs every FP8 dot as an f32 GEMM of converted operands
-    anyway (the conversion and the scale fuse into one pass), and the per-block form costs
-    C/32 partial products of the output's size. On a GPU the FP8 operands go into the dot
+    Done only off GPUs: there every dot reads widened operands anyway (``_emulated_dot``;
+    the widening and the scale fuse into one pass), and the per-block form costs C/32
+    partial products of the output's size. On a GPU the FP8 operands go into the dot
     (per block), as the FP8 GEMM contract requires.
     """
     return (_FOLD_POW2_SCALES and _pow2_scales(a) and _pow2_scales(b) and not _on_gpu())

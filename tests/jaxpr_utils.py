@@ -32,10 +32,21 @@ def iter_eqns(jaxpr) -> Iterator:
             yield from iter_eqns(sub)
 
 
-def dot_operand_dtypes(closed_jaxpr) -> list[tuple]:
-    """(lhs dtype, rhs dtype) of every dot_general, in order."""
-    return [tuple(v.aval.dtype for v in e.invars) for e in iter_eqns(closed_jaxpr)
-            if e.primitive.name == "dot_general"]
+def dot_operand_dtypes(closed_jaxpr, entered: bool = False) -> list[tuple]:
+    """(lhs dtype, rhs dtype) of every dot_general, in order: the FP8 formats an emulated FP8
+    GEMM computes in where its dot reads them widened (``fmtkit.fp8.FOLDED_SCOPE``), or with
+    ``entered`` the dtypes that enter the dot."""
+    return [tuple(v.aval.dtype for v in e.invars) if entered else operand_dtypes(e)
+            for e in iter_eqns(closed_jaxpr) if e.primitive.name == "dot_general"]
+
+
+def operand_dtypes(eqn) -> tuple:
+    """A matmul equation's (lhs, rhs) dtypes, or the FP8 formats named by its
+    ``fmtkit.fp8.FOLDED_SCOPE`` where an emulated FP8 GEMM reads them widened (off GPUs)."""
+    folded = _FOLDED_RX.findall(str(eqn.source_info.name_stack))
+    if folded:
+        return tuple(jnp.dtype(d) for d in folded[-1])
+    return tuple(v.aval.dtype for v in eqn.invars[:2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,8 +308,11 @@ def _fp4_fed(eqn, producers, depth=8):
         return any(fed(v, d - 1) for v in src.invars if isinstance(v, jax.extend.core.Var))
 
     # The dot itself must take 8-bit-or-narrower operands: an E2M1 array widened to f32 and
-    # dotted there would be a quantize-dequantize GEMM, not an FP4 one.
-    return [jnp.dtype(v.aval.dtype).itemsize == 1 and fed(v, depth) for v in eqn.invars[:2]]
+    # dotted there would be a quantize-dequantize GEMM, not an FP4 one. Off GPUs fmtkit.fp8
+    # widens the FP8 operands exactly to bf16 in its FOLDED_SCOPE: those may be wider.
+    widened = bool(_FOLDED_RX.findall(str(eqn.source_info.name_stack)))
+    return [(widened or jnp.dtype(v.aval.dtype).itemsize == 1) and fed(v, depth)
+            for v in eqn.invars[:2]]
 
 
 def fp4_gemms(closed_jaxpr) -> list[int]:

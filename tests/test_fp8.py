@@ -7,6 +7,7 @@ casts (exactness up to f32 accumulation round-off).
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +127,7 @@ def test_all_three_gemms_take_fp8_operands(name):
     state = fp8.init_state() if recipe.delayed else None
     with _on_h200():
         jaxpr = jax.make_jaxpr(lambda a, b, g: _fwd_bwd(recipe, a, b, g, state))(x, w, dy)
-    dots = dot_operand_dtypes(jaxpr)
+    dots = dot_operand_dtypes(jaxpr, entered=True)  # the dtypes entering the dots
     assert len(dots) == 3
     for dtypes in dots:
         assert all(jnp.dtype(d).itemsize == 1 for d in dtypes), dtypes
@@ -139,27 +140,33 @@ _POW2_RECIPES = {
 
 
 @pytest.mark.parametrize("name", [*fp8.RECIPES, "blockwise-pow2"])
-def test_off_gpu_only_power_of_two_scales_fold_into_one_dot(name):
-    """On CPU (XLA:CPU runs FP8 dots as f32 GEMMs anyway) a GEMM whose operands both have
-    power-of-two block scales is one dot of the dequantized operands (held exactly in bf16,
-    f32 output), without per-block partials (no batch dimension); every other GEMM keeps
-    FP8 operands."""
+def test_off_gpu_fp8_dots_read_bf16_operands_and_power_of_two_scales_fold(name):
+    """On CPU (XLA:CPU runs an FP8 dot as an f32 GEMM of converted operands, a bf16 one as
+    its faster bf16 GEMM) every GEMM's dot reads its FP8 operands widened exactly to bf16,
+    with f32 output, in a scope that names the FP8 formats for jaxpr readers
+    (``inspect_policy``); a GEMM whose operands both have power-of-two block scales is one
+    dot of the dequantized operands, without per-block partials (no batch dimension), and
+    other block-scaled GEMMs keep their per-block partials (a batch dimension)."""
     recipe = _POW2_RECIPES.get(name, fp8.RECIPES.get(name))
     x, w, dy = _data(256, 256, 256)  # two 128-blocks along every contraction
     state = fp8.init_state() if recipe.delayed else None
     jaxpr = jax.make_jaxpr(lambda a, b, g: _fwd_bwd(recipe, a, b, g, state))(x, w, dy)
     dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) == 3
+    formats = {"current": ("float8_e4m3fn", "float8_e4m3fn", "float8_e5m2"),
+               "delayed": ("float8_e4m3fn", "float8_e4m3fn", "float8_e5m2"),
+               "rowwise": ("float8_e4m3fn", "float8_e4m3fn", "float8_e5m2")}.get(
+                   name, ("float8_e4m3fn",) * 3)
     for e in dots:
-        dtypes = [v.aval.dtype for v in e.invars]
-        if name in _POW2_RECIPES:
-            assert dtypes == [jnp.bfloat16, jnp.bfloat16], dtypes  # exact: see fp8
-            assert e.params["dimension_numbers"][1] == ((), ())  # no per-block batch
-            # ... in a scope that names the FP8 formats for jaxpr readers (inspect_policy)
-            assert (f"{fp8.FOLDED_SCOPE}-float8_e4m3fn-float8_e4m3fn"
-                    in str(e.source_info.name_stack))
-        else:
-            assert all(jnp.dtype(d).itemsize == 1 for d in dtypes), dtypes
+        assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]  # exact
+        assert e.outvars[0].aval.dtype == jnp.float32
+        stack = str(e.source_info.name_stack)
+        named = re.findall(re.escape(fp8.FOLDED_SCOPE) + r"-(\w+)-(\w+)", stack)
+        assert named and set(named[-1]) <= set(formats), stack
+        batched = e.params["dimension_numbers"][1] != ((), ())
+        assert batched == (name == "blockwise"), name  # per-block partials only there
+    assert dot_operand_dtypes(jaxpr)  # the walker reports the formats, not bf16
+    assert all(jnp.dtype(d).itemsize == 1 for pair in dot_operand_dtypes(jaxpr) for d in pair)
 
 
 def test_delayed_bootstrap_history_and_accumulation():
@@ -896,10 +903,14 @@ def test_every_recipe_is_bit_identical_to_the_float64_reference(name, shape, dty
 
 
 @pytest.mark.parametrize("name", ["current", "rowwise"])
-def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(name):
+def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(monkeypatch, name):
     """The weight gradient, computed in the kernel's [K, N] layout, equals bit for bit
     ``scaled_matmul`` of the two quantized operands (``fmtkit.quantize`` along the tokens)
-    transposed, on Gaussian data: the scales are applied in ``scaled_matmul``'s order."""
+    transposed, on Gaussian data: the scales are applied in ``scaled_matmul``'s order. With
+    the FP8 dots of the GPU path (``_WIDEN_OFF_GPU`` off): XLA:CPU's bf16 GEMM may sum
+    ``b · aᵀ`` in another order than ``a · bᵀ`` (the float64 reference tests cover the
+    widened dots)."""
+    monkeypatch.setattr(fp8, "_WIDEN_OFF_GPU", False)
     r = fp8.get_recipe(name)
     x, w, dy = _data(128, 256, 96, seed=3)
     _, _, gw = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g))(x, w, dy)
@@ -974,3 +985,82 @@ def test_power_of_two_fold_at_extreme_block_scales(monkeypatch, scale):
     # dw rows 0..63 come only from the scaled x columns: their magnitude is kept
     dw = np.asarray(folded[2], np.float64)
     assert 0 < np.abs(dw[:64]).max() < np.inf
+
+
+# ---------------------------------------------------------------------------------------------
+# Off GPUs every FP8 dot reads its operands widened exactly to bf16 (``fp8._emulated_dot``): that
+# relies on XLA:CPU accumulating a bf16 x bf16 -> f32 dot in f32, checked here directly.
+
+
+@pytest.mark.parametrize("dims,a_shape,b_shape", [
+    ((((1,), (1,)), ((), ())), (7, 1027), (13, 1027)),  # a · bᵀ, odd sizes
+    ((((0,), (0,)), ((), ())), (1027, 7), (1027, 13)),  # both contraction-major
+    # the per-block partials: [F1, nb, g] · [F2, nb, g], batch nb, contract g
+    ((((2,), (2,)), ((1,), (1,))), (7, 5, 515), (13, 5, 515)),
+    # ... and every mix of contraction-major ([nb, g, F]) and -minor operands, both orders
+    ((((1,), (2,)), ((0,), (1,))), (5, 515, 7), (13, 5, 515)),
+    ((((2,), (1,)), ((1,), (0,))), (7, 5, 515), (5, 515, 13)),
+    ((((1,), (1,)), ((0,), (0,))), (5, 515, 7), (5, 515, 13)),
+], ids=["nt", "tn", "batched", "batched-cmajor-a", "batched-cmajor-b", "batched-cmajor"])
+def test_cpu_bf16_dot_accumulates_in_f32(dims, a_shape, b_shape):
+    """An adversarial sum: along the contraction, one product of 1 (2^7 * 2^-7) at a random
+    position and all others 2^-14 (2^-7 * 2^-7; bf16 and E4M3 values); every partial sum of
+    them is exact in f32 (below 2, on the 2^-14 grid: 15 bits), so any order of f32
+    accumulation gives the float64 sum exactly, while a bf16 accumulator (8 bits: 1 + 2^-14
+    rounds to 1) or a TF32-like one (11 bits) would lose the small terms. The dot is the one
+    ``fp8._emulated_dot`` emits off GPUs (``_wide_dot``: bf16 operands, f32 output; its
+    layouts are every one the per-block partials take, a plain ``lax.dot_general`` of
+    some of which XLA:CPU rejects)."""
+    ca = dims[0][0]
+    rng = np.random.default_rng(0)
+    a = np.full(a_shape, 2.0**-7, np.float32)
+    b = np.full(b_shape, 2.0**-7, np.float32)
+    # one product of 1 per output, at a random position of the contraction
+    k = a_shape[ca[0]]
+    a = np.moveaxis(a, ca[0], -1)
+    pos = rng.integers(0, k, size=a.shape[:-1])
+    np.put_along_axis(a, pos[..., None], 2.0**7, axis=-1)
+    a = np.moveaxis(a, -1, ca[0])
+    a *= rng.choice([1.0, -1.0], size=(*a.shape[:ca[0]], 1, *a.shape[ca[0] + 1:])).astype(
+        np.float32)  # signs per output row of a: sums of equal-sign terms
+    dot = jax.jit(lambda p, q: fp8._wide_dot(p, q, dims))
+    got = np.asarray(dot(jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)))
+    assert got.dtype == np.float32
+    want = _np_dot_general(a.astype(np.float64), b.astype(np.float64), dims)
+    # the sums hold more than a bf16 accumulator could: a real test of f32 accumulation
+    assert np.all(np.abs(want) > 1.0 + 2.0**-7)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    np.testing.assert_array_equal(want.astype(np.float32).astype(np.float64), want)  # exact
+
+
+def _np_dot_general(a, b, dims):
+    """NumPy ``lax.dot_general`` (one contracting, at most one batch axis): [batch, a free,
+    b free], by einsum."""
+    (ca, cb), (ba, bb) = dims
+    la, lb = list("abcd"[:a.ndim]), list("efgh"[:b.ndim])
+    lb[cb[0]] = la[ca[0]]
+    batch = []
+    if ba:
+        lb[bb[0]] = la[ba[0]]
+        batch = [la[ba[0]]]
+    free = [c for c in la if c not in (la[ca[0]], *batch)] + [
+        c for c in lb if c not in la]
+    return np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(batch + free)}", a, b)
+
+
+@pytest.mark.parametrize("name", [*fp8.RECIPES])
+def test_widened_dots_equal_fp8_dots_up_to_summation_order(monkeypatch, name):
+    """Off GPUs the dots read FP8 operands widened to bf16; against the FP8 dots they replace
+    (``fp8._WIDEN_OFF_GPU`` off) y, dx and dw differ at most by the f32 summation bound of
+    the two orders (the values and products are the same), on data with outlier channels."""
+    x, w, dy = _data(128, 384, 256, seed=11)
+    x = x.at[:, ::37].multiply(100.0)
+    state = fp8.init_state() if fp8.RECIPES[name].delayed else None  # bootstrap: current
+    widened = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g, state))(x, w, dy)
+    monkeypatch.setattr(fp8, "_WIDEN_OFF_GPU", False)
+    jax.clear_caches()  # JAX caches the custom VJP's traces, made with the widening
+    fp8_dots = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g, state))(x, w, dy)
+    for what, a, b, bound in zip(("y", "dx", "dw"), widened, fp8_dots,
+                                 _summation_bounds(name, x, w, dy)):
+        diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+        assert np.all(diff <= bound), (what, float((diff - bound).max()))

@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxpr_utils import iter_eqns, matmul_flops
+from jaxpr_utils import iter_eqns, matmul_flops, operand_dtypes
 
 from fmtkit.policy import inspect_policy, with_policy
 
@@ -92,7 +92,7 @@ def _loss(model):
 def _matmuls(closed):
     """(primitive, lhs dtype, rhs dtype, lhs shape, rhs shape) of every matmul, sub-jaxprs
     included."""
-    return [(e.primitive.name, e.invars[0].aval.dtype, e.invars[1].aval.dtype,
+    return [(e.primitive.name, *operand_dtypes(e),
              e.invars[0].aval.shape, e.invars[1].aval.shape)
             for e in iter_eqns(closed) if e.primitive.name in MATMULS]
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jaxpr_utils import iter_eqns
+from jaxpr_utils import iter_eqns, operand_dtypes
 
 from fmtkit import fp8
 from fmtkit.policy import Policy, Rules, inspect_policy, with_policy
@@ -149,7 +149,7 @@ def test_plain_function_fp32_is_exact_and_traces_once():
 def test_plain_function_under_fp8_and_bf16():
     x = X[0]
     dots = _eqns(with_policy(_mlp, "fp8-current"), PARAMS, x, name="dot_general")
-    assert [tuple(v.aval.dtype.name for v in e.invars) for e in dots] == [
+    assert [tuple(d.name for d in operand_dtypes(e)) for e in dots] == [
         ("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16")]  # hidden FP8, head bf16
     out = with_policy(_mlp, "bf16-mixed")(PARAMS, x)
     assert out.dtype == F32
