@@ -718,10 +718,10 @@ def test_inf_in_any_operand_or_cotangent_skips_the_step_and_backs_off_once(name)
                                           np.asarray(fp8_state.amax_history))
 
 
-def test_delayed_inf_check_has_a_negative_control(monkeypatch):
+def test_delayed_inf_check_has_a_negative_control(set_fp8_switch):
     """Without ``keep_nonfinite`` the delayed recipe clips an inf to E4M3's max with the
     history's scale: the output is finite, which the test above would catch."""
-    monkeypatch.setattr(scaling, "keep_nonfinite", lambda x, v: v)
+    set_fp8_switch("keep_nonfinite", lambda x, v: v, obj=scaling)
     dg = fp8.dot_general("delayed")
     state = fp8.init_state("delayed")
     state = state._replace(amax_history=state.amax_history.at[:, 0].set(2.0))
@@ -902,15 +902,31 @@ def test_every_recipe_is_bit_identical_to_the_float64_reference(name, shape, dty
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{name} {what}")
 
 
+@pytest.fixture
+def set_fp8_switch(monkeypatch):
+    """Sets a private switch of ``fmtkit.fp8`` (``_WIDEN_OFF_GPU``, ``_FOLD_POW2_SCALES``) or
+    another attribute the FP8 dot reads while tracing (``set_fp8_switch(name, value,
+    obj=scaling)``) for one test. JAX caches the custom VJP's traces across calls, so a trace
+    made under one setting would be reused under the other: the caches are cleared when the
+    switch is set and again after the test (a later test must not reuse this one's traces)."""
+    def set_switch(name, value, obj=fp8):
+        monkeypatch.setattr(obj, name, value)
+        jax.clear_caches()
+
+    yield set_switch
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("name", ["current", "rowwise"])
-def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(monkeypatch, name):
+def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(set_fp8_switch, name):
     """The weight gradient, computed in the kernel's [K, N] layout, equals bit for bit
     ``scaled_matmul`` of the two quantized operands (``fmtkit.quantize`` along the tokens)
     transposed, on Gaussian data: the scales are applied in ``scaled_matmul``'s order. With
     the FP8 dots of the GPU path (``_WIDEN_OFF_GPU`` off): XLA:CPU's bf16 GEMM may sum
     ``b · aᵀ`` in another order than ``a · bᵀ`` (the float64 reference tests cover the
     widened dots)."""
-    monkeypatch.setattr(fp8, "_WIDEN_OFF_GPU", False)
+    set_fp8_switch("_WIDEN_OFF_GPU", False)
     r = fp8.get_recipe(name)
     x, w, dy = _data(128, 256, 96, seed=3)
     _, _, gw = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g))(x, w, dy)
@@ -926,10 +942,10 @@ def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(monkeypa
 # form it replaces off GPUs (``fmtkit.fp8._FOLD_POW2_SCALES`` switches it).
 
 
-def _fold_vs_per_block(monkeypatch, recipe, x, w, dy):
-    f = jax.jit(lambda a, b, g: _fwd_bwd(recipe, a, b, g))
-    folded = f(x, w, dy)
-    monkeypatch.setattr(fp8, "_FOLD_POW2_SCALES", False)
+def _fold_vs_per_block(set_fp8_switch, recipe, x, w, dy):
+    set_fp8_switch("_FOLD_POW2_SCALES", True)  # no trace of another test's setting reused
+    folded = jax.jit(lambda a, b, g: _fwd_bwd(recipe, a, b, g))(x, w, dy)
+    set_fp8_switch("_FOLD_POW2_SCALES", False)
     per_block = jax.jit(lambda a, b, g: _fwd_bwd(recipe, a, b, g))(x, w, dy)
     return folded, per_block
 
@@ -951,14 +967,14 @@ def _summation_bounds(recipe, x, w, dy):
 
 
 @pytest.mark.parametrize("name", list(_POW2_RECIPES))
-def test_power_of_two_fold_equals_per_block_form_up_to_summation_order(monkeypatch, name):
+def test_power_of_two_fold_equals_per_block_form_up_to_summation_order(set_fp8_switch, name):
     """Gaussian data with 100x outlier channels (blocks of very different scales): the fold
     and the per-block partials sum the same exact products; their difference stays within
     the f32 summation bound of the two orders, for y, dx and dw."""
     recipe = _POW2_RECIPES[name]
     x, w, dy = _data(256, 512, 128, seed=5)
     x = x.at[:, ::37].multiply(100.0)
-    folded, per_block = _fold_vs_per_block(monkeypatch, recipe, x, w, dy)
+    folded, per_block = _fold_vs_per_block(set_fp8_switch, recipe, x, w, dy)
     for what, a, b, bound in zip(("y", "dx", "dw"), folded, per_block,
                                  _summation_bounds(recipe, x, w, dy)):
         diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
@@ -966,7 +982,7 @@ def test_power_of_two_fold_equals_per_block_form_up_to_summation_order(monkeypat
 
 
 @pytest.mark.parametrize("scale", [2.0**-100, 2.0**100], ids=["tiny", "huge"])
-def test_power_of_two_fold_at_extreme_block_scales(monkeypatch, scale):
+def test_power_of_two_fold_at_extreme_block_scales(set_fp8_switch, scale):
     """Blocks of x scaled by 2^-100 (E8M0 scales near 2^-108: dequantized elements near
     2^-117, still f32 normals) or 2^100 (scales near 2^92), next to ordinary blocks: the fold
     gives the per-block form's values (within the summation bound) and flushes nothing the
@@ -975,7 +991,7 @@ def test_power_of_two_fold_at_extreme_block_scales(monkeypatch, scale):
     x = x.at[:, :64].multiply(scale)  # two MX blocks of every row, one 128-block half
     if scale > 1:
         w, dy = w * 2.0**-20, dy * 2.0**-20  # keep the products inside f32's range
-    folded, per_block = _fold_vs_per_block(monkeypatch, "mxfp8", x, w, dy)
+    folded, per_block = _fold_vs_per_block(set_fp8_switch, "mxfp8", x, w, dy)
     for what, a, b, bound in zip(("y", "dx", "dw"), folded, per_block,
                                  _summation_bounds("mxfp8", x, w, dy)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -1049,16 +1065,16 @@ def _np_dot_general(a, b, dims):
 
 
 @pytest.mark.parametrize("name", [*fp8.RECIPES])
-def test_widened_dots_equal_fp8_dots_up_to_summation_order(monkeypatch, name):
+def test_widened_dots_equal_fp8_dots_up_to_summation_order(set_fp8_switch, name):
     """Off GPUs the dots read FP8 operands widened to bf16; against the FP8 dots they replace
     (``fp8._WIDEN_OFF_GPU`` off) y, dx and dw differ at most by the f32 summation bound of
     the two orders (the values and products are the same), on data with outlier channels."""
     x, w, dy = _data(128, 384, 256, seed=11)
     x = x.at[:, ::37].multiply(100.0)
     state = fp8.init_state() if fp8.RECIPES[name].delayed else None  # bootstrap: current
+    set_fp8_switch("_WIDEN_OFF_GPU", True)
     widened = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g, state))(x, w, dy)
-    monkeypatch.setattr(fp8, "_WIDEN_OFF_GPU", False)
-    jax.clear_caches()  # JAX caches the custom VJP's traces, made with the widening
+    set_fp8_switch("_WIDEN_OFF_GPU", False)
     fp8_dots = jax.jit(lambda a, b, g: _fwd_bwd(name, a, b, g, state))(x, w, dy)
     for what, a, b, bound in zip(("y", "dx", "dw"), widened, fp8_dots,
                                  _summation_bounds(name, x, w, dy)):
