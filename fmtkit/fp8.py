@@ -648,7 +648,7 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
     if nb > 1 and _folds_scales(a.sa, b.sa):
         # Power-of-two scales: dequantize (exact, in bf16) and run one dot over all of C,
         # accumulated in f32, in a named scope that tells a jaxpr reader the operands'
-        # formats (FOLDED_SCOPE).
+        # formats (WIDENED_SCOPE).
         with jax.named_scope(_scope(a, b)):
             av, bv = dequantize(a.sa, _WIDE_DTYPE), dequantize(b.sa, _WIDE_DTYPE)
             if transposed:
@@ -706,11 +706,11 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
     return acc
 
 
-FOLDED_SCOPE = "fmtkit_fp8_folded"
+WIDENED_SCOPE = "fmtkit_fp8_widened"
 """Prefix of the named scope around an emulated FP8 GEMM's dot whose operands enter it
 widened off GPUs (``_emulated_dot``; scales folded in by ``_folds_scales``, or not),
-``fmtkit_fp8_folded-<lhs format>-<rhs format>`` (e.g.
-``fmtkit_fp8_folded-float8_e4m3fn-float8_e4m3fn``): its dot reads bf16 operands, and a jaxpr
+``fmtkit_fp8_widened-<lhs format>-<rhs format>`` (e.g.
+``fmtkit_fp8_widened-float8_e4m3fn-float8_e4m3fn``): its dot reads bf16 operands, and a jaxpr
 reader (``fmtkit.policy.inspect_policy``) reports the FP8 formats the GEMM computes in."""
 
 _FOLD_POW2_SCALES = True
@@ -731,7 +731,7 @@ at 512³, 2026-12-02)."""
 
 
 def _scope(a: _Operand, b: _Operand) -> str:
-    return f"{FOLDED_SCOPE}-{a.sa.fmt.name}-{b.sa.fmt.name}"
+    return f"{WIDENED_SCOPE}-{a.sa.fmt.name}-{b.sa.fmt.name}"
 
 
 def _widens(values: jax.Array) -> bool:
@@ -747,7 +747,7 @@ def _emulated_dot(a: _Operand, b: _Operand, av: jax.Array, bv: jax.Array, dims) 
     """``lax.dot_general(av, bv, dims)`` with f32 accumulation of the stored FP8 values
     ``av`` (of ``a``) and ``bv`` (of ``b``). On a GPU they enter the dot as FP8 (the FP8
     GEMM contract). Off GPUs they enter it widened to bf16 (``_WIDE_DTYPE``), in the
-    ``FOLDED_SCOPE`` scope that names their formats: the same values (bf16 holds every
+    ``WIDENED_SCOPE`` scope that names their formats: the same values (bf16 holds every
     FP8 element), the same exact products in f32, summed in f32 (only the summation order
     may differ from the f32 GEMM XLA:CPU makes of an FP8 dot), at about 4x the speed."""
     if not (_widens(av) and _widens(bv)):

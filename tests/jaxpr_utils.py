@@ -10,7 +10,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from fmtkit.fp8 import FOLDED_SCOPE
+from fmtkit.fp8 import WIDENED_SCOPE
 
 
 def _subjaxprs(eqn) -> Iterator:
@@ -34,7 +34,7 @@ def iter_eqns(jaxpr) -> Iterator:
 
 def dot_operand_dtypes(closed_jaxpr, entered: bool = False) -> list[tuple]:
     """(lhs dtype, rhs dtype) of every dot_general, in order: the FP8 formats an emulated FP8
-    GEMM computes in where its dot reads them widened (``fmtkit.fp8.FOLDED_SCOPE``), or with
+    GEMM computes in where its dot reads them widened (``fmtkit.fp8.WIDENED_SCOPE``), or with
     ``entered`` the dtypes that enter the dot."""
     return [tuple(v.aval.dtype for v in e.invars) if entered else operand_dtypes(e)
             for e in iter_eqns(closed_jaxpr) if e.primitive.name == "dot_general"]
@@ -42,10 +42,10 @@ def dot_operand_dtypes(closed_jaxpr, entered: bool = False) -> list[tuple]:
 
 def operand_dtypes(eqn) -> tuple:
     """A matmul equation's (lhs, rhs) dtypes, or the FP8 formats named by its
-    ``fmtkit.fp8.FOLDED_SCOPE`` where an emulated FP8 GEMM reads them widened (off GPUs)."""
-    folded = _FOLDED_RX.findall(str(eqn.source_info.name_stack))
-    if folded:
-        return tuple(jnp.dtype(d) for d in folded[-1])
+    ``fmtkit.fp8.WIDENED_SCOPE`` where an emulated FP8 GEMM reads them widened (off GPUs)."""
+    widened = _WIDENED_RX.findall(str(eqn.source_info.name_stack))
+    if widened:
+        return tuple(jnp.dtype(d) for d in widened[-1])
     return tuple(v.aval.dtype for v in eqn.invars[:2])
 
 
@@ -61,7 +61,7 @@ def operand_dtypes(eqn) -> tuple:
 # ``("mm", id)`` was reached from that matmul through no other matmul (a weight gradient).
 
 PARAM, DATA, COTANGENT = "param", "data", "cotangent"
-_FOLDED_RX = re.compile(re.escape(FOLDED_SCOPE) + r"-(\w+)-(\w+)")
+_WIDENED_RX = re.compile(re.escape(WIDENED_SCOPE) + r"-(\w+)-(\w+)")
 MATMULS = ("dot_general", "conv_general_dilated")
 _EMPTY = frozenset()
 
@@ -242,9 +242,9 @@ def matmuls(records: list[Labeled], out_labels, head_size: int) -> list[Matmul]:
     for rec in records:
         if rec.eqn.primitive.name in MATMULS:
             dts = tuple(str(v.aval.dtype) for v in rec.eqn.invars[:2])
-            folded = _FOLDED_RX.findall(str(rec.eqn.source_info.name_stack))
-            if folded:  # an FP8 GEMM whose power-of-two scales were folded (fmtkit.fp8)
-                dts = folded[-1]
+            widened = _WIDENED_RX.findall(str(rec.eqn.source_info.name_stack))
+            if widened:  # an FP8 GEMM whose dot reads widened operands (fmtkit.fp8)
+                dts = widened[-1]
             shapes = " x ".join(str(v.aval.shape) for v in rec.eqn.invars[:2])
             found.append(Matmul(matmul_role(rec, head_size, weight_grads), dts,
                                 matmul_flops(rec.eqn), f"{rec.eqn.primitive.name} {shapes}",
@@ -309,8 +309,8 @@ def _fp4_fed(eqn, producers, depth=8):
 
     # The dot itself must take 8-bit-or-narrower operands: an E2M1 array widened to f32 and
     # dotted there would be a quantize-dequantize GEMM, not an FP4 one. Off GPUs fmtkit.fp8
-    # widens the FP8 operands exactly to bf16 in its FOLDED_SCOPE: those may be wider.
-    widened = bool(_FOLDED_RX.findall(str(eqn.source_info.name_stack)))
+    # widens the FP8 operands exactly to bf16 in its WIDENED_SCOPE: those may be wider.
+    widened = bool(_WIDENED_RX.findall(str(eqn.source_info.name_stack)))
     return [(widened or jnp.dtype(v.aval.dtype).itemsize == 1) and fed(v, depth)
             for v in eqn.invars[:2]]
 

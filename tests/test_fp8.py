@@ -161,7 +161,7 @@ def test_off_gpu_fp8_dots_read_bf16_operands_and_power_of_two_scales_fold(name):
         assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]  # exact
         assert e.outvars[0].aval.dtype == jnp.float32
         stack = str(e.source_info.name_stack)
-        named = re.findall(re.escape(fp8.FOLDED_SCOPE) + r"-(\w+)-(\w+)", stack)
+        named = re.findall(re.escape(fp8.WIDENED_SCOPE) + r"-(\w+)-(\w+)", stack)
         assert named and set(named[-1]) <= set(formats), stack
         batched = e.params["dimension_numbers"][1] != ((), ())
         assert batched == (name == "blockwise"), name  # per-block partials only there

@@ -28,8 +28,8 @@ from fmtkit.policy._policy import Policy, Rules, is_floating
 __all__ = ["MatmulOp", "ModuleReport", "PolicyReport", "inspect_policy"]
 
 _OP_RX = re.compile(re.escape(_interpret.OP_SCOPE) + r"(\d+)")
-# An FP8 GEMM whose power-of-two scales were folded into f32 operands (fmtkit.fp8.FOLDED_SCOPE)
-_FOLDED_RX = re.compile(re.escape(fp8.FOLDED_SCOPE) + r"-(\w+)-(\w+)")
+# An emulated FP8 GEMM whose dot reads its operands widened to bf16 (fmtkit.fp8.WIDENED_SCOPE)
+_WIDENED_RX = re.compile(re.escape(fp8.WIDENED_SCOPE) + r"-(\w+)-(\w+)")
 # An FP4 GEMM's scope names its operands' block shapes (fmtkit.fp4.GEMM_SCOPE).
 _FP4_RX = re.compile(re.escape(fp4.GEMM_SCOPE) + r"_(\d+x\d+)_(\d+x\d+)")
 _E2M1 = "float4_e2m1fn"
@@ -515,9 +515,9 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
         a = entry(op.path)
         if name in _ops.MATMUL:
             d = _matmul_dtypes(eqn)
-            folded = _FOLDED_RX.findall(stack)
-            if folded:  # off GPUs an MX GEMM's dot reads its FP8 operands dequantized
-                d = f"{folded[-1][0]} x {folded[-1][1]} -> {_dtype(eqn.outvars[0])}"
+            widened = _WIDENED_RX.findall(stack)
+            if widened:  # off GPUs an FP8 GEMM's dot reads its operands widened to bf16
+                d = f"{widened[-1][0]} x {widened[-1][1]} -> {_dtype(eqn.outvars[0])}"
             fp4_gemm = _FP4_RX.findall(stack)
             if fp4_gemm:  # the emulation's dot reads the E2M1 operands widened to E4M3
                 d = f"{_E2M1} x {_E2M1} -> {_dtype(eqn.outvars[0])}"
