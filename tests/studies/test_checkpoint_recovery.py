@@ -4,7 +4,6 @@ a kill mid-run and mid-write, are in ``test_multiprocess``)."""
 
 from __future__ import annotations
 
-import gc
 import hashlib
 from pathlib import Path
 
@@ -82,9 +81,6 @@ def test_corrupted_checkpoint_names_the_file_and_falls_back(tmp_path):
     assert {"4", "4.unreadable", "6"} <= {p.name for p in ckpts.iterdir()}
 
 
-# orbax leaves a read coroutine unawaited when a file is corrupt; collected later, it surfaced
-# as an unraisable-exception warning (an error here) in whichever test ran next on the worker.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
     cfg = micro(steps=2)
     T.train("fp32", cfg, run_dir=tmp_path)
@@ -93,7 +89,6 @@ def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
     with (pytest.warns(checkpoint.CheckpointWarning),
           pytest.raises(ValueError, match=r"no readable checkpoint in .*checkpoints.*2/state")):
         T.train("fp32", cfg, run_dir=tmp_path, resume=True)
-    gc.collect()  # inside this test, under its filter
 
 
 def test_checkpoint_of_another_model_is_refused_and_left_alone(tmp_path):
