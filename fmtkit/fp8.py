@@ -730,9 +730,9 @@ def _block_dots(a: _Operand, b: _Operand, sa: jax.Array, sb: jax.Array, g: int,
 
     Same exact products as the batched form; the f32 roundings may differ: XLA:CPU's bf16
     GEMM sums a block's 128 products in another order than its f32 GEMM (under 1% of the
-    partials differ, in the last bit) and fuses the last scale multiply and the accumulation
-    into one FMA (one rounding fewer). Both stay within the f32 summation bound of the exact
-    block-scaled sum, and are bit-identical wherever that sum is exact in f32.
+    partials differ, in the last bit) and may fuse the last scale multiply and the
+    accumulation into one FMA (one rounding fewer). Both stay within the f32 summation bound
+    of the exact block-scaled sum, and are bit-identical wherever that sum is exact in f32.
     """
     ca, cb = int(not a.cmajor), int(not b.cmajor)  # the stored axis each one contracts
     av, bv = a.sa.values.astype(_WIDE_DTYPE), b.sa.values.astype(_WIDE_DTYPE)
