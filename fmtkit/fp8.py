@@ -20,8 +20,9 @@ the contraction (per-tensor, per-row) this is one FP8 dot followed by the outer 
 the scales. When both are powers of two (MX, ``power_of_two``) and the GEMM runs off a GPU,
 the scales are folded into the operands (exact) and one dot sums the same products
 (``_folds_scales``). Off GPUs every dot reads its FP8 operands widened exactly to bf16
-(XLA:CPU would convert them to f32 and run its slower f32 GEMM: ``_emulated_dot``); on a GPU
-the operands always enter the dot as FP8.
+(XLA:CPU would convert them to f32 and run its slower f32 GEMM: ``_emulated_dot``), and
+per-block partials of 128-wide (or wider) blocks are one 2-D dot per block in a ``lax.scan``
+(``_block_dots``); on a GPU the operands always enter the dot as FP8.
 
 Recipes (``RECIPES``; every field overridable with ``dataclasses.replace``):
 
@@ -601,9 +602,11 @@ def scaled_matmul(a: ScaledArray, b: ScaledArray, recipe: Fp8Recipe | None = Non
 
     With ``g`` the smaller contraction block of the two, each of the ``C / g`` partial
     products is an FP8 dot with f32 output, scaled by its blocks' scales and added into one
-    f32 accumulator. Only when all ``[C/g, F1, F2]`` partials fit in
-    ``PARTIALS_BUDGET_BYTES`` are they one batched dot; a larger GEMM accumulates one block
-    per ``lax.scan`` step, so its temporaries are the accumulator and one partial product.
+    f32 accumulator, blocks in order. Off GPUs, with blocks of 128 or more, each step of a
+    ``lax.scan`` over the blocks is one 2-D dot (``_block_dots``). Otherwise, only when all
+    ``[C/g, F1, F2]`` partials fit in ``PARTIALS_BUDGET_BYTES`` are they one batched dot; a
+    larger GEMM accumulates one block per ``lax.scan`` step, so its temporaries are the
+    accumulator and one partial product.
     When both scales are constant along C (per tensor, per row) it is one FP8 dot and an
     outer product of scales. When both are powers of two (MX's E8M0, ``power_of_two``) and
     the GEMM runs off a GPU, the scales are folded into the operands and one f32 dot sums
@@ -665,12 +668,16 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
         # (out * sa) * sb, in that order: bit-identical to the earlier releases.
         return out * sa * sb.T
     # Per-block partial products (DeepSeek-V3's promotion into f32), scaled per block and
-    # summed in f32. When all of them fit in PARTIALS_BUDGET_BYTES: one batched FP8 dot
-    # [nb, F1, F2] and a sum (the fastest form on CPU); otherwise one block per step of a
-    # lax.scan into one f32 accumulator (temporaries: the accumulator and one partial).
-    group = nb if 4 * nb * fa * fb <= PARTIALS_BUDGET_BYTES else 1
+    # summed in f32. Off GPUs, blocks of at least _MIN_SCAN_BLOCK: one 2-D dot per block in a
+    # lax.scan (_block_dots). Otherwise, when all partials fit in PARTIALS_BUDGET_BYTES: one
+    # batched FP8 dot [nb, F1, F2] and a sum; else one block per step of a lax.scan into one
+    # f32 accumulator (temporaries: the accumulator and one partial).
     sa = _rows(_block_scale(a, g), fa)  # [F1, nb]
     sb = _rows(_block_scale(b, g), fb)  # [F2, nb]
+    if (_SCAN_BLOCK_DOTS and g >= _MIN_SCAN_BLOCK and _widens(a.sa.values)
+            and _widens(b.sa.values)):
+        return _block_dots(a, b, sa, sb, g, transposed)
+    group = nb if 4 * nb * fa * fb <= PARTIALS_BUDGET_BYTES else 1
 
     def split(t: _Operand) -> tuple[jax.Array, int]:
         """Stored values split into [..., nb / group, group, g, ...] and the axis of
@@ -705,6 +712,64 @@ def _scaled_matmul(a: ScaledArray | _Operand, b: ScaledArray | _Operand,
                       jnp.arange(nb // group))
     return acc
 
+
+def _block_dots(a: _Operand, b: _Operand, sa: jax.Array, sb: jax.Array, g: int,
+                transposed: bool) -> jax.Array:
+    """``_scaled_matmul``'s per-block form off GPUs: a ``lax.scan`` over the C / g blocks
+    whose step is one 2-D dot of block i of both operands (stored values widened exactly to
+    bf16, f32 output, in the ``WIDENED_SCOPE`` scope), scaled by the blocks' scales ``sa``
+    [F1, nb] and ``sb`` [F2, nb] (a's first) and added into one f32 accumulator, blocks in
+    order; ``transposed``: the same products laid out [F2, F1] (as the batched form).
+
+    XLA:CPU converts the operands of a batched bf16 dot (the other per-block form) to f32
+    and runs an f32 GEMM; a 2-D bf16 x bf16 -> f32 dot runs its bf16 GEMM (forward and
+    backward of a blockwise 256 x 1024 x 1024 layer: 0.68x the time, 2026-12-02). The loop
+    (faster on XLA:CPU than the same C / g dots unrolled) keeps one dot equation per GEMM
+    whatever the contraction (a jaxpr reader sees one GEMM, FLOPs times the scan length) and
+    one partial product live at a time.
+
+    Same exact products as the batched form; the f32 roundings may differ: XLA:CPU's bf16
+    GEMM sums a block's 128 products in another order than its f32 GEMM (under 1% of the
+    partials differ, in the last bit) and may fuse the last scale multiply and the
+    accumulation into one FMA (one rounding fewer). Both stay within the f32 summation bound
+    of the exact block-scaled sum, and are bit-identical wherever that sum is exact in f32.
+    """
+    ca, cb = int(not a.cmajor), int(not b.cmajor)  # the stored axis each one contracts
+    av, bv = a.sa.values.astype(_WIDE_DTYPE), b.sa.values.astype(_WIDE_DTYPE)
+
+    def step(acc, i):
+        pa = lax.dynamic_slice_in_dim(av, i * g, g, axis=ca)
+        pb = lax.dynamic_slice_in_dim(bv, i * g, g, axis=cb)
+        s1 = lax.dynamic_slice_in_dim(sa, i, 1, axis=1)  # [F1, 1]
+        s2 = lax.dynamic_slice_in_dim(sb, i, 1, axis=1)  # [F2, 1]
+        with jax.named_scope(_scope(a, b)):
+            if transposed:
+                part = lax.dot_general(pb, pa, (((cb,), (ca,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+                return acc + part * s1.T * s2, None
+            part = lax.dot_general(pa, pb, (((ca,), (cb,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            return acc + part * s1 * s2.T, None
+
+    fa, fb = a.shape[0], b.shape[0]
+    acc = jnp.zeros((fb, fa) if transposed else (fa, fb), jnp.float32)
+    return lax.scan(step, acc, jnp.arange(sa.shape[1]), unroll=_BLOCK_DOTS_UNROLL)[0]
+
+
+_SCAN_BLOCK_DOTS = True
+"""Private switch of the per-block 2-D dots off GPUs (``_block_dots``); tests turn it off to
+compare with the batched per-block dot it replaces."""
+
+_BLOCK_DOTS_UNROLL = 2
+"""Blocks per loop iteration of ``_block_dots``' scan: two made the blockwise fp8-step 4-8%
+faster than one in four A/B runs (dense and mlp, XLA:CPU, 2026-12-02); all blocks unrolled
+into separate dots was slower than either. (XLA fuses the two steps' multiply-adds on its
+own terms, so the f32 roundings depend on it, within the same summation bound.)"""
+
+_MIN_SCAN_BLOCK = 128
+"""Smallest contraction block ``_block_dots`` takes. A [F1, 128] x [128, F2] bf16 dot runs
+XLA:CPU's bf16 GEMM well (blockwise: DeepSeek-V3's 128); NVFP4's 16-wide blocks would make 8x
+as many thin dots, measured 1.5x slower than the batched form (512-wide layer, 2026-12-02)."""
 
 WIDENED_SCOPE = "fmtkit_fp8_widened"
 """Prefix of the named scope around an emulated FP8 GEMM's dot whose operands enter it
@@ -817,10 +882,11 @@ def _row_scales(op: _Operand) -> jax.Array:
 
 
 PARTIALS_BUDGET_BYTES = 32 * 2**20
-"""Most bytes of f32 per-block partial products ``scaled_matmul`` materializes at once: below
-it, all partials come from one batched dot (a 512 x 512 output with 16 MX blocks is 16 MiB;
-the loop form is several times slower on CPU at such sizes); above it (a 4096 x 7168 output
-is 112 MiB per partial), blocks are accumulated one at a time."""
+"""Most bytes of f32 per-block partial products ``scaled_matmul`` materializes at once where
+they come from batched dots (on a GPU, and for blocks narrower than 128): below it, all
+partials come from one batched dot (a 512 x 512 output with 16 MX blocks is 16 MiB; the loop
+form is several times slower on CPU at such sizes); above it (a 4096 x 7168 output is 112 MiB
+per partial), blocks are accumulated one at a time."""
 
 
 def _block_scale(op: _Operand, g: int) -> jax.Array:

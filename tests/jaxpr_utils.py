@@ -32,6 +32,19 @@ def iter_eqns(jaxpr) -> Iterator:
             yield from iter_eqns(sub)
 
 
+def iter_eqns_with_trips(jaxpr, trips: int = 1) -> Iterator[tuple[Any, int]]:
+    """``(equation, trips)`` for every equation of ``jaxpr``, recursively: ``trips`` is how
+    many times it runs per call, the product of the lengths of the scans around it (one
+    per other body)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn, trips
+        inner = trips * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" \
+            else trips
+        for sub in _subjaxprs(eqn):
+            yield from iter_eqns_with_trips(sub, inner)
+
+
 def dot_operand_dtypes(closed_jaxpr, entered: bool = False) -> list[tuple]:
     """(lhs dtype, rhs dtype) of every dot_general, in order: the FP8 formats an emulated FP8
     GEMM computes in where its dot reads them widened (``fmtkit.fp8.WIDENED_SCOPE``), or with

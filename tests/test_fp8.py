@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jaxpr_utils import dot_operand_dtypes, iter_eqns
+from jaxpr_utils import dot_operand_dtypes, iter_eqns, iter_eqns_with_trips
 
 from fmtkit import fp8, scaling
 from fmtkit.formats import get_format
@@ -145,26 +145,33 @@ def test_off_gpu_fp8_dots_read_bf16_operands_and_power_of_two_scales_fold(name):
     its faster bf16 GEMM) every GEMM's dot reads its FP8 operands widened exactly to bf16,
     with f32 output, in a scope that names the FP8 formats for jaxpr readers
     (``inspect_policy``); a GEMM whose operands both have power-of-two block scales is one
-    dot of the dequantized operands, without per-block partials (no batch dimension), and
-    other block-scaled GEMMs keep their per-block partials (a batch dimension)."""
+    dot of the dequantized operands over the whole contraction, and other block-scaled
+    GEMMs keep their per-block partials: one 2-D dot of a 128-block, run once per block
+    (a ``lax.scan``), never a batched dot (XLA:CPU runs those in f32)."""
     recipe = _POW2_RECIPES.get(name, fp8.RECIPES.get(name))
-    x, w, dy = _data(256, 256, 256)  # two 128-blocks along every contraction
+    x, w, dy = _data(256, 384, 512)  # 2, 3 and 4 128-blocks along the three contractions
     state = fp8.init_state() if recipe.delayed else None
     jaxpr = jax.make_jaxpr(lambda a, b, g: _fwd_bwd(recipe, a, b, g, state))(x, w, dy)
-    dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
-    assert len(dots) == 3
+    dots = [(e, trips) for e, trips in iter_eqns_with_trips(jaxpr)
+            if e.primitive.name == "dot_general"]
+    assert len(dots) == 3  # one dot equation per GEMM
+    # (contracted size, times it runs) of each GEMM: forward K, dgrad N, wgrad M
+    per_block = [(128, 3), (128, 4), (128, 2)]
+    whole = [(384, 1), (512, 1), (256, 1)]
+    got = sorted((math.prod(e.invars[0].aval.shape[d] for d in e.params[
+        "dimension_numbers"][0][0]), trips) for e, trips in dots)
+    assert got == sorted(per_block if name == "blockwise" else whole), (name, got)
     formats = {"current": ("float8_e4m3fn", "float8_e4m3fn", "float8_e5m2"),
                "delayed": ("float8_e4m3fn", "float8_e4m3fn", "float8_e5m2"),
                "rowwise": ("float8_e4m3fn", "float8_e4m3fn", "float8_e5m2")}.get(
                    name, ("float8_e4m3fn",) * 3)
-    for e in dots:
+    for e, _ in dots:
         assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]  # exact
         assert e.outvars[0].aval.dtype == jnp.float32
         stack = str(e.source_info.name_stack)
         named = re.findall(re.escape(fp8.WIDENED_SCOPE) + r"-(\w+)-(\w+)", stack)
         assert named and set(named[-1]) <= set(formats), stack
-        batched = e.params["dimension_numbers"][1] != ((), ())
-        assert batched == (name == "blockwise"), name  # per-block partials only there
+        assert e.params["dimension_numbers"][1] == ((), ())  # no batched dot
     assert dot_operand_dtypes(jaxpr)  # the walker reports the formats, not bf16
     assert all(jnp.dtype(d).itemsize == 1 for pair in dot_operand_dtypes(jaxpr) for d in pair)
 
@@ -1080,3 +1087,86 @@ def test_widened_dots_equal_fp8_dots_up_to_summation_order(set_fp8_switch, name)
                                  _summation_bounds(name, x, w, dy)):
         diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
         assert np.all(diff <= bound), (what, float((diff - bound).max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Off GPUs the blockwise per-block partials are one 2-D dot per 128-block in a lax.scan
+# (``fp8._block_dots``; ``fp8._SCAN_BLOCK_DOTS`` switches it) instead of one batched dot.
+
+_BLOCK_SHAPES = [(256, 1024, 384), (100, 200, 300), (128, 384, 256)]
+
+
+def _blockwise_both_ways(set_fp8_switch, x, w, dy, budget=None):
+    """blockwise y / dx / dw with the scanned 2-D dots and with the batched form (its one
+    batched dot, or with ``budget`` its loop of one-block batched dots)."""
+    if budget is not None:
+        set_fp8_switch("PARTIALS_BUDGET_BYTES", budget)
+    set_fp8_switch("_SCAN_BLOCK_DOTS", True)
+    scanned = jax.jit(lambda a, b, g: _fwd_bwd("blockwise", a, b, g))(x, w, dy)
+    set_fp8_switch("_SCAN_BLOCK_DOTS", False)
+    batched = jax.jit(lambda a, b, g: _fwd_bwd("blockwise", a, b, g))(x, w, dy)
+    return scanned, batched
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["one-batched-dot", "batched-loop"])
+@pytest.mark.parametrize("shape", _BLOCK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_block_dots_equal_batched_partials_up_to_summation_order(set_fp8_switch, shape,
+                                                                 budget):
+    """Gaussian data with 100x outlier channels (blocks of very different scales): the
+    scanned 2-D dots and the batched form they replace sum the same exact products, scale
+    them by the same block scales and add the blocks in the same order; XLA:CPU rounds
+    differently inside them (its bf16 GEMM sums a block's products in another order than
+    the f32 GEMM it makes of a batched bf16 dot, and the scan's multiply-add is one FMA).
+    Each is within the f32 summation bound of the float64 reference of the same block-scaled
+    sum (independent NumPy quantization), so the two within twice that."""
+    m, k, n = shape
+    x, w, dy = _data(m, k, n, seed=13)
+    x = x.at[:, ::37].multiply(100.0)
+    scanned, batched = _blockwise_both_ways(set_fp8_switch, x, w, dy, budget)
+    refs = _reference_gemms("blockwise", x, w, dy)
+    bounds = _summation_bounds("blockwise", x, w, dy)  # two orders: twice one form's
+    for what, a, b, ref, bound in zip(("y", "dx", "dw"), scanned, batched, refs, bounds):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.all(np.abs(a - ref) <= bound / 2), (what, float(np.abs(a - ref).max()))
+        assert np.all(np.abs(b - ref) <= bound / 2), what
+        assert np.all(np.abs(a - b) <= bound), what
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", _BLOCK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_block_dots_are_bit_identical_to_batched_partials_where_sums_are_exact(
+        set_fp8_switch, shape, dtype):
+    """On inputs whose f32 accumulation is exact in any order (``_exact_operand``), y, dx and
+    dw of the scanned 2-D dots equal those of the batched form bit for bit (and both the
+    float64 reference): the same values, products, scales and padding."""
+    m, k, n = shape
+    keys = jax.random.split(jax.random.key(17), 3)
+    x = _exact_operand(keys[0], (m, k), "e4m3", -3, dtype)
+    w = _exact_operand(keys[1], (k, n), "e4m3", -9, dtype)
+    dy = _exact_operand(keys[2], (m, n), "e4m3", -17, dtype)
+    scanned, batched = _blockwise_both_ways(set_fp8_switch, x, w, dy)
+    refs = _reference_gemms("blockwise", x, w, dy)
+    for what, a, b, ref in zip(("y", "dx", "dw"), scanned, batched, refs):
+        want = np.asarray(jnp.asarray(ref, jnp.float32).astype(dtype))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
+        np.testing.assert_array_equal(np.asarray(a), want, err_msg=what)
+
+
+def test_block_dots_are_one_scanned_dot_per_gemm_and_fp4_keeps_its_batched_dot():
+    """A 4096-wide contraction (32 blocks) is still one dot equation per GEMM, in a scan of
+    32 steps; NVFP4's 16-wide blocks keep the batched form (``fp8._MIN_SCAN_BLOCK``)."""
+    from fmtkit import fp4
+
+    x, w, dy = (jax.ShapeDtypeStruct(s, jnp.float32) for s in
+                ((128, 4096), (4096, 256), (128, 256)))
+    jaxpr = jax.make_jaxpr(lambda a, b, g: _fwd_bwd("blockwise", a, b, g))(x, w, dy)
+    dots = [(e, t) for e, t in iter_eqns_with_trips(jaxpr) if e.primitive.name == "dot_general"]
+    assert sorted(t for _, t in dots) == [1, 2, 32]  # wgrad: 1 block of 128 tokens (no scan)
+    assert all(e.params["dimension_numbers"][1] == ((), ()) for e, _ in dots)
+    x, w, dy = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((128, 256), (256, 64), (128, 64)))
+    dg = fp4.dot_general_fn("nvfp4")
+    jaxpr = jax.make_jaxpr(lambda a, b, g: jax.vjp(lambda p, q: dg(p, q, DN), a, b)[1](g))(
+        x, w, dy)
+    dots = [(e, t) for e, t in iter_eqns_with_trips(jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(t == 1 and e.params["dimension_numbers"][1] != ((), ())
+                        for e, t in dots)

@@ -196,3 +196,28 @@ def test_user_linen_model_with_fp8_rule():
     dots = dot_operand_dtypes(jax.make_jaxpr(lambda p: model.apply({"params": p}, x))(params))
     assert [jnp.dtype(d).name for d in dots[0]] == ["float8_e4m3fn", "float8_e4m3fn"]
     assert [jnp.dtype(d).name for d in dots[1]] == ["float32", "float32"]
+
+
+def test_inspect_policy_reports_one_fp8_gemm_per_blockwise_matmul():
+    """Off GPUs a blockwise GEMM over several 128-blocks is one 2-D dot per block in a scan
+    (``fmtkit.fp8._block_dots``): the report still lists each layer's three GEMMs once, in
+    E4M3, with the FLOPs of the whole GEMM (2 x 256 tokens x in x out), dgrad and wgrad
+    told apart."""
+    from fmtkit.policy import inspect_policy
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(512, name="fc0")(x))  # K = 640: 5 blocks
+            x = nn.relu(nn.Dense(384, name="fc1")(x))  # K = 512: 4 blocks
+            return nn.Dense(10, name="head")(x)
+
+    x = jax.ShapeDtypeStruct((256, 640), jnp.float32)
+    report = inspect_policy(with_policy(Net(), "fp8-blockwise"), x)
+    e4m3 = "float8_e4m3fn x float8_e4m3fn -> float32"
+    fp8_ops = sorted((m.path, m.kind, m.dtypes, m.flops) for m in report.matmul_ops
+                     if not m.head)
+    assert fp8_ops == sorted((path, kind, e4m3, 2 * 256 * k * n)
+                             for path, k, n in (("fc0", 640, 512), ("fc1", 512, 384))
+                             for kind in ("forward", "dgrad", "wgrad"))
+    assert report.policied_fraction() == 1.0
