@@ -235,20 +235,22 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
 
     fp4 = regime == "fp4-training"
     keep = fp4_training.noise_steps(gcfg.steps) if fp4 else ()
-    tokens = (mesh.replicate(batch_at(data, gcfg, gcfg.steps), gcfg.data_parallel) if fp4
-              else None)
+    batch = batch_at(data, gcfg, gcfg.steps) if fp4 else None
+    tokens = mesh.replicate(batch, gcfg.data_parallel) if fp4 else None
 
     def train(name: str) -> tuple[multiseed.SeedsResult, float, dict[str, Any] | None]:
         t0 = time.perf_counter()
+        tele_fp4 = fp4 and name in FP4_SETUPS
+        # The noise curve's FP4 gradients come from the training step's own compile.
         res = multiseed.train_seeds(
             name, gcfg, progress, run_dir=None if root is None else root / regime / name,
-            resume=resume, data=data, params=params, snapshot_steps=keep)
+            resume=resume, data=data, params=params,
+            snapshot_steps=keep if tele_fp4 else (), grad_batch=batch if tele_fp4 else None)
         wall = time.perf_counter() - t0
         tele = None
-        if fp4:  # in this thread, while the other workers train (it needs only this setup)
-            tele = fp4_training.setup_telemetry(
-                gcfg, name, seeds_lib.unstack(res.state)[0].params, params[0], tokens,
-                res.snapshots, ref_grad.result)
+        if tele_fp4:  # in this thread, while the other workers train
+            tele = fp4_training.setup_telemetry(gcfg, name, res.snapshots,
+                                                res.snapshot_grads, tokens, ref_grad.result)
             if tele is not None:
                 tele["seconds"] = time.perf_counter() - t0 - wall
         return res, wall, tele
