@@ -17,7 +17,13 @@ trained parameters:
   last included), on seed 0's parameters of that setup kept after that many steps
   (``train_seeds(snapshot_steps=...)``: a host copy, the training is unchanged), always with
   the same batch (the one after the last step), so that the curve moves with the parameters
-  only.
+  only. The FP4 gradient is the training step's own (``train_seeds(grad_batch=...)`` runs
+  the compiled step on that batch at those steps and drops its new state), so the regime
+  compiles each setup's FP4 gradient once, in its step; the BF16 reference gradient is one
+  compile for the group (``reference_grad``).
+
+The quantization stats are jitted per operand shape and per recipe reduced to what
+quantizes that operand, so setups that quantize it alike share the compile.
 """
 
 from __future__ import annotations

@@ -183,8 +183,9 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
       data: the training bytes (``load_data(cfg)`` if None).
       params: per seed, the f32 initial parameters (``seed_params(cfg)`` if None).
       snapshot_steps: step counts after which the first seed's parameters are kept
-        (``SeedsResult.snapshots``; 0: the initial ones): telemetry over training, read
-        without changing it (a copy to the host, nothing recomputed).
+        (``SeedsResult.snapshots``; 0: the initial ones, also when resumed; other steps
+        before a resumed run's start are not kept): telemetry over training, read without
+        changing it (a copy to the host, nothing recomputed).
       grad_batch: one batch ``[batch, seq_len]``: at each of ``snapshot_steps`` the
         compiled training step also runs on it (every seed), and the first seed's gradient
         is kept (``SeedsResult.snapshot_grads``) while its new state is dropped: the
@@ -219,6 +220,7 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
     histories: list[dict[str, list[float]]] = [{k: [] for k in METRIC_KEYS} for _ in seeds]
     diverged_at: list[int | None] = [None] * len(seeds)
     record = checkpoint.config_record(setup, cfg)
+    initial = state
     mngr, resumed_from = None, None
     if run_dir is not None and (cfg.checkpoint_every > 0 or resume):
         mngr = checkpoint.open_manager(run_dir)
@@ -245,14 +247,16 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
         grad_batches = mesh.put_batch(np.stack([np.asarray(grad_batch)] * len(seeds)),
                                       cfg.data_parallel, seeds_axis=True)
 
-    def keep(step: int) -> None:
+    def keep(step: int, at: Any) -> None:
         if step in snapshot_steps:
-            snapshots[step] = jax.device_get(jax.tree.map(lambda x: x[0], state.params))
+            snapshots[step] = jax.device_get(jax.tree.map(lambda x: x[0], at.params))
             if grad_batch is not None:
-                grads = compiled(state, grad_batches)[1]["grads"]
+                grads = compiled(at, grad_batches)[1]["grads"]
                 snapshot_grads[step] = jax.device_get(jax.tree.map(lambda x: x[0], grads))
 
-    keep(start)
+    if start > 0:  # resumed: the initial parameters are known all the same
+        keep(0, initial)
+    keep(start, state)
     times: list[float] = []
     for i in progress(range(start, cfg.steps), total=cfg.steps - start, desc=setup.name):
         tokens = stack_batches(data, cfg, i)
@@ -262,7 +266,7 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
         metrics = jax.device_get(metrics)
         if i > start:
             times.append(time.perf_counter() - t)
-        keep(i + 1)
+        keep(i + 1, state)
         for j in range(len(seeds)):
             if diverged_at[j] is not None:
                 continue

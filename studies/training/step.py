@@ -116,8 +116,9 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None,
         None).
       with_grads: the metrics also hold ``"grads"``, the step's parameter gradient as the
         optimizer receives it (times the loss scale, if any): telemetry that needs the
-        setup's gradient reads it from this compile instead of compiling it again. The
-        step's other outputs are the same as without it.
+        setup's gradient reads it from this compile instead of compiling it again. The new
+        state is the same as without it (tested); the loss metric may differ in its last
+        bit (XLA fuses the loss reduction differently once the gradient is an output).
 
     Returns:
       ``(init_fn, step_fn)``: ``init_fn() -> TrainState`` (step 0; the f32 initial

@@ -345,13 +345,13 @@ def test_train_seeds_snapshots_are_the_parameters_after_those_steps():
                                                         jax.tree.leaves(final)))
 
 
+@pytest.mark.slow  # two runs of a 2-block micro model per setup, 2 steps, and a gradient
 @pytest.mark.parametrize("name", ["bf16-mixed", "nvfp4"])
 def test_train_seeds_grad_batch_gives_the_step_gradient_and_leaves_training_unchanged(name):
     """``grad_batch``: the training is bit-identical to a run without it, and at every kept
-    step the first seed's gradient on that batch is kept. bf16-mixed's equals a separately
-    compiled ``jax.grad`` of the loss bit for bit; an FP4 setup's is the training step's own
-    (a separate compile may differ: an ulp of another summation order flips FP4 roundings),
-    so there it is checked against the loss's gradient in norm."""
+    step the first seed's gradient on that batch is kept, bit-identical to a separately
+    compiled ``jax.grad`` of the loss at the kept parameters (what the regime's noise curve
+    compiled per FP4 setup before: the curve is unchanged, one compile fewer)."""
     from studies.training import multiseed
     from studies.training.setups import get_setup
     from studies.training.step import build_model
@@ -371,13 +371,11 @@ def test_train_seeds_grad_batch_gives_the_step_gradient_and_leaves_training_unch
         model.apply({"params": p}, t).astype(jnp.float32), t)))
     for step in (0, 2):
         want = grad(got.snapshots[step], jnp.asarray(batch))
-        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got.snapshot_grads[step])):
-            assert g.dtype == np.float32 and g.shape == w.shape
-            if name == "bf16-mixed":
-                np.testing.assert_array_equal(g, w)
-            else:  # FP4 noise: the same gradient within a fraction of its norm
-                w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
-                assert np.linalg.norm(g - w) <= 0.3 * np.linalg.norm(w) + 1e-6
+        leaves = jax.tree.leaves(got.snapshot_grads[step])
+        assert len(leaves) == len(jax.tree.leaves(want))
+        for w, g in zip(jax.tree.leaves(want), leaves):
+            assert g.dtype == w.dtype == np.float32
+            np.testing.assert_array_equal(g, w)
 
 
 def test_fp4_stats_share_a_compile_between_recipes_that_quantize_alike():
