@@ -25,7 +25,7 @@ outlier-features       bf16-mixed, fp8-current, fp8-delayed,   per-tensor worse 
 the FP4 ones) in that regime (default none), reference fp32 when it is among them, else the
 first. ``--regime fp4-training`` runs ``studies.fp4_training.GROUP`` by default: bf16-mixed,
 fp8-blockwise, NVFP4 with and without each ingredient, every layer in FP4, and MXFP4, on a
-4-block model, 60 steps of 32 bytes (``FP4_BUDGET``: toward the main job's time), with per-GEMM
+4-block model, 60 steps of 32 bytes (``FP4_BUDGET``: within the main job's time), with per-GEMM
 FP4 telemetry (``studies.fp4_training``). ``--full``
 runs the contrasts longer and larger (the "small" model, 400 steps, 5 seeds).
 
@@ -95,16 +95,14 @@ FULL = dict(model_size="small", steps=400, seeds=5)
 """``--full``: the contrasts with the 4-layer "small" model, longer, more seeds."""
 
 FP4_BUDGET = dict(steps=60, seq_len=32)
-"""``--regime fp4-training`` without ``--full``: fewer steps of shorter sequences, toward
+"""``--regime fp4-training`` without ``--full``: fewer steps of shorter sequences, within
 the main job's time. The FP4 emulation costs several times a BF16 step and each FP4 setup
-compiles its own step (and its own FP4 gradient for the telemetry), so 150 steps of 64 bytes
-took well over it; 60 steps of 32 bytes keep the 4-block stack (the last block in BF16 by
-position), 3 seeds and the paired gaps (MXFP4 vs NVFP4 resolves at 60 steps; the FP4-vs-BF16
-gaps keep their sign on every seed). Measured one after the other under load: 335 s wall,
-459 CPU-seconds against the main job's 288 s, 319 CPU-seconds (~1.4x its CPU time; 100
-steps: ~1.7x): still above the budget, the rest is compiling (README, "Time budget").
-Applied to the fields left at the main job's defaults (``Config().train``); a ``--steps``
-or ``--seq-len`` set to another value wins."""
+compiles its own step, so 150 steps of 64 bytes took well over it; 60 steps of 32 bytes keep
+the 4-block stack (the last block in BF16 by position), 3 seeds and the paired gaps (MXFP4 vs
+NVFP4 resolves at 60 steps; the FP4-vs-BF16 gaps keep their sign on every seed). Measured
+alternately with the main job, three pairs: 0.73-0.94x its wall time and 0.89-0.92x its CPU
+time (README, "Time budget"). Applied to the fields left at the main job's defaults
+(``Config().train``); a ``--steps`` or ``--seq-len`` set to another value wins."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,20 +233,22 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
 
     fp4 = regime == "fp4-training"
     keep = fp4_training.noise_steps(gcfg.steps) if fp4 else ()
-    tokens = (mesh.replicate(batch_at(data, gcfg, gcfg.steps), gcfg.data_parallel) if fp4
-              else None)
+    batch = batch_at(data, gcfg, gcfg.steps) if fp4 else None
+    tokens = mesh.replicate(batch, gcfg.data_parallel) if fp4 else None
 
     def train(name: str) -> tuple[multiseed.SeedsResult, float, dict[str, Any] | None]:
         t0 = time.perf_counter()
+        tele_fp4 = fp4 and name in FP4_SETUPS
+        # The noise curve's FP4 gradients come from the training step's own compile.
         res = multiseed.train_seeds(
             name, gcfg, progress, run_dir=None if root is None else root / regime / name,
-            resume=resume, data=data, params=params, snapshot_steps=keep)
+            resume=resume, data=data, params=params,
+            snapshot_steps=keep if tele_fp4 else (), grad_batch=batch if tele_fp4 else None)
         wall = time.perf_counter() - t0
         tele = None
-        if fp4:  # in this thread, while the other workers train (it needs only this setup)
-            tele = fp4_training.setup_telemetry(
-                gcfg, name, seeds_lib.unstack(res.state)[0].params, params[0], tokens,
-                res.snapshots, ref_grad.result)
+        if tele_fp4:  # in this thread, while the other workers train
+            tele = fp4_training.setup_telemetry(gcfg, name, res.snapshots,
+                                                res.snapshot_grads, tokens, ref_grad.result)
             if tele is not None:
                 tele["seconds"] = time.perf_counter() - t0 - wall
         return res, wall, tele

@@ -17,11 +17,18 @@ trained parameters:
   last included), on seed 0's parameters of that setup kept after that many steps
   (``train_seeds(snapshot_steps=...)``: a host copy, the training is unchanged), always with
   the same batch (the one after the last step), so that the curve moves with the parameters
-  only.
+  only. The FP4 gradient is the training step's own (``train_seeds(grad_batch=...)`` runs
+  the compiled step on that batch at those steps and drops its new state), so the regime
+  compiles each setup's FP4 gradient once, in its step; the BF16 reference gradient is one
+  compile for the group (``reference_grad``).
+
+The quantization stats are jitted per operand shape and per recipe reduced to what
+quantizes that operand, so setups that quantize it alike share the compile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +47,7 @@ from studies.training.setups import get_setup
 from studies.training.step import build_model, setup_rules
 
 __all__ = ["GROUP", "NOISE_POINTS", "REFERENCE", "noise_steps", "plot_noise", "reference_grad",
-           "setup_telemetry", "summary_lines", "telemetry"]
+           "setup_telemetry", "summary_lines"]
 
 GROUP = ("bf16-mixed", "fp8-blockwise", "nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d",
          "nvfp4-all-layers", "mxfp4")
@@ -146,12 +153,31 @@ def _kernel(params: Any, path: str) -> jax.Array:
 
 
 def _grad_fn(model: Any) -> Any:
-    """The jitted parameter gradient of the LM loss (one compile per model)."""
+    """The jitted parameter gradient of the LM loss (the reference's; an FP4 setup's comes
+    from its training step's compile, ``train_seeds(grad_batch=...)``)."""
     return jax.jit(jax.grad(lambda p, tokens: lm_loss(
         model.apply({"params": p}, tokens).astype(jnp.float32), tokens)))
 
 
-_stats = jax.jit(fp4.quantization_stats, static_argnums=(1, 2))
+_jit_stats = jax.jit(fp4.quantization_stats, static_argnums=(1, 2))
+
+
+def _operand_recipe(recipe: fp4.Fp4Recipe, operand: str) -> fp4.Fp4Recipe:
+    """``recipe`` with only what quantizes ``operand`` kept (its tile and rounding, in all
+    three slots; the RHT, which acts on the wgrad GEMM only, off; a fixed name): recipes
+    that quantize the operand alike then share one compile of its stats (nvfp4, no-RHT and
+    every-layer for all three operands, no-SR for x and w, no-2D for x and grad)."""
+    tile, rounding = getattr(recipe, f"{operand}_tile"), getattr(recipe, f"{operand}_rounding")
+    return dataclasses.replace(recipe, name="stats", rht=False, rht_seed=0, x_tile=tile,
+                               w_tile=tile, grad_tile=tile, x_rounding=rounding,
+                               w_rounding=rounding, grad_rounding=rounding)
+
+
+def _stats(t: jax.Array, recipe: fp4.Fp4Recipe, operand: str) -> dict[str, float]:
+    """``fp4.quantization_stats`` of one operand as floats (jitted, one compile per operand
+    shape and ``_operand_recipe``)."""
+    return {k: float(v) for k, v in
+            _jit_stats(t, _operand_recipe(recipe, operand), operand).items()}
 
 
 def _select(tree: Any, paths: list[str]) -> dict[str, Any]:
@@ -167,10 +193,11 @@ def _select(tree: Any, paths: list[str]) -> dict[str, Any]:
 
 def _noise_ratio(ref_grad: Any, grad: Any, params: Any, tokens: jax.Array,
                  paths: list[str]) -> float:
-    """``regimes.grad_noise_ratio`` of the layers ``paths`` at ``params`` (cast to f32)."""
+    """``regimes.grad_noise_ratio`` of the layers ``paths``: the FP4 gradient ``grad`` at
+    ``params`` against the reference's (``ref_grad`` at ``params`` cast to f32)."""
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     return float(regimes.grad_noise_ratio(_select(ref_grad(params, tokens), paths),
-                                          _select(grad(params, tokens), paths)))
+                                          _select(grad, paths)))
 
 
 def reference_grad(cfg: TrainConfig, params: Any, tokens: jax.Array) -> Any:
@@ -181,16 +208,37 @@ def reference_grad(cfg: TrainConfig, params: Any, tokens: jax.Array) -> Any:
     return _grad_fn(build_model(get_setup(REFERENCE), cfg)).lower(f32, tokens).compile()
 
 
-def setup_telemetry(cfg: TrainConfig, name: str, params: Any, initial: Any,
-                    tokens: jax.Array, snapshots: dict[int, Any] | None = None,
+def setup_telemetry(cfg: TrainConfig, name: str, snapshots: dict[int, Any],
+                    grads: dict[int, Any], tokens: jax.Array,
                     ref_grad: Callable[[], Any] | None = None) -> dict[str, Any] | None:
     """The regime's telemetry (module docstring) of one setup; None when none of its layers
-    runs in FP4. ``telemetry``'s arguments, for one setup: ``params`` its seed 0's trained
-    parameters, ``snapshots`` its ``{step: parameters}``; ``ref_grad`` returns
-    ``reference_grad``'s function (shared by the group's setups; None: built here).
+    runs in FP4.
+
+    Args:
+      cfg: the group's training configuration (regime applied).
+      name: the setup.
+      snapshots: {step: seed 0's parameters after that many steps} (``SeedsResult
+        .snapshots``), the trained ones last: the quantization stats are taken there.
+      grads: {step: the setup's parameter gradient on ``tokens`` at ``snapshots[step]``}
+        (``SeedsResult.snapshot_grads``: from the training step's own compile).
+      tokens: the batch of ``grads``, ``[batch, seq_len]``.
+      ref_grad: returns ``reference_grad``'s function (shared by the group's setups; None:
+        built here).
+
+    Returns:
+      ``{"layers": {path: {"x": stats, "w": stats, "grad": stats}} (at the trained
+      parameters), "grad_noise_ratio": {"initial": r0, "trained": r1},
+      "grad_noise_curve": {"steps": [t...], "ratio": [r...]}}`` with floats (the curve in
+      step order, one point per snapshot).
+
     Independent of the other setups, so ``fmtkit ablate`` runs it in the setup's own
-    thread, right after its training."""
-    params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    thread, right after its training.
+    """
+    if sorted(snapshots) != sorted(grads) or not snapshots:
+        raise ValueError(f"snapshots and grads must hold the same steps (at least one), got "
+                         f"{sorted(snapshots)} and {sorted(grads)}.")
+    steps = sorted(snapshots)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), snapshots[steps[-1]])
     inputs = _linear_inputs(cfg, params, tokens)
     layers = _fp4_layers(name, cfg, list(inputs))
     if not layers:
@@ -198,59 +246,14 @@ def setup_telemetry(cfg: TrainConfig, name: str, params: Any, initial: Any,
     out_grads = _output_grads(cfg, params, tokens)
     stats = {}
     for path, recipe in layers.items():
-        stats[path] = {
-            "x": {k: float(v) for k, v in _stats(inputs[path], recipe, "x").items()},
-            "w": {k: float(v) for k, v in _stats(_kernel(params, path), recipe,
-                                                 "w").items()},
-            "grad": {k: float(v) for k, v in _stats(out_grads[path], recipe,
-                                                    "grad").items()},
-        }
-    ref = reference_grad(cfg, initial, tokens) if ref_grad is None else ref_grad()
-    grad = _grad_fn(build_model(get_setup(name), cfg))
-    points = dict(snapshots or {})
-    points.setdefault(0, initial)
-    points[max(cfg.steps, max(points))] = params  # the trained point is the last one
-    curve = {t: _noise_ratio(ref, grad, p, tokens, list(layers))
-             for t, p in sorted(points.items())}
-    steps = sorted(curve)
+        stats[path] = {"x": _stats(inputs[path], recipe, "x"),
+                       "w": _stats(_kernel(params, path), recipe, "w"),
+                       "grad": _stats(out_grads[path], recipe, "grad")}
+    ref = reference_grad(cfg, params, tokens) if ref_grad is None else ref_grad()
+    curve = [_noise_ratio(ref, grads[t], snapshots[t], tokens, list(layers)) for t in steps]
     return {"layers": stats,
-            "grad_noise_ratio": {"initial": curve[steps[0]], "trained": curve[steps[-1]]},
-            "grad_noise_curve": {"steps": steps, "ratio": [curve[t] for t in steps]}}
-
-
-def telemetry(cfg: TrainConfig, names: tuple[str, ...], trained: dict[str, Any],
-              initial: Any, tokens: jax.Array,
-              snapshots: dict[str, dict[int, Any]] | None = None) -> dict[str, Any]:
-    """The regime's telemetry (module docstring) for every FP4 setup among ``names``
-    (``setup_telemetry`` of each, one reference gradient for all).
-
-    Args:
-      cfg: the group's training configuration (regime applied).
-      names: the group's setups.
-      trained: setup -> seed 0's trained f32-comparable parameters.
-      initial: seed 0's initial parameters (shared by every setup).
-      tokens: one batch ``[batch, seq_len]``.
-      snapshots: setup -> {step: seed 0's parameters after that many steps}
-        (``SeedsResult.snapshots``); None or a setup missing: the curve has the initial and
-        trained points only.
-
-    Returns:
-      ``{setup: {"layers": {path: {"x": stats, "w": stats, "grad": stats}} (at the trained
-      parameters),
-      "grad_noise_ratio": {"initial": r0, "trained": r1},
-      "grad_noise_curve": {"steps": [t...], "ratio": [r...]}}}`` with floats (the curve in
-      step order).
-    """
-    ref_grad = functools.cache(lambda: reference_grad(cfg, initial, tokens))
-    out: dict[str, Any] = {}
-    for name in names:
-        if name not in trained:
-            continue
-        info = setup_telemetry(cfg, name, trained[name], initial, tokens,
-                               (snapshots or {}).get(name), ref_grad)
-        if info is not None:
-            out[name] = info
-    return out
+            "grad_noise_ratio": {"initial": curve[0], "trained": curve[-1]},
+            "grad_noise_curve": {"steps": steps, "ratio": curve}}
 
 
 def summary_lines(info: dict[str, Any]) -> list[str]:

@@ -90,6 +90,9 @@ class SeedsResult:
       state: the final stacked ``TrainState`` (leading seeds axis).
       snapshots: step -> the first seed's parameters after that many steps, for the steps
         ``train_seeds`` was asked to keep (``snapshot_steps``; empty by default).
+      snapshot_grads: step -> the first seed's parameter gradient on ``grad_batch`` at
+        ``snapshots[step]``, from the training step's own compile (empty without
+        ``grad_batch``).
     """
 
     setup: str
@@ -104,6 +107,7 @@ class SeedsResult:
     heldout_loss: list[float] | None
     state: Any
     snapshots: dict[int, Any] = dataclasses.field(default_factory=dict)
+    snapshot_grads: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def final_losses(self) -> list[float]:
@@ -166,7 +170,8 @@ def stack_batches(data: np.ndarray, cfg: TrainConfig, step: int) -> jax.Array:
 def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_progress,
                 run_dir: str | Path | None = None, resume: bool = False, *,
                 data: np.ndarray | None = None, params: list[Any] | None = None,
-                snapshot_steps: tuple[int, ...] = ()) -> SeedsResult:
+                snapshot_steps: tuple[int, ...] = (),
+                grad_batch: np.ndarray | None = None) -> SeedsResult:
     """Trains ``cfg.seeds`` seeds of one setup with one vmapped step (module docstring).
 
     Args:
@@ -178,8 +183,14 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
       data: the training bytes (``load_data(cfg)`` if None).
       params: per seed, the f32 initial parameters (``seed_params(cfg)`` if None).
       snapshot_steps: step counts after which the first seed's parameters are kept
-        (``SeedsResult.snapshots``; 0: the initial ones): telemetry over training, read
-        without changing it (a copy to the host, nothing recomputed).
+        (``SeedsResult.snapshots``; 0: the initial ones, also when resumed; other steps
+        before a resumed run's start are not kept): telemetry over training, read without
+        changing it (a copy to the host, nothing recomputed).
+      grad_batch: one batch ``[batch, seq_len]``: at each of ``snapshot_steps`` the
+        compiled training step also runs on it (every seed), and the first seed's gradient
+        is kept (``SeedsResult.snapshot_grads``) while its new state is dropped: the
+        setup's gradient at those parameters without a compile of its own, and the
+        training unchanged.
 
     Raises:
       StudyError: non-finite loss in a setup not expected to diverge.
@@ -201,13 +212,15 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
     step_fn = None
     states = []
     for s, p in zip(seeds, params):
-        init_fn, fn = make_train_step(setup, cfg.with_seed(s), params=p)
+        init_fn, fn = make_train_step(setup, cfg.with_seed(s), params=p,
+                                      with_grads=grad_batch is not None)
         step_fn = step_fn or fn
         states.append(init_fn())
     state = mesh.replicate(seeds_lib.stack(states), cfg.data_parallel)
     histories: list[dict[str, list[float]]] = [{k: [] for k in METRIC_KEYS} for _ in seeds]
     diverged_at: list[int | None] = [None] * len(seeds)
     record = checkpoint.config_record(setup, cfg)
+    initial = state
     mngr, resumed_from = None, None
     if run_dir is not None and (cfg.checkpoint_every > 0 or resume):
         mngr = checkpoint.open_manager(run_dir)
@@ -224,26 +237,36 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
         vstep = seeds_lib.vmap_step(step_fn)
     start = int(state.step[0])
     snapshots: dict[int, Any] = {}
-
-    def keep(step: int) -> None:
-        if step in snapshot_steps:
-            snapshots[step] = jax.device_get(jax.tree.map(lambda x: x[0], state.params))
-
-    keep(start)
+    snapshot_grads: dict[int, Any] = {}
     compiled, compile_seconds = None, 0.0
-    if start < cfg.steps:
+    if start < cfg.steps or grad_batch is not None:
         t0 = time.perf_counter()
         compiled = vstep.lower(state, stack_batches(data, cfg, start)).compile()
         compile_seconds = time.perf_counter() - t0
+    if grad_batch is not None:  # every seed's copy of it, laid out as its training batches
+        grad_batches = mesh.put_batch(np.stack([np.asarray(grad_batch)] * len(seeds)),
+                                      cfg.data_parallel, seeds_axis=True)
+
+    def keep(step: int, at: Any) -> None:
+        if step in snapshot_steps:
+            snapshots[step] = jax.device_get(jax.tree.map(lambda x: x[0], at.params))
+            if grad_batch is not None:
+                grads = compiled(at, grad_batches)[1]["grads"]
+                snapshot_grads[step] = jax.device_get(jax.tree.map(lambda x: x[0], grads))
+
+    if start > 0:  # resumed: the initial parameters are known all the same
+        keep(0, initial)
+    keep(start, state)
     times: list[float] = []
     for i in progress(range(start, cfg.steps), total=cfg.steps - start, desc=setup.name):
         tokens = stack_batches(data, cfg, i)
         t = time.perf_counter()
         state, metrics = compiled(state, tokens)
+        metrics.pop("grads", None)  # not needed on the host
         metrics = jax.device_get(metrics)
         if i > start:
             times.append(time.perf_counter() - t)
-        keep(i + 1)
+        keep(i + 1, state)
         for j in range(len(seeds)):
             if diverged_at[j] is not None:
                 continue
@@ -278,7 +301,8 @@ def train_seeds(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_pr
         compile_seconds=compile_seconds,
         step_ms=float(np.median(times) * 1e3) if times else float("nan"),
         bytes_per_param=mem.bytes_per_param, memory=mem.as_dict(),
-        resumed_from=resumed_from, heldout_loss=heldout, state=state, snapshots=snapshots)
+        resumed_from=resumed_from, heldout_loss=heldout, state=state, snapshots=snapshots,
+        snapshot_grads=snapshot_grads)
 
 
 def heldout_loss(setup: Setup | str, cfg: TrainConfig, state: Any) -> list[float] | None:

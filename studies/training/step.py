@@ -101,8 +101,8 @@ def _jitted_init(model_config: TransformerConfig) -> Callable:
     return jax.jit(TransformerLM(model_config).init)
 
 
-def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
-                    ) -> tuple[Callable[[], TrainState],
+def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None,
+                    with_grads: bool = False) -> tuple[Callable[[], TrainState],
                                Callable[[TrainState, jax.Array], tuple[TrainState, dict]]]:
     """The init and (jitted) step functions of one setup; no I/O.
 
@@ -114,6 +114,11 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
       cfg: the training configuration.
       params: the f32 initial parameters (``init_params(cfg)``; computed by ``init_fn`` when
         None).
+      with_grads: the metrics also hold ``"grads"``, the step's parameter gradient as the
+        optimizer receives it (times the loss scale, if any): telemetry that needs the
+        setup's gradient reads it from this compile instead of compiling it again. The new
+        state is the same as without it (tested); the loss metric may differ in its last
+        bit (XLA fuses the loss reduction differently once the gradient is an output).
 
     Returns:
       ``(init_fn, step_fn)``: ``init_fn() -> TrainState`` (step 0; the f32 initial
@@ -197,6 +202,8 @@ def make_train_step(setup: Setup | str, cfg: TrainConfig, *, params: Any = None
                                grad_format=setup.grad_format, params_before=state.params,
                                params_after=new_params, opt_state_before=state.opt_state,
                                opt_state_after=opt_state)
+        if with_grads:
+            metrics["grads"] = grads
         fp8_state = state.fp8_state
         if fp8_state:
             fp8_state = fp8_update_state(fp8_state, obs)

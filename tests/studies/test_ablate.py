@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from studies_testlib import assert_plots, plain
 
+from fmtkit import fp4
 from studies import ablate, cli, corpus, fp4_training, runner
 from studies.models import TransformerConfig, TransformerLM, lm_loss
 from studies.train import TrainConfig, batch_at, init_params, load_data
@@ -342,3 +343,68 @@ def test_train_seeds_snapshots_are_the_parameters_after_those_steps():
         np.testing.assert_array_equal(a, b)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(res.snapshots[0]),
                                                         jax.tree.leaves(final)))
+
+
+@pytest.mark.slow  # two runs of a 2-block micro model per setup, 2 steps, and a gradient
+@pytest.mark.parametrize("name", ["bf16-mixed", "nvfp4"])
+def test_train_seeds_grad_batch_gives_the_step_gradient_and_leaves_training_unchanged(name):
+    """``grad_batch``: the training is bit-identical to a run without it, and at every kept
+    step the first seed's gradient on that batch is kept, bit-identical to a separately
+    compiled ``jax.grad`` of the loss at the kept parameters (what the regime's noise curve
+    compiled per FP4 setup before: the curve is unchanged, one compile fewer)."""
+    from studies.training import multiseed
+    from studies.training.setups import get_setup
+    from studies.training.step import build_model
+
+    cfg = TrainConfig(model=MICRO, steps=2, seeds=2, batch=2, seq_len=16, warmup=1,
+                      regime="fp4-training", num_layers=2)
+    data = load_data(cfg)
+    batch = batch_at(data, cfg, cfg.steps)
+    got = multiseed.train_seeds(name, cfg, data=data, snapshot_steps=(0, 2), grad_batch=batch)
+    plain_run = multiseed.train_seeds(name, cfg, data=data, snapshot_steps=(0, 2))
+    for a, b in zip(jax.tree.leaves(got.state), jax.tree.leaves(plain_run.state)):
+        np.testing.assert_array_equal(a, b)
+    assert got.histories == plain_run.histories and plain_run.snapshot_grads == {}
+    assert sorted(got.snapshot_grads) == sorted(got.snapshots) == [0, 2]
+    model = build_model(get_setup(name), cfg)
+    grad = jax.jit(jax.grad(lambda p, t: lm_loss(
+        model.apply({"params": p}, t).astype(jnp.float32), t)))
+    for step in (0, 2):
+        want = grad(got.snapshots[step], jnp.asarray(batch))
+        leaves = jax.tree.leaves(got.snapshot_grads[step])
+        assert len(leaves) == len(jax.tree.leaves(want))
+        for w, g in zip(jax.tree.leaves(want), leaves):
+            assert g.dtype == w.dtype == np.float32
+            np.testing.assert_array_equal(g, w)
+
+
+def test_fp4_stats_share_a_compile_between_recipes_that_quantize_alike():
+    """``_operand_recipe`` keeps what quantizes the operand: the stats are bit-identical to
+    the full recipe's, and the setups that quantize an operand alike map to one recipe."""
+    from studies.training.setups import SETUPS
+
+    rng = np.random.default_rng(0)
+    t = jnp.asarray(rng.standard_normal((32, 48)).astype(np.float32))
+    recipes = {n: fp4.get_recipe(SETUPS[n].policy) for n in fp4_training.GROUP[2:]}
+    full = jax.jit(fp4.quantization_stats, static_argnums=(1, 2))  # one compile per recipe
+    for name, recipe in recipes.items():
+        for op in ("x", "w", "grad"):
+            want = full(t, recipe, op)
+            got = fp4_training._stats(t, recipe, op)
+            assert got == {k: float(v) for k, v in want.items()}, (name, op)
+    canon = {(n, op): fp4_training._operand_recipe(r, op) for n, r in recipes.items()
+             for op in ("x", "w", "grad")}
+    for op in ("x", "w", "grad"):
+        assert canon["nvfp4", op] == canon["nvfp4-no-rht", op] == canon["nvfp4-all-layers", op]
+        assert canon["nvfp4", op] != canon["mxfp4", op]
+    assert canon["nvfp4", "x"] == canon["nvfp4-no-sr", "x"] == canon["nvfp4-no-2d", "x"]
+    assert canon["nvfp4", "w"] == canon["nvfp4-no-sr", "w"] != canon["nvfp4-no-2d", "w"]
+    assert canon["nvfp4", "grad"] == canon["nvfp4-no-2d", "grad"] != canon["nvfp4-no-sr",
+                                                                           "grad"]
+
+
+def test_fp4_setup_telemetry_needs_a_gradient_per_snapshot():
+    cfg = TrainConfig(model=MICRO, seq_len=16, batch=2, regime="fp4-training", num_layers=2)
+    with pytest.raises(ValueError, match="snapshots and grads must hold the same steps"):
+        fp4_training.setup_telemetry(cfg, "nvfp4", {0: {}, 2: {}}, {0: {}},
+                                     jnp.zeros((2, 16), jnp.int32))

@@ -58,11 +58,20 @@ def test_vmapped_seeds_match_separate_runs_including_stochastic_rounding():
 def test_multiseed_resume_is_bit_identical(tmp_path):
     cfg = micro(checkpoint_every=3)
     data = T.load_data(cfg)
-    full = M.train_seeds("fp16-dynamic", cfg, data=data)
+    # With the noise-curve telemetry's snapshots and gradients (step 0 kept also on resume).
+    kept = dict(snapshot_steps=(0, 3, 6), grad_batch=T.batch_at(data, cfg, cfg.steps))
+    full = M.train_seeds("fp16-dynamic", cfg, data=data, **kept)
     with pytest.raises(Interrupted):
-        M.train_seeds("fp16-dynamic", cfg, stop_after(3), run_dir=tmp_path, data=data)
-    resumed = M.train_seeds("fp16-dynamic", cfg, run_dir=tmp_path, resume=True, data=data)
+        M.train_seeds("fp16-dynamic", cfg, stop_after(3), run_dir=tmp_path, data=data,
+                      **kept)
+    resumed = M.train_seeds("fp16-dynamic", cfg, run_dir=tmp_path, resume=True, data=data,
+                            **kept)
     assert resumed.resumed_from == 3
+    for got, want in ((resumed.snapshots, full.snapshots),
+                      (resumed.snapshot_grads, full.snapshot_grads)):
+        assert sorted(got) == sorted(want) == [0, 3, 6]
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(full.state), jax.tree.leaves(resumed.state)):
         a, b = np.asarray(a), np.asarray(b)
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
