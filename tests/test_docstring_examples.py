@@ -1,4 +1,4 @@
-"""The ``Example:`` sections of the FP8, scaling and optax modules run and print what they
+"""The ``Example:`` sections of the FP8, FP4, scaling and optax modules run and print what they
 say (doctest), under the test suite's strict dtype promotion."""
 
 import doctest
@@ -12,8 +12,11 @@ import pytest
 
 from fmtkit import optim
 
-MODULES = ["fmtkit.fp8", "fmtkit.scaling", "fmtkit.optim._adam", "fmtkit.optim._loss_scale",
-           "fmtkit.optim._common", "fmtkit.optim._accumulate", "fmtkit.optim._master"]
+# A package's examples sit in the module that defines each function (doctest reads a
+# module's own functions): fmtkit.fp8's in its private modules.
+MODULES = ["fmtkit.fp8._dot", "fmtkit.fp8._fp4_quant", "fmtkit.fp4", "fmtkit.scaling",
+           "fmtkit.optim._adam", "fmtkit.optim._loss_scale", "fmtkit.optim._common",
+           "fmtkit.optim._accumulate", "fmtkit.optim._master"]
 # optax.apply_updates (used by _master's examples) is not strict-promotion clean.
 STANDARD_PROMOTION = {"fmtkit.optim._master"}
 

@@ -18,7 +18,8 @@ from jaxpr_utils import dot_operand_dtypes, iter_eqns, iter_eqns_with_trips
 
 from fmtkit import fp8, scaling
 from fmtkit.formats import get_format
-from fmtkit.scaling import BlockScaling, ScaledArray
+from fmtkit.fp8 import _backends, _gemm
+from fmtkit.scaling import BlockScaling, DelayedScalingState, ScaledArray
 
 DN = (((1,), (0,)), ((), ()))  # x [M, K] · w [K, N]
 
@@ -50,7 +51,7 @@ def _sqnr(ref, y):
 
 
 def _fwd_bwd(recipe, x, w, dy, state=None):
-    dg = fp8.dot_general(recipe)
+    dg = fp8.dot_general_fn(recipe)
     kw = {} if state is None else {"fp8_state": state}
     y, vjp = jax.vjp(lambda a, b: dg(a, b, DN, **kw), x, w)
     gx, gw = vjp(dy)
@@ -179,7 +180,7 @@ def test_off_gpu_fp8_dots_read_bf16_operands_and_power_of_two_scales_fold(name):
 def test_delayed_bootstrap_history_and_accumulation():
     recipe = fp8.get_recipe("delayed")
     x, w, dy = _data(128, 256, 128)
-    dg = fp8.dot_general(recipe)
+    dg = fp8.dot_general_fn(recipe)
 
     def loss(x, w, state):
         return jnp.sum(dg(x, w, DN, fp8_state=state) * dy)
@@ -188,7 +189,7 @@ def test_delayed_bootstrap_history_and_accumulation():
     state = fp8.init_state(recipe)
     # First step: bootstrapped from the current amax, so it equals "current" scaling exactly.
     y_delayed = dg(x, w, DN, fp8_state=state)
-    y_current = fp8.dot_general("current")(x, w, DN)
+    y_current = fp8.dot_general_fn("current")(x, w, DN)
     np.testing.assert_array_equal(np.asarray(y_delayed), np.asarray(y_current))
     _, _, obs = grad(x, w, state)
     expected = [np.abs(np.asarray(x)).max(), np.abs(np.asarray(w)).max(),
@@ -218,8 +219,8 @@ def test_delayed_bootstrap_history_and_accumulation():
 def test_margin_doubles_scale():
     base = fp8.get_recipe("current")
     x, w, _ = _data(128, 256, 128)
-    y0 = fp8.dot_general(base)(x, w, DN)
-    y1 = fp8.dot_general(dataclasses.replace(base, margin=1))(x, w, DN)
+    y0 = fp8.dot_general_fn(base)(x, w, DN)
+    y1 = fp8.dot_general_fn(dataclasses.replace(base, margin=1))(x, w, DN)
     assert _sqnr(np.asarray(y0), y1) > 10  # still accurate...
     assert not np.array_equal(np.asarray(y0), np.asarray(y1))  # ...but a different grid
 
@@ -234,7 +235,7 @@ def test_outlier_channels_blockwise_vs_per_tensor():
     w = w.at[:128].set(0.0)
 
     def err(name, xx):
-        y = np.asarray(fp8.dot_general(name)(xx, w, DN), np.float64)
+        y = np.asarray(fp8.dot_general_fn(name)(xx, w, DN), np.float64)
         ref = np.asarray(xx, np.float64) @ np.asarray(w, np.float64)
         return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
@@ -256,11 +257,11 @@ def test_bad_recipes():
     with pytest.raises(ValueError, match="not an FP8/FP6/FP4 format"):
         fp8.Fp8Recipe(x_format="bf16")
     with pytest.raises(ValueError, match="pass fp8_state"):
-        fp8.dot_general("delayed")(jnp.ones((4, 4)), jnp.ones((4, 4)), DN)
+        fp8.dot_general_fn("delayed")(jnp.ones((4, 4)), jnp.ones((4, 4)), DN)
     with pytest.raises(ValueError, match="use_kernel must be"):
         fp8.Fp8Recipe(use_kernel="always")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="lhs must be a floating-point array"):
-        fp8.dot_general("current")(jnp.ones((4, 4), jnp.int32), jnp.ones((4, 4)), DN)
+        fp8.dot_general_fn("current")(jnp.ones((4, 4), jnp.int32), jnp.ones((4, 4)), DN)
 
 
 def test_general_dimension_numbers_match_lax():
@@ -270,7 +271,7 @@ def test_general_dimension_numbers_match_lax():
     rhs = jax.random.normal(k2, (2, 4, 32, 128), jnp.float32)  # B, heads, head_dim, N
     dn = (((2, 3), (1, 2)), ((0,), (0,)))
     ref = jax.lax.dot_general(lhs, rhs, dn, precision="highest")
-    got = fp8.dot_general("blockwise")(lhs, rhs, dn)
+    got = fp8.dot_general_fn("blockwise")(lhs, rhs, dn)
     assert got.shape == ref.shape
     assert _sqnr(ref, got) > 25
 
@@ -311,9 +312,9 @@ def test_blockwise_reaches_the_pallas_kernel_for_all_three_gemms():
 
 def test_update_state_ignores_non_finite_observations():
     state = fp8.init_state(dataclasses.replace(fp8.RECIPES["delayed"], history=4))
-    obs = fp8.Fp8DotState(jnp.zeros((3, 4)).at[:, 0].set(jnp.array([1.0, 2.0, 3.0])))
+    obs = DelayedScalingState(jnp.zeros((3, 4)).at[:, 0].set(jnp.array([1.0, 2.0, 3.0])))
     state = fp8.update_state(state, obs)
-    bad = fp8.Fp8DotState(jnp.zeros((3, 4)).at[:, 0].set(jnp.array([1.0, 2.0, jnp.inf])))
+    bad = DelayedScalingState(jnp.zeros((3, 4)).at[:, 0].set(jnp.array([1.0, 2.0, jnp.inf])))
     same = fp8.update_state(state, bad)  # an overflowing step (skipped by loss scaling)
     np.testing.assert_array_equal(np.asarray(same.amax_history), np.asarray(state.amax_history))
     assert float(state.amax_history[2, 0]) == 3.0
@@ -410,18 +411,18 @@ def test_padded_gemms_still_take_fp8_operands():
 def test_errors_name_the_module():
     name = "Block_0/MlpBlock_0/Dense_1"
     with pytest.raises(ValueError, match=f"{name}.*pass fp8_state"):
-        fp8.dot_general("delayed", name=name)(jnp.ones((4, 4)), jnp.ones((4, 4)), DN)
+        fp8.dot_general_fn("delayed", name=name)(jnp.ones((4, 4)), jnp.ones((4, 4)), DN)
     with pytest.raises(TypeError, match=f"{name}.*lhs must be a floating-point array"):
-        fp8.dot_general("current", name=name)(jnp.ones((4, 4), jnp.int32), jnp.ones((4, 4)),
+        fp8.dot_general_fn("current", name=name)(jnp.ones((4, 4), jnp.int32), jnp.ones((4, 4)),
                                               DN)
     with pytest.raises(ValueError, match=f"{name}.*lhs dim 1 .size 4. and rhs dim 0 .size 5"):
-        fp8.dot_general("current", name=name)(jnp.ones((4, 4)), jnp.ones((5, 4)), DN)
-    stacked = fp8.Fp8DotState(jnp.zeros((2, 3, 1024)))  # a scanned stack's whole state
+        fp8.dot_general_fn("current", name=name)(jnp.ones((4, 4)), jnp.ones((5, 4)), DN)
+    stacked = DelayedScalingState(jnp.zeros((2, 3, 1024)))  # a scanned stack's whole state
     with pytest.raises(ValueError, match=f"{name}.*shape \\(2, 3, 1024\\).*variable_axes"):
-        fp8.dot_general("delayed", name=name)(jnp.ones((4, 4)), jnp.ones((4, 4)), DN,
+        fp8.dot_general_fn("delayed", name=name)(jnp.ones((4, 4)), jnp.ones((4, 4)), DN,
                                               fp8_state=stacked)
     with pytest.raises(ValueError, match=f"{name}.*needs \\(2, 3, 1024\\) .one history per batch"):
-        fp8.dot_general("delayed", name=name)(
+        fp8.dot_general_fn("delayed", name=name)(
             jnp.ones((2, 4, 4)), jnp.ones((2, 4, 4)), (((2,), (1,)), ((0,), (0,))),
             fp8_state=fp8.init_state())
 
@@ -431,10 +432,10 @@ def test_errors_name_the_module():
 
 
 def test_one_state_type_for_every_delayed_recipe():
-    from fmtkit.scaling import DelayedScaling, DelayedScalingState
+    from fmtkit.scaling import DelayedScaling
 
-    assert fp8.Fp8DotState is DelayedScalingState
     st = fp8.init_state()
+    assert type(st) is DelayedScalingState
     assert st.amax_history.shape == (3, 1024) and st.count is None
     # The same rule records into both: a non-finite amax is skipped by each.
     d = DelayedScaling(history=4)
@@ -448,7 +449,7 @@ def test_delayed_bootstrap_is_per_row_of_the_history():
     recipe = dataclasses.replace(fp8.RECIPES["delayed"], history=4)
     x, w, _ = _data(64, 128, 64, seed=9)
     hist = jnp.zeros((3, 4)).at[1, 2].set(2.0)
-    y = fp8.dot_general(recipe)(x, w, DN, fp8_state=fp8.Fp8DotState(hist))
+    y = fp8.dot_general_fn(recipe)(x, w, DN, fp8_state=DelayedScalingState(hist))
     e4m3 = ml_dtypes.float8_e4m3fn
 
     def q(t, amax):
@@ -468,8 +469,8 @@ def test_update_state_on_a_stack_of_layers():
     hist[:, :, 0] = 1.0
     obs = np.zeros((3, 3, h), np.float32)
     obs[:, :, 0] = [[2, 3, 4], [5, np.inf, 6], [7, 8, 9]]
-    tree = {"blocks": fp8.Fp8DotState(jnp.asarray(hist)), "head": jnp.asarray(hist[0])}
-    got = fp8.update_state(tree, {"blocks": fp8.Fp8DotState(jnp.asarray(obs)),
+    tree = {"blocks": DelayedScalingState(jnp.asarray(hist)), "head": jnp.asarray(hist[0])}
+    got = fp8.update_state(tree, {"blocks": DelayedScalingState(jnp.asarray(obs)),
                                   "head": jnp.asarray(obs[2])})
     want = hist.copy()
     for layer in (0, 2):  # layer 1 saw an inf: unchanged
@@ -504,9 +505,9 @@ def test_registered_backend_is_used_when_it_applies():
             ScaledArray(a, a_scale, get_format("e4m3"), None),
             ScaledArray(b, b_scale, get_format("e4m3"), None)).astype(out_dtype)
 
-    saved = dict(fp8._GEMM_BACKENDS)
+    saved = dict(_backends._GEMM_BACKENDS)
     try:
-        fp8._GEMM_BACKENDS.clear()  # only the fake (pallas_kernels may be registered)
+        _backends._GEMM_BACKENDS.clear()  # only the fake (pallas_kernels may be registered)
         fp8.register_gemm_backend("fake", fake, applies=lambda a, b: a.block == (1, 128),
                                   available=lambda: False)
         x, w, dy = _data(128, 256, 128)
@@ -520,8 +521,8 @@ def test_registered_backend_is_used_when_it_applies():
         with pytest.raises(TypeError, match="applies must be callable"):
             fp8.register_gemm_backend("bad", fake, applies=None, available=lambda: True)
     finally:
-        fp8._GEMM_BACKENDS.clear()
-        fp8._GEMM_BACKENDS.update(saved)
+        _backends._GEMM_BACKENDS.clear()
+        _backends._GEMM_BACKENDS.update(saved)
 
 
 def test_recipes_print_what_they_are():
@@ -665,7 +666,7 @@ def _overflow_step(name):
     from fmtkit.optim import dynamic_loss_scale, loss_scale, scale_loss
 
     recipe = fp8.get_recipe(name)
-    dg = fp8.dot_general(recipe)
+    dg = fp8.dot_general_fn(recipe)
     opt = dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**4)
     state = None
     if recipe.delayed:
@@ -729,7 +730,7 @@ def test_delayed_inf_check_has_a_negative_control(set_fp8_switch):
     """Without ``keep_nonfinite`` the delayed recipe clips an inf to E4M3's max with the
     history's scale: the output is finite, which the test above would catch."""
     set_fp8_switch("keep_nonfinite", lambda x, v: v, obj=scaling)
-    dg = fp8.dot_general("delayed")
+    dg = fp8.dot_general_fn("delayed")
     state = fp8.init_state("delayed")
     state = state._replace(amax_history=state.amax_history.at[:, 0].set(2.0))
     x = jnp.ones((4, 16)).at[0, 0].set(jnp.inf)
@@ -740,7 +741,7 @@ def test_delayed_inf_check_has_a_negative_control(set_fp8_switch):
 def test_unscaled_tile_keeps_inf():
     """A "none" tile (a plain saturating cast) turns inf into NaN, not into the format max."""
     recipe = fp8.Fp8Recipe(grad_tile="none", x_tile="none", w_tile="none")
-    y = fp8.dot_general(recipe)(jnp.ones((4, 16)).at[1, 2].set(jnp.inf), jnp.ones((16, 4)), DN)
+    y = fp8.dot_general_fn(recipe)(jnp.ones((4, 16)).at[1, 2].set(jnp.inf), jnp.ones((16, 4)), DN)
     assert np.isnan(np.asarray(y)[1]).all() and np.isfinite(np.asarray(y)[0]).all()
 
 
@@ -751,7 +752,7 @@ def test_unscaled_tile_keeps_inf():
 def test_dot_general_keywords_are_honoured_or_rejected():
     x = jax.random.normal(jax.random.key(0), (8, 32), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32)
-    dg = fp8.dot_general("current")
+    dg = fp8.dot_general_fn("current")
     ref = np.asarray(dg(x, w, DN))
     # accepted by name: DEFAULT precision (alone or per operand) changes nothing
     for p in (jax.lax.Precision.DEFAULT, (jax.lax.Precision.DEFAULT,) * 2, "default"):
@@ -784,12 +785,18 @@ def test_dot_general_is_an_op_and_a_factory():
     w = jax.random.normal(jax.random.key(1), (200, 24), jnp.float32)
     # the op, like lax.dot_general, with the recipe as a keyword
     y_op = fp8.dot_general(x, w, DN, recipe="blockwise")
-    # the factory, named as one, and the earlier factory form (a recipe as the only argument)
-    for fn in (fp8.dot_general_fn("blockwise"), fp8.dot_general("blockwise"),
-               fp8.dot_general(fp8.RECIPES["blockwise"]), fp8.dot_general()):
+    # the factory, named as one, and the deprecated factory form (a recipe as the only
+    # argument, or none): it warns, naming dot_general_fn, and returns the same function
+    fn = fp8.dot_general_fn("blockwise")
+    assert fn.recipe == fp8.RECIPES["blockwise"]
+    np.testing.assert_array_equal(np.asarray(fn(x, w, DN)), np.asarray(y_op))
+    for args in (("blockwise",), (fp8.RECIPES["blockwise"],), ()):
+        with pytest.warns(DeprecationWarning, match=r"use fmtkit\.fp8\.dot_general_fn\(recipe\)"):
+            fn = fp8.dot_general(*args)
         assert fn.recipe == fp8.RECIPES["blockwise"]
         np.testing.assert_array_equal(np.asarray(fn(x, w, DN)), np.asarray(y_op))
-    assert fp8.dot_general(recipe="current").recipe.name == "current"
+    with pytest.warns(DeprecationWarning, match="dot_general_fn"):
+        assert fp8.dot_general(recipe="current").recipe.name == "current"
     # gradients flow through the op
     gx = jax.grad(lambda a: fp8.dot_general(a, w, DN, recipe="current").sum())(x)
     assert gx.shape == x.shape
@@ -807,10 +814,42 @@ def test_dot_general_is_an_op_and_a_factory():
 
 
 def test_one_spelling_of_fp8_in_class_names():
-    assert fp8.Fp8Recipe is fp8.Fp8Recipe  # the earlier name is an alias, not a second class
     assert fp8.Fp8Recipe.__name__ == "Fp8Recipe" and isinstance(fp8.RECIPES["current"],
                                                                  fp8.Fp8Recipe)
     assert "Fp8Recipe" in fp8.__all__ and "dot_general_fn" in fp8.__all__
+    # The earlier names are deprecated aliases of the same objects, not second classes.
+    assert "FP8Recipe" not in fp8.__all__ and "Fp8DotState" not in fp8.__all__
+    with pytest.warns(DeprecationWarning,
+                      match=r"FP8Recipe is deprecated: use fmtkit\.fp8\.Fp8Recipe"):
+        assert fp8.FP8Recipe is fp8.Fp8Recipe
+    with pytest.warns(DeprecationWarning, match=r"use fmtkit\.DelayedScalingState"):
+        assert fp8.Fp8DotState is DelayedScalingState
+    with pytest.warns(DeprecationWarning, match="Fp8Recipe"):
+        from fmtkit.fp8 import FP8Recipe
+    assert FP8Recipe is fp8.Fp8Recipe
+    with pytest.raises(AttributeError, match="no attribute 'Fp9Recipe'"):
+        fp8.Fp9Recipe  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d",
+                                  "mxfp4"])
+def test_fp8_entry_points_take_fp4_recipe_names(name):
+    """An FP4 recipe goes wherever an FP8 recipe goes: fp8's entry points take FP4 names
+    (the same recipe objects as fmtkit.fp4's) and compute what fmtkit.fp4's function does."""
+    from fmtkit import fp4
+
+    assert fp8.get_recipe(name) is fp4.RECIPES[name] is fp4.get_recipe(name)
+    assert fp8.init_state(name).amax_history.shape == (3, fp4.RECIPES[name].history)
+    x = jax.random.normal(jax.random.key(0), (32, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (64, 16), jnp.float32)
+    want = np.asarray(fp4.dot_general_fn(name)(x, w, DN))
+    dg = fp8.dot_general_fn(name)
+    assert dg.recipe is fp4.RECIPES[name]
+    np.testing.assert_array_equal(np.asarray(dg(x, w, DN)), want)
+    np.testing.assert_array_equal(np.asarray(fp8.dot_general(x, w, DN, recipe=name)), want)
+    with pytest.raises(ValueError, match="Unknown recipe 'nvfp5'") as info:
+        fp8.dot_general_fn("nvfp5")
+    assert "Unknown FP8 recipe" not in str(info.value)
 
 
 @pytest.mark.parametrize("xs,ws", [((0, 64), (64, 8)), ((4, 0), (0, 8)), ((4, 64), (64, 0))])
@@ -911,12 +950,13 @@ def test_every_recipe_is_bit_identical_to_the_float64_reference(name, shape, dty
 
 @pytest.fixture
 def set_fp8_switch(monkeypatch):
-    """Sets a private switch of ``fmtkit.fp8`` (``_WIDEN_OFF_GPU``, ``_FOLD_POW2_SCALES``) or
-    another attribute the FP8 dot reads while tracing (``set_fp8_switch(name, value,
-    obj=scaling)``) for one test. JAX caches the custom VJP's traces across calls, so a trace
-    made under one setting would be reused under the other: the caches are cleared when the
-    switch is set and again after the test (a later test must not reuse this one's traces)."""
-    def set_switch(name, value, obj=fp8):
+    """Sets a private switch of the FP8 GEMM on ``fmtkit.fp8._gemm``, the module that reads it
+    (``_WIDEN_OFF_GPU``, ``_FOLD_POW2_SCALES``), or another attribute the FP8 dot reads while
+    tracing (``set_fp8_switch(name, value, obj=scaling)``) for one test. JAX caches the
+    custom VJP's traces across calls, so a trace made under one setting would be reused under
+    the other: the caches are cleared when the switch is set and again after the test (a
+    later test must not reuse this one's traces)."""
+    def set_switch(name, value, obj=_gemm):
         monkeypatch.setattr(obj, name, value)
         jax.clear_caches()
 
@@ -946,7 +986,7 @@ def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(set_fp8_
 
 # ---------------------------------------------------------------------------------------------
 # Power-of-two scales: the fold (one f32 dot of dequantized operands) against the per-block
-# form it replaces off GPUs (``fmtkit.fp8._FOLD_POW2_SCALES`` switches it).
+# form it replaces off GPUs (``_gemm._FOLD_POW2_SCALES`` switches it).
 
 
 def _fold_vs_per_block(set_fp8_switch, recipe, x, w, dy):
@@ -993,7 +1033,7 @@ def test_power_of_two_fold_at_extreme_block_scales(set_fp8_switch, scale):
     """Blocks of x scaled by 2^-100 (E8M0 scales near 2^-108: dequantized elements near
     2^-117, still f32 normals) or 2^100 (scales near 2^92), next to ordinary blocks: the fold
     gives the per-block form's values (within the summation bound) and flushes nothing the
-    per-block form keeps (the exactness bounds in ``fp8._folds_scales``)."""
+    per-block form keeps (the exactness bounds in ``_gemm._folds_scales``)."""
     x, w, dy = _data(128, 256, 64, seed=9)
     x = x.at[:, :64].multiply(scale)  # two MX blocks of every row, one 128-block half
     if scale > 1:
@@ -1011,7 +1051,7 @@ def test_power_of_two_fold_at_extreme_block_scales(set_fp8_switch, scale):
 
 
 # ---------------------------------------------------------------------------------------------
-# Off GPUs every FP8 dot reads its operands widened exactly to bf16 (``fp8._emulated_dot``): that
+# Off GPUs every FP8 dot reads its operands widened exactly to bf16 (``_gemm._emulated_dot``): that
 # relies on XLA:CPU accumulating a bf16 x bf16 -> f32 dot in f32, checked here directly.
 
 
@@ -1031,7 +1071,7 @@ def test_cpu_bf16_dot_accumulates_in_f32(dims, a_shape, b_shape):
     them is exact in f32 (below 2, on the 2^-14 grid: 15 bits), so any order of f32
     accumulation gives the float64 sum exactly, while a bf16 accumulator (8 bits: 1 + 2^-14
     rounds to 1) or a TF32-like one (11 bits) would lose the small terms. The dot is the one
-    ``fp8._emulated_dot`` emits off GPUs (``_wide_dot``: bf16 operands, f32 output; its
+    ``_gemm._emulated_dot`` emits off GPUs (``_wide_dot``: bf16 operands, f32 output; its
     layouts are every one the per-block partials take, a plain ``lax.dot_general`` of
     some of which XLA:CPU rejects)."""
     ca = dims[0][0]
@@ -1046,7 +1086,7 @@ def test_cpu_bf16_dot_accumulates_in_f32(dims, a_shape, b_shape):
     a = np.moveaxis(a, -1, ca[0])
     a *= rng.choice([1.0, -1.0], size=(*a.shape[:ca[0]], 1, *a.shape[ca[0] + 1:])).astype(
         np.float32)  # signs per output row of a: sums of equal-sign terms
-    dot = jax.jit(lambda p, q: fp8._wide_dot(p, q, dims))
+    dot = jax.jit(lambda p, q: _gemm._wide_dot(p, q, dims))
     got = np.asarray(dot(jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)))
     assert got.dtype == np.float32
     want = _np_dot_general(a.astype(np.float64), b.astype(np.float64), dims)
@@ -1074,7 +1114,7 @@ def _np_dot_general(a, b, dims):
 @pytest.mark.parametrize("name", [*fp8.RECIPES])
 def test_widened_dots_equal_fp8_dots_up_to_summation_order(set_fp8_switch, name):
     """Off GPUs the dots read FP8 operands widened to bf16; against the FP8 dots they replace
-    (``fp8._WIDEN_OFF_GPU`` off) y, dx and dw differ at most by the f32 summation bound of
+    (``_gemm._WIDEN_OFF_GPU`` off) y, dx and dw differ at most by the f32 summation bound of
     the two orders (the values and products are the same), on data with outlier channels."""
     x, w, dy = _data(128, 384, 256, seed=11)
     x = x.at[:, ::37].multiply(100.0)
@@ -1091,7 +1131,7 @@ def test_widened_dots_equal_fp8_dots_up_to_summation_order(set_fp8_switch, name)
 
 # ---------------------------------------------------------------------------------------------
 # Off GPUs the blockwise per-block partials are one 2-D dot per 128-block in a lax.scan
-# (``fp8._block_dots``; ``fp8._SCAN_BLOCK_DOTS`` switches it) instead of one batched dot.
+# (``_gemm._block_dots``; ``_gemm._SCAN_BLOCK_DOTS`` switches it) instead of one batched dot.
 
 _BLOCK_SHAPES = [(256, 1024, 384), (100, 200, 300), (128, 384, 256)]
 
@@ -1154,7 +1194,7 @@ def test_block_dots_are_bit_identical_to_batched_partials_where_sums_are_exact(
 
 def test_block_dots_are_one_scanned_dot_per_gemm_and_fp4_keeps_its_batched_dot():
     """A 4096-wide contraction (32 blocks) is still one dot equation per GEMM, in a scan of
-    32 steps; NVFP4's 16-wide blocks keep the batched form (``fp8._MIN_SCAN_BLOCK``)."""
+    32 steps; NVFP4's 16-wide blocks keep the batched form (``_gemm._MIN_SCAN_BLOCK``)."""
     from fmtkit import fp4
 
     x, w, dy = (jax.ShapeDtypeStruct(s, jnp.float32) for s in

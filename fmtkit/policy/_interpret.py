@@ -80,6 +80,7 @@ from jax import lax
 from fmtkit import fp8
 from fmtkit.policy import _ops, _trace_cache
 from fmtkit.policy._policy import Policy, Rules, ancestor_types
+from fmtkit.scaling import DelayedScalingState
 
 MODULE_SCOPE = "fmtkit_module_"
 OP_SCOPE = "fmtkit_op_"
@@ -944,7 +945,7 @@ class Interpreter:
                 self._warn(path, f"FP8 recipe {recipe} skipped for a matmul in module "
                                  f"{path or '<root>'!r}: {reason}; it runs in {cdt.name}.")
                 return None
-            kwargs["fp8_state"] = fp8.Fp8DotState(fp8_local[key])
+            kwargs["fp8_state"] = DelayedScalingState(fp8_local[key])
         try:
             return fp8.dot_general_fn(recipe)(lhs, rhs, eqn.params["dimension_numbers"], None,
                                               preferred_element_type=cdt, **kwargs)

@@ -17,8 +17,8 @@ Three models, every variant of one model timed in alternation in the same run (m
 * **mlp**: a GELU MLP of ``--layers`` dense layers of width ``--width`` on ``--batch`` rows,
   written by hand so that each variant differs only in its matmul: ``f32`` (f32 compute),
   ``bf16`` (bf16 compute, f32 parameters), ``fp8-NAME`` (``fmtkit.fp8.dot_general_fn(NAME)`` on
-  bf16 inputs; the delayed recipe threads its ``Fp8DotState`` and records observations with
-  ``fmtkit.fp8.update_state``), ``flax-fp8`` (Flax's ``Fp8DirectDotGeneralOp``, delayed per
+  bf16 inputs; the delayed recipe threads its ``DelayedScalingState`` and records observations
+  with ``fmtkit.fp8.update_state``), ``flax-fp8`` (Flax's ``Fp8DirectDotGeneralOp``, delayed per
   tensor, its state overwritten by its gradient as Flax prescribes).
 * **transformer**: ``studies.models.TransformerLM`` (``--d-model``, ``--layers``,
   ``--seq``, ``--lm-batch``): ``f32`` is the plain model, ``bf16`` is
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import optax
 from flax.linen import fp8_ops
 
-from fmtkit import fp4, fp8
+from fmtkit import DelayedScalingState, fp4, fp8
 from studies import models
 from studies.bench._timing import time_interleaved, write_results
 
@@ -86,7 +86,7 @@ class _Dense(nn.Module):
             if recipe.delayed:
                 hist = self.variable("fp8_state", "amax_history",
                                      lambda: fp8.init_state(recipe).amax_history)
-                kw["fp8_state"] = fp8.Fp8DotState(hist.value)
+                kw["fp8_state"] = DelayedScalingState(hist.value)
             y = fp8.dot_general_fn(recipe, name=self.name)(x, w, DN, **kw)
         return y + b[None, :]
 
@@ -171,7 +171,7 @@ class _UserDense(nn.Module):
         if recipe.delayed:
             hist = self.variable("fp8_state", "amax_history",
                                  lambda: fp8.init_state(recipe).amax_history)
-            dg = functools.partial(dg, fp8_state=fp8.Fp8DotState(hist.value))
+            dg = functools.partial(dg, fp8_state=DelayedScalingState(hist.value))
         return nn.Dense(self.features, dot_general=dg, name="Dense")(x)
 
 

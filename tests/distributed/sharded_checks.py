@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fmtkit import fp8, optim, with_policy
+from fmtkit import DelayedScalingState, fp8, optim, with_policy
 from fmtkit.distributed import reduce_gradients
 
 warnings.simplefilter("error")
@@ -225,10 +225,10 @@ def check_fp8_delayed():
 def _fp8_vjp(recipe, x, w, ct, hist):
     """y, dx, dw (summed over the mesh when the recipe reduces amaxes: inside shard_map) and
     the observed amaxes of one FP8 dot."""
-    dg = fp8.dot_general(recipe)
+    dg = fp8.dot_general_fn(recipe)
     y, back = jax.vjp(lambda x, w, s: dg(x, w, (((1,), (0,)), ((), ())),
                                          fp8_state=s if recipe.delayed else None),
-                      x, w, fp8.Fp8DotState(hist))
+                      x, w, DelayedScalingState(hist))
     dx, dw, ds = back(ct)
     if recipe.amax_reduce_axes:
         dw = jax.lax.psum(dw, recipe.amax_reduce_axes)

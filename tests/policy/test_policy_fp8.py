@@ -200,7 +200,7 @@ def test_user_linen_model_with_fp8_rule():
 
 def test_inspect_policy_reports_one_fp8_gemm_per_blockwise_matmul():
     """Off GPUs a blockwise GEMM over several 128-blocks is one 2-D dot per block in a scan
-    (``fmtkit.fp8._block_dots``): the report still lists each layer's three GEMMs once, in
+    (``fmtkit.fp8._gemm._block_dots``): the report still lists each layer's three GEMMs once, in
     E4M3, with the FLOPs of the whole GEMM (2 x 256 tokens x in x out), dgrad and wgrad
     told apart."""
     from fmtkit.policy import inspect_policy

@@ -406,23 +406,23 @@ def test_batched_delayed_dot_is_one_delayed_dot_per_batch_element():
     """fmtkit.fp8.dot_general_fn("delayed") with batch dims and a [B, 3, H] state equals, per
     batch element, the unbatched delayed dot on that element's history (forward and the
     observed amaxes); a [3, H] state for a batched dot is refused."""
-    dg = fp8.dot_general("delayed")
+    dg = fp8.dot_general_fn("delayed")
     dn_b, dn = (((2,), (1,)), ((0,), (0,))), (((1,), (0,)), ((), ()))
     x = jnp.asarray(RNG.standard_normal((3, 4, 8)) * [[[1.0]], [[10.0]], [[0.1]]], F32)
     w = jnp.asarray(RNG.standard_normal((3, 8, 5)), F32)
     hist = jnp.asarray(RNG.uniform(0.5, 20.0, (3, 3, 1024)), F32)
 
     def batched(x, w, h):
-        return jnp.sum(dg(x, w, dn_b, fp8_state=fp8.Fp8DotState(h)) ** 2)
+        return jnp.sum(dg(x, w, dn_b, fp8_state=fmtkit.DelayedScalingState(h)) ** 2)
 
     def single(x, w, h):
-        return jnp.sum(dg(x, w, dn, fp8_state=fp8.Fp8DotState(h)) ** 2)
+        return jnp.sum(dg(x, w, dn, fp8_state=fmtkit.DelayedScalingState(h)) ** 2)
 
-    out = dg(x, w, dn_b, fp8_state=fp8.Fp8DotState(hist))
+    out = dg(x, w, dn_b, fp8_state=fmtkit.DelayedScalingState(hist))
     obs = jax.grad(batched, argnums=2)(x, w, hist)
     for b in range(3):
         np.testing.assert_array_equal(np.asarray(out[b]), np.asarray(
-            dg(x[b], w[b], dn, fp8_state=fp8.Fp8DotState(hist[b]))))
+            dg(x[b], w[b], dn, fp8_state=fmtkit.DelayedScalingState(hist[b]))))
         np.testing.assert_array_equal(np.asarray(obs[b]),
                                       np.asarray(jax.grad(single, argnums=2)(x[b], w[b], hist[b])))
     # the observed x amax of each element is its own max |x| (float64 NumPy)

@@ -1,0 +1,138 @@
+"""GEMM backends: kernels that register themselves for ``Fp8Recipe.use_kernel`` "auto" and
+"interpret" (``pallas_kernels`` does on import; JAX's native block-scaled dot is registered
+here), the choice of a backend for one GEMM, and where a trace runs (GPU, Blackwell)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fmtkit.scaling import ScaledArray
+
+if TYPE_CHECKING:
+    from fmtkit.fp8._recipe import Fp8Recipe
+
+class GemmBackend(NamedTuple):
+    """A GEMM kernel for quantized operands (see ``register_gemm_backend``)."""
+
+    name: str
+    fn: Callable[..., jax.Array]
+    applies: Callable[[ScaledArray, ScaledArray], bool]
+    available: Callable[[], bool]
+
+
+_GEMM_BACKENDS: dict[str, GemmBackend] = {}
+_ENTRY_POINT_GROUP = "fmtkit.gemm_backends"
+_entry_points_loaded = False
+
+
+def register_gemm_backend(name: str, fn: Callable[..., jax.Array], *,
+                          applies: Callable[[ScaledArray, ScaledArray], bool],
+                          available: Callable[[], bool]) -> None:
+    """Registers a GEMM kernel for ``Fp8Recipe.use_kernel`` "auto" / "interpret".
+
+    Args:
+      name: the backend's name (registering a name again replaces it).
+      fn: ``fn(a_values, a_scale, b_values, b_scale, *, impl, out_dtype) -> [F1, F2]``,
+        the product ``a [F1, C] · b [F2, C]ᵀ`` with the scales applied per block of C,
+        exactly ``scaled_matmul``'s semantics, accumulated in f32 and rounded once to
+        ``out_dtype`` (float32, or bfloat16 where the GEMM's consumer is bf16: the forward
+        and data-gradient GEMMs of a bf16 model; a kernel that writes bf16 moves half the
+        output bytes); ``impl`` is "kernel" or "interpret".
+      applies: whether the kernel takes these two (padded) ``ScaledArray`` operands.
+      available: whether the compiled kernel runs here (e.g. on a Hopper GPU); evaluated at
+        trace time, so an abstract mesh's device counts.
+
+    ``fmtkit`` never imports a kernel package by name: ``pallas_kernels`` calls this when it
+    is imported, and "auto" also loads the packages that declare the entry-point group
+    ``fmtkit.gemm_backends`` (this repository's ``pyproject.toml`` declares
+    ``pallas_kernels``), so on a Hopper GPU "auto" finds the kernel without an import.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}.")
+    for arg, f in (("fn", fn), ("applies", applies), ("available", available)):
+        if not callable(f):
+            raise TypeError(f"{arg} must be callable, got {f!r}.")
+    _GEMM_BACKENDS[name] = GemmBackend(name, fn, applies, available)
+
+
+def gemm_backends() -> dict[str, GemmBackend]:
+    """The registered GEMM backends, after loading the ``fmtkit.gemm_backends`` entry points."""
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        import importlib.metadata
+
+        for ep in importlib.metadata.entry_points(group=_ENTRY_POINT_GROUP):
+            try:
+                ep.load()
+            except ImportError:  # an optional kernel package whose dependencies are missing
+                continue
+    return dict(_GEMM_BACKENDS)
+
+
+def kernel_backend(recipe: Fp8Recipe, a: ScaledArray, b: ScaledArray
+                   ) -> tuple[GemmBackend, str] | None:
+    """The registered kernel and its ``impl`` for this GEMM, or None for ``scaled_matmul``."""
+    if recipe.use_kernel == "never" or recipe.accum_mantissa_bits is not None:
+        return None
+    if recipe.use_kernel == "auto" and not on_gpu():
+        return None  # no kernel package is loaded where none could run compiled
+    for backend in gemm_backends().values():
+        if not backend.applies(a, b):
+            continue
+        if recipe.use_kernel == "interpret":
+            return backend, "interpret"
+        if backend.available():
+            return backend, "kernel"
+    return None
+
+
+# Blackwell parts (compute capability 10.x), whose tensor cores take MX block scales.
+_BLACKWELL_KINDS = ("B100", "B200", "B300", "GB200", "GB300")
+_MX_ELEMENTS = ("float8_e4m3fn", "float8_e5m2")
+
+
+def on_blackwell() -> bool:
+    """Whether this trace targets a Blackwell GPU (block-scaled tensor cores): an abstract
+    mesh's device (cross-lowering without one), else the default device."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is None:
+        if jax.default_backend() != "gpu":
+            return False
+        device = jax.devices()[0]
+        cc = getattr(device, "compute_capability", None)
+        if cc is not None:
+            return str(cc).split(".")[0] == "10"
+    return device.platform == "gpu" and any(
+        k in getattr(device, "device_kind", "") for k in _BLACKWELL_KINDS)
+
+
+def _fits_block_scaled_dot(a: ScaledArray, b: ScaledArray) -> bool:
+    """MXFP8 operands: E4M3/E5M2 elements in 1x32 blocks along C with E8M0 scales."""
+    return all(t.block == (1, 32) and t.fmt.name in _MX_ELEMENTS
+               and t.scale.dtype == jnp.float8_e8m0fnu for t in (a, b))
+
+
+def _block_scaled_dot(a_values, a_scale, b_values, b_scale, *, impl, out_dtype):
+    """JAX's native block-scaled dot (``jax.nn.scaled_matmul``): XLA's ``block_scaled_dot``,
+    run by cuDNN on Blackwell; elsewhere (``impl="interpret"``) JAX's own decomposition."""
+    del impl
+    return jax.nn.scaled_matmul(a_values[None], b_values[None], a_scale[None], b_scale[None],
+                                preferred_element_type=jnp.float32)[0].astype(out_dtype)
+
+
+register_gemm_backend("jax_block_scaled_dot", _block_scaled_dot,
+                      applies=_fits_block_scaled_dot, available=on_blackwell)
+
+
+def on_gpu() -> bool:
+    """Whether this trace targets a GPU (an abstract mesh's device, else the default one)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None:
+        return device.platform == "gpu"
+    return jax.default_backend() == "gpu"
+
