@@ -49,10 +49,12 @@ def _sr_key(recipe: Fp4Recipe, t: jax.Array, role: int) -> jax.Array:
     return jax.random.fold_in(key, h)
 
 
-def _quantize_operand(t: jax.Array, recipe: Fp4Recipe, tile_spec: str, rounding: str,
-                      key_role: int) -> Fp4Array:
-    """Quantizes a padded 2-D ``[free, contraction]`` operand per the recipe's tile."""
-    tile = tile_of(tile_spec)
+def _quantize_operand(t: jax.Array, recipe: Fp4Recipe, operand: str, key_role: int
+                      ) -> Fp4Array:
+    """Quantizes a padded 2-D ``[free, contraction]`` operand with the tile and rounding of
+    the recipe's ``operand`` ("x", "w" or "grad"); ``key_role`` picks its SR key."""
+    tile = tile_of(getattr(recipe, f"{operand}_tile"))
+    rounding = getattr(recipe, f"{operand}_rounding")
     key = _sr_key(recipe, t, key_role) if rounding == "stochastic" else None
     if recipe.block_scale == "e8m0":
         return mxfp4_quantize(t, tile.c, scale_rounding=recipe.mx_scale_rounding,
@@ -63,6 +65,14 @@ def _quantize_operand(t: jax.Array, recipe: Fp4Recipe, tile_spec: str, rounding:
         for axis in recipe.amax_reduce_axes:
             amax = lax.pmax(amax, axis)
     return nvfp4_quantize(t, (tile.f, tile.c), rounding=rounding, key=key, amax=amax)
+
+
+def _padded_operand(t: jax.Array, recipe: Fp4Recipe, operand: str, c_to: int, key_role: int
+                    ) -> Fp4Array:
+    """``t`` [F, C] zero-padded to its free block and to ``c_to`` columns, quantized as the
+    recipe's ``operand``."""
+    f = tile_of(getattr(recipe, f"{operand}_tile")).f
+    return _quantize_operand(pad2(t, round_up(t.shape[0], f), c_to), recipe, operand, key_role)
 
 
 
@@ -116,17 +126,13 @@ def _transpose(q: Fp4Array, f_to: int, c_to: int) -> Fp4Array:
     return Fp4Array(v, s, q.tensor_scale, q.block[::-1])
 
 
-
-
 def _core_impl(recipe, x, w):
     m, k = x.shape
     n = w.shape[0]
     tx, tw, _ = recipe_tiles(recipe)
     kp = padded_c(k, tx, tw)
-    xq = _quantize_operand(pad2(x, round_up(m, tx.f), kp), recipe,
-                           recipe.x_tile, recipe.x_rounding, 0)
-    wq = _quantize_operand(pad2(w, round_up(n, tw.f), kp), recipe,
-                           recipe.w_tile, recipe.w_rounding, 1)
+    xq = _padded_operand(x, recipe, "x", kp, 0)
+    wq = _padded_operand(w, recipe, "w", kp, 1)
     return _gemm(xq, wq, recipe)[:m, :n], wq
 
 
@@ -152,13 +158,11 @@ def _core_bwd(recipe, out_dtype, res, g):
     tx, tw, tg = recipe_tiles(recipe)
     # dgrad: dx [M, K] = g [M, N] · w [N, K], contracting N; the weight's 2D blocks transposed.
     np_ = padded_c(n, tg, tw)
-    gq = _quantize_operand(pad2(g, round_up(m, tg.f), np_), recipe,
-                           recipe.grad_tile, recipe.grad_rounding, 2)
+    gq = _padded_operand(g, recipe, "grad", np_, 2)
     if wq is not None:
         wq_n = _transpose(wq, wq.values.shape[1], np_)
     else:
-        wq_n = _quantize_operand(pad2(w.T, round_up(k, tw.f), np_), recipe,
-                                 recipe.w_tile, recipe.w_rounding, 1)
+        wq_n = _padded_operand(w.T, recipe, "w", np_, 1)
     with jax.named_scope(DGRAD_SCOPE):
         dx = _gemm(gq, wq_n, recipe)[:m, :k].astype(x.dtype)
     # wgrad: dw [N, K] = gᵀ [N, M] · x [M, K], contracting the tokens M, both rotated.
@@ -168,8 +172,8 @@ def _core_bwd(recipe, out_dtype, res, g):
     if recipe.rht:
         a = random_hadamard_transform(a, seed=recipe.rht_seed, size=recipe.rht_size)
         b = random_hadamard_transform(b, seed=recipe.rht_seed, size=recipe.rht_size)
-    aq = _quantize_operand(a, recipe, recipe.grad_tile, recipe.grad_rounding, 3)
-    bq = _quantize_operand(b, recipe, recipe.x_tile, recipe.x_rounding, 4)
+    aq = _quantize_operand(a, recipe, "grad", 3)
+    bq = _quantize_operand(b, recipe, "x", 4)
     with jax.named_scope(WGRAD_SCOPE):
         dw = _gemm(aq, bq, recipe)[:n, :k].astype(w.dtype)
     return dx, dw, jnp.zeros_like(hist)
@@ -202,11 +206,9 @@ def quantization_stats(t: jax.typing.ArrayLike, recipe: str | Fp4Recipe = "nvfp4
     t = check_floating(t, "t").astype(jnp.float32)
     if t.ndim != 2:
         raise ValueError(f"t must be 2-D [free, contraction], got shape {t.shape}.")
-    spec, rounding = getattr(recipe, f"{operand}_tile"), getattr(recipe, f"{operand}_rounding")
-    tile = tile_of(spec)
+    tile = tile_of(getattr(recipe, f"{operand}_tile"))
     t = pad2(t, round_up(t.shape[0], tile.f), round_up(t.shape[1], tile.c))
-    role = {"x": 0, "w": 1, "grad": 2}[operand]
-    q = _quantize_operand(t, recipe, spec, rounding, role)
+    q = _quantize_operand(t, recipe, operand, {"x": 0, "w": 1, "grad": 2}[operand])
     deq = q.dequantize()
     dec = q.block_scale.astype(jnp.float32) * q.tensor_scale  # decode scale per block
     a = blocks(jnp.abs(t), q.block)

@@ -181,6 +181,8 @@ class Fp4Recipe(Fp8Recipe):
       sr_seed: seed of the stochastic rounding keys (see the module docstring).
     """
 
+    # Fp8Recipe's fields with FP4 defaults: a dataclass subclass redeclares a field to change
+    # its default, so these lines repeat the shape of Fp8Recipe's on purpose.
     name: str = "nvfp4"
     x_format: str = "float4_e2m1fn"
     w_format: str = "float4_e2m1fn"
