@@ -248,7 +248,7 @@ def test_outlier_channels_blockwise_vs_per_tensor():
 
 
 def test_bad_recipes():
-    with pytest.raises(ValueError, match="FP8 recipes: current, delayed.*FP4 recipes: nvfp4"):
+    with pytest.raises(ValueError, match=r"FP8 recipes: current, delayed.*FP4 recipes: nvfp4"):
         fp8.get_recipe("fp8-magic")
     with pytest.raises(ValueError, match="unscaled gradients need E5M2's range"):
         fp8.Fp8Recipe(grad_format="e4m3", grad_tile="none")
