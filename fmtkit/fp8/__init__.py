@@ -60,7 +60,7 @@ from fmtkit.fp8._gemm import WGRAD_SCOPE as WGRAD_SCOPE
 from fmtkit.fp8._gemm import WIDENED_SCOPE as WIDENED_SCOPE
 from fmtkit.fp8._recipe import RECIPES, Fp8Recipe, get_recipe
 from fmtkit.fp8._state import combine_observations, init_state, update_state
-from fmtkit.scaling import DelayedScalingState
+from fmtkit.scaling import DelayedScalingState as _DelayedScalingState
 
 __all__ = [
     "PARTIALS_BUDGET_BYTES",
@@ -81,7 +81,7 @@ __all__ = [
 
 _DEPRECATED: dict[str, tuple[Any, str]] = {
     "FP8Recipe": (Fp8Recipe, "fmtkit.fp8.Fp8Recipe (the same class)"),
-    "Fp8DotState": (DelayedScalingState,
+    "Fp8DotState": (_DelayedScalingState,
                     "fmtkit.DelayedScalingState (the same class, the delayed-scaling state)"),
 }
 
