@@ -3,7 +3,7 @@
 ``Policy`` holds a module's dtypes (params, compute, output, grad, reduce) and optionally an
 FP8 recipe; ``Rules`` map module paths (or class names) to Policies, first match wins, plus
 the output head's policy (found by role) and the model outputs' dtype; ``with_policy``
-applies them **per operation**, autocast-style (``_ops`` has the op table, ``_interpret`` the
+applies them **per operation**, autocast-style (``_ops`` has the op table, ``_trace`` the
 mechanism: the traced jaxpr re-interpreted under the rules); ``module_paths`` lists the paths
 to write rules against; ``inspect_policy`` reads back, from the jaxpr of the gradient, what
 each op class of each module computed in, and lists every matmul and convolution with its
@@ -15,7 +15,6 @@ adapters are loaded when a model is first given.
 
 from fmtkit.policy._apply import module_paths, with_policy
 from fmtkit.policy._inspect import MatmulOp, ModuleReport, PolicyReport, inspect_policy
-from fmtkit.policy._interpret import mark_head
 from fmtkit.policy._policy import (
     Policy,
     Rules,
@@ -24,6 +23,7 @@ from fmtkit.policy._policy import (
     get_preset,
     list_presets,
 )
+from fmtkit.policy._scopes import mark_head
 from fmtkit.policy._stack import find_stack, keep_blocks
 
 __all__ = [

@@ -11,7 +11,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from fmtkit.policy import _eager, _interpret, _trace_cache
+from fmtkit.policy import _eager, _trace, _trace_cache
 from fmtkit.policy._policy import Policy, Rules, as_rules
 
 __all__ = ["module_paths", "with_policy"]
@@ -241,7 +241,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                 return len(path) > 2 and getattr(path[2], "key", None) == "params"
             return True
 
-        traced = _interpret.trace(call, args, kwargs, is_param=is_param, cache=traces)
+        traced = _trace.trace(call, args, kwargs, is_param=is_param, cache=traces)
         if has_fp8 and not argnums and argnums_spec == _AUTO and _has_matmul(traced):
             warnings.warn(
                 "with_policy: this function was called with one positional argument, which "
@@ -273,7 +273,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
 
         def call(tree):
             a, k, state = tree
-            out, _ = _interpret.run(traced_call(a, k), rules,
+            out, _ = _trace.run(traced_call(a, k), rules,
                                     fp8_state=dict(state) if state is not None else None)
             return out
 
@@ -286,7 +286,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
         f32[*layers, 3, history]}`` (empty without a delayed recipe); traced, not run."""
         if not delayed:
             return {}
-        slots = _interpret.fp8_slots(traced_call(args, kwargs), rules)
+        slots = _trace.fp8_slots(traced_call(args, kwargs), rules)
         return {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
 
     policied._fmtkit_rules = rules  # type: ignore[attr-defined]

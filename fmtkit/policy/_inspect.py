@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fmtkit import fp4, fp8
-from fmtkit.policy import _interpret, _ops
+from fmtkit.policy import _ops, _scopes
 from fmtkit.policy._apply import flax_kind
 from fmtkit.policy._policy import Policy, Rules, is_floating
 
 __all__ = ["MatmulOp", "ModuleReport", "PolicyReport", "inspect_policy"]
 
-_OP_RX = re.compile(re.escape(_interpret.OP_SCOPE) + r"(\d+)")
+_OP_RX = re.compile(re.escape(_scopes.OP_SCOPE) + r"(\d+)")
 # An emulated FP8 GEMM whose dot reads its operands widened to bf16 (fmtkit.fp8.WIDENED_SCOPE)
 _WIDENED_RX = re.compile(re.escape(fp8.WIDENED_SCOPE) + r"-(\w+)-(\w+)")
 # An FP4 GEMM's scope names its operands' block shapes (fmtkit.fp4.GEMM_SCOPE).
@@ -413,7 +413,7 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
             # refuses (Variables mutated from another trace level).
             return nnx.value_and_grad(loss, has_aux=True)(merged, *merged_nodes)
 
-        with _interpret.recording() as rec:
+        with _scopes.recording() as rec:
             closed, shapes = jax.make_jaxpr(nnx_f, return_shape=True)(params, rest, arrays)
         (loss_shape, out_shapes), grad_shapes = shapes
         table = _param_table(nnx.state(wrapped, nnx.Param), grad_shapes)
@@ -444,7 +444,7 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
 
     traced = jax.value_and_grad(f, has_aux=True) if backward else (
         lambda *a: (f(*a), None))
-    with _interpret.recording() as rec:
+    with _scopes.recording() as rec:
         closed, shapes = jax.make_jaxpr(traced, return_shape=True)(params, rest, in_arrays)
     (loss_shape, out_shapes), grad_shapes = shapes
     return _assemble(closed, rec, _param_table(params, grad_shapes), out_shapes, loss_shape)
@@ -468,7 +468,7 @@ def _argnums(argnums, n: int) -> frozenset[int]:
     return frozenset(i % n for i in nums)
 
 
-def _matmul_kind(eqn, rec: _interpret.OpRecord, backward: bool, stack: str) -> str:
+def _matmul_kind(eqn, rec: _scopes.OpRecord, backward: bool, stack: str) -> str:
     """forward; or, on the backward pass, what an FP8 / FP4 dot's backward scope says, else
     wgrad when the result has as many elements as a parameter operand (the weight's gradient,
     in whatever layout), else dgrad."""
@@ -485,7 +485,7 @@ def _matmul_kind(eqn, rec: _interpret.OpRecord, backward: bool, stack: str) -> s
     return "dgrad"
 
 
-def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_shape
+def _assemble(closed, rec: _scopes.Recorder, param_table, out_shapes, loss_shape
               ) -> PolicyReport:
     acc: dict[str, dict] = {}
 
@@ -567,7 +567,7 @@ def _matmul_dtypes(eqn) -> str:
     return f"{_dtype(eqn.invars[0])} x {_dtype(eqn.invars[1])} -> {_dtype(eqn.outvars[0])}"
 
 
-def _not_policied(op: _interpret.OpRecord | None) -> str:
+def _not_policied(op: _scopes.OpRecord | None) -> str:
     """Why a matmul that is not an interpreted matmul op ran as traced."""
     if op is None:
         return "outside the policy"

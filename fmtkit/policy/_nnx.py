@@ -12,7 +12,7 @@ public method of the root (``__call__``, ``attend``, ...):
 1. splits the model and any graph nodes among the arguments (an ``nnx.Rngs``) into
    parameters and other state;
 2. traces a pure function that merges them, swaps the merged copy's module classes for
-   subclasses whose methods enter the module's registry scope (``_interpret``), calls it, and
+   subclasses whose methods enter the module's registry scope (``_scopes``), calls it, and
    returns the output and the new state (BatchNorm statistics, RNG counts, sown values);
 3. re-interprets that trace under the rules and writes the new state back (``nnx.update``).
 
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fmtkit.policy import _eager, _interpret, _trace_cache
+from fmtkit.policy import _eager, _scopes, _trace, _trace_cache
 from fmtkit.policy._policy import (
     Rules,
     ancestor_types,
@@ -87,7 +87,7 @@ def _method_names(cls: type) -> tuple[str, ...]:
 def _scoped_method(fn, path: str, names: tuple[str, ...]):
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        with _interpret.module_scope(path, names):
+        with _scopes.module_scope(path, names):
             return fn(self, *args, **kwargs)
 
     return method
@@ -183,10 +183,10 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
         return out, new_state
 
     def run(tree):
-        traced = _interpret.trace(pure, tree, {}, is_param=_is_param,
+        traced = _trace.trace(pure, tree, {}, is_param=_is_param,
                                   cache=_TRACES if type(model)._fmtkit_cache_traces else None,
                                   cache_key=(graphdef, fn), static_types=(_Slot,))
-        (out, new_state), _ = _interpret.run(traced, rules, main=_main_outputs(traced),
+        (out, new_state), _ = _trace.run(traced, rules, main=_main_outputs(traced),
                                              fp8_state=_fp8_state(model, traced, rules))
         return out, new_state
 
@@ -255,7 +255,7 @@ def _fp8_state(model: nnx.Module, traced, rules: Rules) -> dict | None:
         return None
     shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
     n_main = len(jax.tree.leaves(shapes[0]))
-    slots = _interpret.fp8_slots(traced, rules, [i < n_main for i in range(len(traced.out_avals))])
+    slots = _trace.fp8_slots(traced, rules, [i < n_main for i in range(len(traced.out_avals))])
     if not slots:
         return None
     fresh = {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
@@ -297,7 +297,7 @@ _SLOT = _Slot()  # one instance: a static leaf of the eager cache's key
 def _policied_method(fn):
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        if _interpret.is_tracing():  # inside our own trace: the model's own code
+        if _scopes.is_tracing():  # inside our own trace: the model's own code
             return fn(self, *args, **kwargs)
         return _policied_call(self, fn, args, kwargs)
 
