@@ -207,7 +207,8 @@ def _has_matmul(traced: Any) -> bool:
 def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                        cache_traces: bool = True) -> Any:
     from fmtkit.policy import _linen
-    from fmtkit.policy._policy import check_param_dtypes, has_delayed_fp8, report_unmatched
+    from fmtkit.policy._plan import Plan
+    from fmtkit.policy._policy import has_delayed_fp8
 
     if getattr(fn, "_fmtkit_rules", None) is not None:
         raise ValueError("This function already has a policy (with_policy was applied to it); "
@@ -249,11 +250,12 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                 "and the policy's FP8 recipe runs on none of them. If the argument holds "
                 "parameters (f(params)), pass params_argnums=0; to silence this for data, "
                 "params_argnums=().", UserWarning, stacklevel=3)
-        visited = traced.registry.visited()
-        report_unmatched(rules, visited or {"": ()}, strict)
-        check_param_dtypes(rules, visited, _param_leaves(args, argnums),
-                           f"the parameter argument(s) {list(argnums)}")
-        return traced
+        # The modules the trace called (the root alone when it called none).
+        plan = Plan.of(rules, traced.registry.visited() or {"": ()})
+        plan.report_unmatched(strict)
+        plan.check_param_dtypes(_param_leaves(args, argnums),
+                                f"the parameter argument(s) {list(argnums)}")
+        return traced, plan
 
     @functools.wraps(fn)
     def policied(*args, **kwargs):
@@ -273,8 +275,8 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
 
         def call(tree):
             a, k, state = tree
-            out, _ = _trace.run(traced_call(a, k), rules,
-                                    fp8_state=dict(state) if state is not None else None)
+            out, _ = _trace.run(*traced_call(a, k),
+                                fp8_state=dict(state) if state is not None else None)
             return out
 
         # Eager calls: compiled once per input signature (fmtkit.policy._eager).
@@ -286,7 +288,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
         f32[*layers, 3, history]}`` (empty without a delayed recipe); traced, not run."""
         if not delayed:
             return {}
-        slots = _trace.fp8_slots(traced_call(args, kwargs), rules)
+        slots = _trace.fp8_slots(*traced_call(args, kwargs))
         return {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
 
     policied._fmtkit_rules = rules  # type: ignore[attr-defined]

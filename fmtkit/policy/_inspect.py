@@ -54,6 +54,8 @@ class ModuleReport:
         ``reduce_sum``, ...); ``grad_ops``: the same for the backward pass.
       output_dtypes: dtypes of floating values leaving the module.
       params: parameter name -> ``(stored dtype, gradient dtype)``.
+      rule: the pattern of the rule that gave the module its policy (None: the rules'
+        default, or no rule at all).
     """
 
     path: str
@@ -66,6 +68,7 @@ class ModuleReport:
     grad_ops: Mapping[str, tuple[str, ...]]
     output_dtypes: tuple[str, ...]
     params: Mapping[str, tuple[str, str]]
+    rule: str | None = None
 
     @property
     def softmax_dtypes(self) -> tuple[str, ...]:
@@ -544,7 +547,7 @@ def _assemble(closed, rec: _scopes.Recorder, param_table, out_shapes, loss_shape
 
     modules = {}
     for path, a in acc.items():
-        type_name, policy = rec.modules.get(path, ("-", None))
+        type_name, policy, rule = rec.modules.get(path, ("-", None, None))
         prefix = f"{path}/" if path else ""
         own = {full[len(prefix):]: dt for full, dt in param_table.items()
                if full.startswith(prefix) and "/" not in full[len(prefix):]}
@@ -555,7 +558,7 @@ def _assemble(closed, rec: _scopes.Recorder, param_table, out_shapes, loss_shape
             head_policy=a["head_policy"],
             ops=frozen(a["ops"]), grad_ops=frozen(a["grad_ops"]),
             output_dtypes=tuple(sorted(rec.exits.get(path, ()))),
-            params=MappingProxyType(own))
+            params=MappingProxyType(own), rule=rule)
     out_dtypes = tuple(sorted({str(s.dtype) for s in jax.tree.leaves(out_shapes)
                                if jnp.issubdtype(s.dtype, jnp.floating)}))
     return PolicyReport(modules=MappingProxyType(modules), params=MappingProxyType(param_table),

@@ -41,7 +41,8 @@ from fmtkit.policy._analysis import (
 )
 from fmtkit.policy._binding import F32, bind, cast, floating_dtype, is_float_value, wider
 from fmtkit.policy._cotangent import round_on_exit
-from fmtkit.policy._policy import Policy, Rules, ancestor_types
+from fmtkit.policy._plan import Plan
+from fmtkit.policy._policy import Policy
 from fmtkit.policy._scopes import OP_SCOPE, ModuleInfo, OpRecord, Recorder, Registry, scope_chain
 
 
@@ -70,11 +71,12 @@ def _mixed_matmul(eqn, lhs, rhs, out_dtype):
 
 
 class Interpreter:
-    """Evaluates a traced jaxpr under ``rules`` (see the module docstring)."""
+    """Evaluates a traced jaxpr under a plan's rules (see the module docstring)."""
 
-    def __init__(self, rules: Rules, registry: Registry, *, fp8_state: dict | None = None,
+    def __init__(self, plan: Plan, registry: Registry, *, fp8_state: dict | None = None,
                  record: Recorder | None = None):
-        self.rules = rules
+        self.plan = plan
+        self.rules = plan.rules
         self.registry = registry
         self.fp8_state = fp8_state
         self.record = record
@@ -82,7 +84,6 @@ class Interpreter:
         self._warned: set[str] = set()
         self._vjp: dict[int, tuple[Any, VjpParts | None]] = {}
         self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
-        self._visited: dict[str, tuple[str, ...]] | None = None  # path -> class names
         self.analysis: Analysis | None = None
 
     # -- rules ----------------------------------------------------------------------------
@@ -90,16 +91,12 @@ class Interpreter:
         return "" if module is None else self.registry.modules[module].path
 
     def resolve(self, module: int | None) -> tuple[Policy | None, bool]:
-        """(policy, matched-by-a-pattern) of a module (None: code outside every module)."""
+        """(policy, matched-by-a-pattern) of a module (None: code outside every module), as
+        the plan resolved it."""
         if module not in self._policies:
             info = (self.registry.modules[module] if module is not None
                     else ModuleInfo("", ()))
-            if self._visited is None:
-                self._visited = self.registry.visited()
-            i = self.rules.match(info.path, info.type_names,
-                                 ancestor_types(info.path, self._visited))
-            self._policies[module] = ((self.rules.default, False) if i is None
-                                      else (self.rules.rules[i][1], True))
+            self._policies[module] = self.plan.resolve(info.path, info.type_names)
         return self._policies[module]
 
     def policy_of(self, module: int | None) -> Policy | None:
@@ -320,7 +317,8 @@ class Interpreter:
         dot = self.analysis.dots.get(idp)
         head = bool(dot and dot.head and self.head_applies(module))
         type_name = info.type_names[0] if info.type_names else "-"
-        self.record.modules.setdefault(info.path, (type_name, policy))
+        self.record.modules.setdefault(
+            info.path, (type_name, policy, self.plan.rule(info.path, info.type_names)))
         facts = [None if isinstance(v, jex.Literal) else self.analysis.facts.get((idp[:-1], v))
                  for v in eqn.invars]
         self.record.ops.append(OpRecord(

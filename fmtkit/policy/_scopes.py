@@ -89,7 +89,9 @@ class Recorder:
 
     ops: list[OpRecord] = dataclasses.field(default_factory=list)
     exits: dict[str, set] = dataclasses.field(default_factory=dict)  # path -> output dtypes
-    modules: dict[str, tuple[str, Policy | None]] = dataclasses.field(default_factory=dict)
+    # path -> (class name, Policy, the rule pattern that gave it: None for the default)
+    modules: dict[str, tuple[str, Policy | None, str | None]] = dataclasses.field(
+        default_factory=dict)
     opaque: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, prim)
 
 

@@ -47,6 +47,7 @@ import numpy as np
 from fmtkit.policy import _trace_cache
 from fmtkit.policy._binding import cast, floating_dtype
 from fmtkit.policy._interpreter import Interpreter
+from fmtkit.policy._plan import Plan
 from fmtkit.policy._policy import Rules
 from fmtkit.policy._scopes import Recorder, Registry, active_recorder, tracing
 
@@ -71,6 +72,11 @@ class Traced:
     params: list[bool]  # per array input: is it a parameter?
     out_tree: Any
     out_avals: list[Any]
+
+    def plan(self, rules: Rules) -> Plan:
+        """``rules`` resolved against the modules this trace called (kept per rules and
+        modules, so a trace from the cache resolves nothing again)."""
+        return Plan.of(rules, self.registry.visited())
 
 
 def trace(fn: Callable, args: tuple, kwargs: dict, *,
@@ -126,31 +132,32 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     return Traced(closed, registry, dyn, params, out_tree, avals)
 
 
-def fp8_slots(traced: Traced, rules: Rules, main: Sequence[bool | str] | None = None
+def fp8_slots(traced: Traced, plan: Plan, main: Sequence[bool | str] | None = None
               ) -> dict[str, tuple[int, ...]]:
-    """Shapes of the delayed-FP8 amax histories ``rules`` need for this trace, by slot name
+    """Shapes of the delayed-FP8 amax histories the plan needs for this trace, by slot name
     (``"<module path>:dot<i>"``; shape ``[*layers, *batch, 3, history]``: a leading axis per
     enclosing ``scan`` and per batch dimension of the dot); ``main`` as in ``run``."""
     main = [True] * len(traced.out_avals) if main is None else main
-    interp = Interpreter(rules, traced.registry)
+    interp = Interpreter(plan, traced.registry)
     return interp.analyze(traced.closed, traced.params,
                           [m is True and floating_dtype(a.dtype)
                            for m, a in zip(main, traced.out_avals)]).site_shapes
 
 
-def run(traced: Traced, rules: Rules, *, main: Sequence[bool | str] | None = None,
+def run(traced: Traced, plan: Plan, *, main: Sequence[bool | str] | None = None,
         fp8_state: dict | None = None, record: Recorder | None = None
         ) -> tuple[Any, Interpreter]:
-    """Interprets a trace under ``rules``; returns (output tree, the interpreter).
+    """Interprets a trace under a plan (``Traced.plan``); returns (output tree, the
+    interpreter).
 
-    ``main``: per output leaf, True for a model output (cast to ``rules.output_dtype``,
+    ``main``: per output leaf, True for a model output (cast to ``Rules.output_dtype``,
     searched for the head), False for state handed back (kept in its traced dtype: BatchNorm
     statistics, RNG state), a module path for a value that module sowed (as that module sees
     it: a sub-module's output reaches it cast to the sub-module's output dtype, as the ops
     it runs read it).
     """
     main = [True] * len(traced.out_avals) if main is None else list(main)
-    interp = Interpreter(rules, traced.registry, fp8_state=fp8_state,
+    interp = Interpreter(plan, traced.registry, fp8_state=fp8_state,
                          record=record if record is not None else active_recorder())
     interp.analyze(traced.closed, traced.params,
                    [m is True and floating_dtype(a.dtype) for m, a in zip(main, traced.out_avals)])
@@ -158,7 +165,7 @@ def run(traced: Traced, rules: Rules, *, main: Sequence[bool | str] | None = Non
     # its module sowed it.
     outs = interp.run(traced.closed, traced.dyn,
                       [traced.registry.chain(m) if isinstance(m, str) else m for m in main])
-    odt = rules.output_dtype
+    odt = plan.rules.output_dtype
     final = []
     for x, aval, is_main in zip(outs, traced.out_avals, main):
         if is_main is True:

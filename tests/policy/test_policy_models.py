@@ -4,6 +4,7 @@ Dtype facts are read from the jaxpr by ``inspect_policy``; numbers are checked a
 unwrapped model (fp32) and against a float64 NumPy backward pass with ml_dtypes rounding.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -15,7 +16,8 @@ import pytest
 from flax import nnx
 from policy_testlib import APIS, MODEL_NAMES, build, init_params, loss_and_grads
 
-from fmtkit.policy import Policy, inspect_policy, module_paths, with_policy
+from fmtkit.policy import Policy, get_preset, inspect_policy, module_paths, with_policy
+from fmtkit.policy._policy import OPTIONAL_PATTERNS
 
 BF16, F32 = "bfloat16", "float32"
 
@@ -281,6 +283,40 @@ def test_unmatched_rule_warns_with_paths_or_raises_when_strict(api):
         wrapped = with_policy(case.model, rules, strict=True)
         if api == "linen":
             init_params(case, wrapped)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_typo_in_rules_built_from_a_preset_is_reported(api):
+    # A rule list made from a preset with dataclasses.replace keeps the preset's other
+    # fields; the preset's own patterns (norms, router: this MLP has neither) stay silent, a
+    # pattern of the user's that matches nothing (a typo: Dense_9 / layers/9) does not.
+    case = build(api, "mlp")
+    preset = get_preset("bf16-mixed")
+    typo = "^(Dense_9|layers/9)$"
+    rules = dataclasses.replace(preset, rules=[(typo, "f32"), *preset.rules])
+    assert rules.check_unmatched and rules.head == preset.head
+    with pytest.warns(UserWarning, match=r"match no module") as record:
+        wrapped = with_policy(case.model, rules)
+        if api == "linen":
+            init_params(case, wrapped)
+    msg = str(record[0].message)
+    assert repr([typo]) in msg  # the typo alone: no preset pattern is listed as missing
+    assert not any(p in msg for p in OPTIONAL_PATTERNS)
+    assert ("'Dense_1' (Dense)" if api == "linen" else "'layers/1' (Linear)") in msg
+    with pytest.raises(ValueError, match=r"Dense_9\|layers/9"):
+        wrapped = with_policy(case.model, rules, strict=True)
+        if api == "linen":
+            init_params(case, wrapped)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_inspect_policy_names_the_rule_of_each_module(api):
+    case = build(api, "mlp")
+    first = "Dense_0" if api == "linen" else "layers/0"
+    report = _report(case, with_policy(case.model, [(f"^{first}$", "c=bf16")]))
+    assert report.modules[first].rule == f"^{first}$"
+    assert report.modules[first].policy == Policy.parse("c=bf16")
+    assert all(m.rule is None for path, m in report.modules.items() if path != first)
 
 
 @pytest.mark.parametrize("api", APIS)
