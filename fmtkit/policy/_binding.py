@@ -51,12 +51,12 @@ def _primitive_call(primitive, params: dict) -> Callable | None:
     every equation with the same parameters; None if a parameter is not hashable.
 
     Why: under the user's ``jax.grad`` a primitive bound by itself is linearized from its
-    JVP rule on every bind (a fresh trace and partial evaluation each: about 1 ms on this
-    CPU), while a ``jit`` is linearized once per jaxpr and operand types (``jax.jit``'s
-    trace cache gives the same jaxpr, JAX's linearization cache keys on it). ``jnp`` binds
-    its own operators the same way (``jnp.add`` is such a ``jit``), which is why the
-    unwrapped model's trace pays this cost once per operator type, not per call. JAX_EARLY
-    inlines the body into the enclosing jaxpr as it is traced: the program is the same."""
+    JVP rule on every bind (a fresh trace and partial evaluation each), while a ``jit`` is
+    linearized once per jaxpr and operand types (``jax.jit``'s trace cache gives the same
+    jaxpr, JAX's linearization cache keys on it). ``jnp`` binds its own operators the same
+    way (``jnp.add`` is such a ``jit``), which is why the unwrapped model's trace pays this
+    cost once per operator type, not per call. JAX_EARLY inlines the body into the enclosing
+    jaxpr as it is traced: the program is the same."""
     if "subfuns" in params or any(callable(v) or isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr))
                                   for v in params.values()):
         return None  # a body or a rule (custom_jvp_call, an opaque call): bound directly

@@ -44,6 +44,7 @@ from fmtkit.policy._cotangent import round_on_exit
 from fmtkit.policy._plan import Plan
 from fmtkit.policy._policy import Policy
 from fmtkit.policy._scopes import OP_SCOPE, ModuleInfo, OpRecord, Recorder, Registry, scope_chain
+from fmtkit.scaling import DelayedScalingState
 
 
 def _mixed_matmul(eqn, lhs, rhs, out_dtype):
@@ -302,7 +303,7 @@ class Interpreter:
                 self._warn(path, f"FP8 recipe {recipe} skipped for a matmul in module "
                                  f"{path or '<root>'!r}: {reason}; it runs in {cdt.name}.")
                 return None
-            kwargs["fp8_state"] = fp8.Fp8DotState(fp8_local[key])
+            kwargs["fp8_state"] = DelayedScalingState(fp8_local[key])
         try:
             return fp8.dot_general_fn(recipe)(lhs, rhs, eqn.params["dimension_numbers"], None,
                                               preferred_element_type=cdt, **kwargs)

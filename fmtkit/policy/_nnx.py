@@ -21,9 +21,10 @@ unchanged. Module paths are the model's own (``blocks/0/mlp/linear1``); layers s
 ``nnx.vmap`` and run with ``nnx.scan`` are one module (``layers``) whose per-layer state gets a
 leading layer axis.
 
-Delayed FP8 state: an ``Fp8State`` Variable ``fp8_state`` on the policied root holding one
-amax history per FP8 matmul (created zero at the first call). It works in the functional
-style too (``nnx.split(model, nnx.Param, Fp8State, ...)``, ``nnx.merge`` inside the loss):
+Delayed FP8 state: a ``DelayedScalingVariable`` ``fp8_state`` on the policied root holding
+one amax history per FP8 matmul (created zero at the first call). It works in the functional
+style too (``nnx.split(model, nnx.Param, DelayedScalingVariable, ...)``, ``nnx.merge`` inside
+the loss):
 differentiated with the params, its gradient holds the observed amaxes; not differentiated,
 the histories are read and simply not updated that step. Limitation: ``pickle`` of a
 graphdef holding the swapped root class fails (it is created at run time).
@@ -45,13 +46,15 @@ from fmtkit.policy._plan import Plan
 from fmtkit.policy._policy import Rules, is_floating
 
 
-class Fp8State(nnx.Variable):
-    """Amax histories of the delayed FP8 matmuls (a dict of f32[..., 3, history]).
+class DelayedScalingVariable(nnx.Variable):
+    """The NNX Variable holding a policied NNX model's delayed FP8 scaling states: the amax
+    histories of its delayed FP8 matmuls (a dict of f32[..., 3, history], one
+    ``fmtkit.DelayedScalingState`` history per matmul), at the policied root's ``fp8_state``.
 
     Never a ``nnx.Param``: differentiate with respect to it too
-    (``nnx.DiffState(0, (nnx.Param, Fp8State))``); its "gradient" holds the observed amaxes;
-    record them with ``fmtkit.fp8.update_state`` and ``nnx.update`` once per step, and keep it
-    out of the optimizer.
+    (``nnx.DiffState(0, (nnx.Param, DelayedScalingVariable))``); its "gradient" holds the
+    observed amaxes; record them with ``fmtkit.fp8.update_state`` and ``nnx.update`` once per
+    step, and keep it out of the optimizer. (Formerly ``Fp8State``, a deprecated alias.)
     """
 
 
@@ -199,7 +202,7 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
     # Eager calls: compiled once per signature (fmtkit.policy._eager; the graphdef and the
     # method are part of the key). Not under a delayed FP8 recipe: its histories are read
     # from the model itself.
-    delayed = plan.delayed or isinstance(vars(model).get("fp8_state"), Fp8State)
+    delayed = plan.delayed or isinstance(vars(model).get("fp8_state"), DelayedScalingVariable)
     cached, result = ((False, None) if delayed else
                       _EAGER_CALLS(changes, tree, (graphdef, fn), static_types=(_Slot,),
                                    aux=True))
@@ -247,7 +250,7 @@ def _main_outputs(traced) -> list[bool | str]:
 def _fp8_state(model: nnx.Module, traced, plan: Plan) -> dict | None:
     """The delayed-FP8 histories of the model (created zero at the first call)."""
     state = vars(model).get("fp8_state")
-    if isinstance(state, Fp8State):
+    if isinstance(state, DelayedScalingVariable):
         return dict(state.get_value())
     if not plan.delayed:
         return None
@@ -257,7 +260,7 @@ def _fp8_state(model: nnx.Module, traced, plan: Plan) -> dict | None:
     if not slots:
         return None
     fresh = {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
-    model.fp8_state = Fp8State(fresh)
+    model.fp8_state = DelayedScalingVariable(fresh)
     return fresh
 
 
@@ -278,8 +281,8 @@ def _write_back(nodes: tuple, changed: list) -> None:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether two Variable values hold the same leaf objects (an ``Fp8State`` value is a
-    dict, rebuilt by the trace even when no history changed)."""
+    """Whether two Variable values hold the same leaf objects (a ``DelayedScalingVariable``
+    value is a dict, rebuilt by the trace even when no history changed)."""
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
     return ta == tb and all(x is y for x, y in zip(la, lb))
