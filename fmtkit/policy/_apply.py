@@ -207,7 +207,6 @@ def _has_matmul(traced: Any) -> bool:
 def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                        cache_traces: bool = True) -> Any:
     from fmtkit.policy import _linen
-    from fmtkit.policy._plan import Plan
     from fmtkit.policy._policy import has_delayed_fp8
 
     if getattr(fn, "_fmtkit_rules", None) is not None:
@@ -250,8 +249,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                 "and the policy's FP8 recipe runs on none of them. If the argument holds "
                 "parameters (f(params)), pass params_argnums=0; to silence this for data, "
                 "params_argnums=().", UserWarning, stacklevel=3)
-        # The modules the trace called (the root alone when it called none).
-        plan = Plan.of(rules, traced.registry.visited() or {"": ()})
+        plan = traced.plan(rules)
         plan.report_unmatched(strict)
         plan.check_param_dtypes(_param_leaves(args, argnums),
                                 f"the parameter argument(s) {list(argnums)}")

@@ -74,9 +74,10 @@ class Traced:
     out_avals: list[Any]
 
     def plan(self, rules: Rules) -> Plan:
-        """``rules`` resolved against the modules this trace called (kept per rules and
-        modules, so a trace from the cache resolves nothing again)."""
-        return Plan.of(rules, self.registry.visited())
+        """``rules`` resolved against the modules this trace called, or the root ``""``
+        alone when it called none (a plain function); kept per rules and modules, so a trace
+        from the cache resolves nothing again."""
+        return Plan.of(rules, self.registry.visited() or {"": ()})
 
 
 def trace(fn: Callable, args: tuple, kwargs: dict, *,
