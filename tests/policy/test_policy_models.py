@@ -270,19 +270,22 @@ def test_jax_vmap_over_the_wrapped_model(api):
         np.testing.assert_array_equal(np.asarray(batched[i]), np.asarray(jax.jit(f)(xs[i])))
 
 
+def _wrap_and_init(case, rules, **kwargs):
+    """``with_policy``, plus linen's ``init`` (where a linen model learns its modules)."""
+    wrapped = with_policy(case.model, rules, **kwargs)
+    if case.api == "linen":
+        init_params(case, wrapped)
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_unmatched_rule_warns_with_paths_or_raises_when_strict(api):
     case = build(api, "mlp")
     rules = [("Dense|layers", "c=bf16"), ("no_such_module", "f32")]
     with pytest.warns(UserWarning, match="no_such_module") as record:
-        wrapped = with_policy(case.model, rules)
-        if api == "linen":
-            init_params(case, wrapped)
+        _wrap_and_init(case, rules)
     assert ("Dense_1" if api == "linen" else "layers/1") in str(record[0].message)
     with pytest.raises(ValueError, match="no_such_module"):
-        wrapped = with_policy(case.model, rules, strict=True)
-        if api == "linen":
-            init_params(case, wrapped)
+        _wrap_and_init(case, rules, strict=True)
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -296,17 +299,13 @@ def test_a_typo_in_rules_built_from_a_preset_is_reported(api):
     rules = dataclasses.replace(preset, rules=[(typo, "f32"), *preset.rules])
     assert rules.check_unmatched and rules.head == preset.head
     with pytest.warns(UserWarning, match=r"match no module") as record:
-        wrapped = with_policy(case.model, rules)
-        if api == "linen":
-            init_params(case, wrapped)
+        _wrap_and_init(case, rules)
     msg = str(record[0].message)
     assert repr([typo]) in msg  # the typo alone: no preset pattern is listed as missing
     assert not any(p in msg for p in OPTIONAL_PATTERNS)
     assert ("'Dense_1' (Dense)" if api == "linen" else "'layers/1' (Linear)") in msg
     with pytest.raises(ValueError, match=r"Dense_9\|layers/9"):
-        wrapped = with_policy(case.model, rules, strict=True)
-        if api == "linen":
-            init_params(case, wrapped)
+        _wrap_and_init(case, rules, strict=True)
 
 
 @pytest.mark.parametrize("api", APIS)
