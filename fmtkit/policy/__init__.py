@@ -3,7 +3,7 @@
 ``Policy`` holds a module's dtypes (params, compute, output, grad, reduce) and optionally an
 FP8 recipe; ``Rules`` map module paths (or class names) to Policies, first match wins, plus
 the output head's policy (found by role) and the model outputs' dtype; ``with_policy``
-applies them **per operation**, autocast-style (``_ops`` has the op table, ``_interpret`` the
+applies them **per operation**, autocast-style (``_ops`` has the op table, ``_trace`` the
 mechanism: the traced jaxpr re-interpreted under the rules); ``module_paths`` lists the paths
 to write rules against; ``inspect_policy`` reads back, from the jaxpr of the gradient, what
 each op class of each module computed in, and lists every matmul and convolution with its
@@ -13,9 +13,10 @@ This package is the only part of fmtkit that imports Flax, and it does so lazily
 adapters are loaded when a model is first given.
 """
 
+import warnings
+
 from fmtkit.policy._apply import module_paths, with_policy
 from fmtkit.policy._inspect import MatmulOp, ModuleReport, PolicyReport, inspect_policy
-from fmtkit.policy._interpret import mark_head
 from fmtkit.policy._policy import (
     Policy,
     Rules,
@@ -24,10 +25,11 @@ from fmtkit.policy._policy import (
     get_preset,
     list_presets,
 )
+from fmtkit.policy._scopes import mark_head
 from fmtkit.policy._stack import find_stack, keep_blocks
 
 __all__ = [
-    "Fp8State",
+    "DelayedScalingVariable",
     "MatmulOp",
     "ModuleReport",
     "Policy",
@@ -47,9 +49,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The Flax-typed FP8 state holder loads Flax only when asked for (lazy, like the adapters)."""
-    if name == "Fp8State":
-        from fmtkit.policy._nnx import Fp8State
+    """The NNX Variable of delayed FP8 states loads Flax only when asked for (lazy, like the
+    adapters); ``Fp8State`` is its deprecated former name."""
+    if name in ("DelayedScalingVariable", "Fp8State"):
+        from fmtkit.policy._nnx import DelayedScalingVariable
 
-        return Fp8State
+        if name == "Fp8State":
+            warnings.warn(
+                "fmtkit.policy.Fp8State is deprecated: use fmtkit.policy.DelayedScalingVariable "
+                "(the NNX Variable holding a policied NNX model's delayed FP8 scaling states; "
+                "fmtkit.DelayedScalingState is the state type of one matmul).",
+                DeprecationWarning, stacklevel=2)
+        return DelayedScalingVariable
     raise AttributeError(f"module 'fmtkit.policy' has no attribute {name!r}")

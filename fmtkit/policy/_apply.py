@@ -11,7 +11,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from fmtkit.policy import _eager, _interpret, _trace_cache
+from fmtkit.policy import _eager, _trace, _trace_cache
 from fmtkit.policy._policy import Policy, Rules, as_rules
 
 __all__ = ["module_paths", "with_policy"]
@@ -207,7 +207,7 @@ def _has_matmul(traced: Any) -> bool:
 def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                        cache_traces: bool = True) -> Any:
     from fmtkit.policy import _linen
-    from fmtkit.policy._policy import check_param_dtypes, has_delayed_fp8, report_unmatched
+    from fmtkit.policy._policy import has_delayed_fp8
 
     if getattr(fn, "_fmtkit_rules", None) is not None:
         raise ValueError("This function already has a policy (with_policy was applied to it); "
@@ -241,7 +241,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                 return len(path) > 2 and getattr(path[2], "key", None) == "params"
             return True
 
-        traced = _interpret.trace(call, args, kwargs, is_param=is_param, cache=traces)
+        traced = _trace.trace(call, args, kwargs, is_param=is_param, cache=traces)
         if has_fp8 and not argnums and argnums_spec == _AUTO and _has_matmul(traced):
             warnings.warn(
                 "with_policy: this function was called with one positional argument, which "
@@ -249,11 +249,11 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                 "and the policy's FP8 recipe runs on none of them. If the argument holds "
                 "parameters (f(params)), pass params_argnums=0; to silence this for data, "
                 "params_argnums=().", UserWarning, stacklevel=3)
-        visited = traced.registry.visited()
-        report_unmatched(rules, visited or {"": ()}, strict)
-        check_param_dtypes(rules, visited, _param_leaves(args, argnums),
-                           f"the parameter argument(s) {list(argnums)}")
-        return traced
+        plan = traced.plan(rules)
+        plan.report_unmatched(strict)
+        plan.check_param_dtypes(_param_leaves(args, argnums),
+                                f"the parameter argument(s) {list(argnums)}")
+        return traced, plan
 
     @functools.wraps(fn)
     def policied(*args, **kwargs):
@@ -273,8 +273,8 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
 
         def call(tree):
             a, k, state = tree
-            out, _ = _interpret.run(traced_call(a, k), rules,
-                                    fp8_state=dict(state) if state is not None else None)
+            out, _ = _trace.run(*traced_call(a, k),
+                                fp8_state=dict(state) if state is not None else None)
             return out
 
         # Eager calls: compiled once per input signature (fmtkit.policy._eager).
@@ -286,7 +286,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
         f32[*layers, 3, history]}`` (empty without a delayed recipe); traced, not run."""
         if not delayed:
             return {}
-        slots = _interpret.fp8_slots(traced_call(args, kwargs), rules)
+        slots = _trace.fp8_slots(*traced_call(args, kwargs))
         return {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
 
     policied._fmtkit_rules = rules  # type: ignore[attr-defined]

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fmtkit import fp4, fp8
-from fmtkit.policy import _interpret, _ops
+from fmtkit.policy import _ops, _scopes
 from fmtkit.policy._apply import flax_kind
 from fmtkit.policy._policy import Policy, Rules, is_floating
 
 __all__ = ["MatmulOp", "ModuleReport", "PolicyReport", "inspect_policy"]
 
-_OP_RX = re.compile(re.escape(_interpret.OP_SCOPE) + r"(\d+)")
+_OP_RX = re.compile(re.escape(_scopes.OP_SCOPE) + r"(\d+)")
 # An emulated FP8 GEMM whose dot reads its operands widened to bf16 (fmtkit.fp8.WIDENED_SCOPE)
 _WIDENED_RX = re.compile(re.escape(fp8.WIDENED_SCOPE) + r"-(\w+)-(\w+)")
 # An FP4 GEMM's scope names its operands' block shapes (fmtkit.fp4.GEMM_SCOPE).
@@ -54,6 +54,8 @@ class ModuleReport:
         ``reduce_sum``, ...); ``grad_ops``: the same for the backward pass.
       output_dtypes: dtypes of floating values leaving the module.
       params: parameter name -> ``(stored dtype, gradient dtype)``.
+      rule: the pattern of the rule that gave the module its policy (None: the rules'
+        default, or no rule at all).
     """
 
     path: str
@@ -66,6 +68,7 @@ class ModuleReport:
     grad_ops: Mapping[str, tuple[str, ...]]
     output_dtypes: tuple[str, ...]
     params: Mapping[str, tuple[str, str]]
+    rule: str | None = None
 
     @property
     def softmax_dtypes(self) -> tuple[str, ...]:
@@ -413,7 +416,7 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
             # refuses (Variables mutated from another trace level).
             return nnx.value_and_grad(loss, has_aux=True)(merged, *merged_nodes)
 
-        with _interpret.recording() as rec:
+        with _scopes.recording() as rec:
             closed, shapes = jax.make_jaxpr(nnx_f, return_shape=True)(params, rest, arrays)
         (loss_shape, out_shapes), grad_shapes = shapes
         table = _param_table(nnx.state(wrapped, nnx.Param), grad_shapes)
@@ -444,7 +447,7 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
 
     traced = jax.value_and_grad(f, has_aux=True) if backward else (
         lambda *a: (f(*a), None))
-    with _interpret.recording() as rec:
+    with _scopes.recording() as rec:
         closed, shapes = jax.make_jaxpr(traced, return_shape=True)(params, rest, in_arrays)
     (loss_shape, out_shapes), grad_shapes = shapes
     return _assemble(closed, rec, _param_table(params, grad_shapes), out_shapes, loss_shape)
@@ -468,7 +471,7 @@ def _argnums(argnums, n: int) -> frozenset[int]:
     return frozenset(i % n for i in nums)
 
 
-def _matmul_kind(eqn, rec: _interpret.OpRecord, backward: bool, stack: str) -> str:
+def _matmul_kind(eqn, rec: _scopes.OpRecord, backward: bool, stack: str) -> str:
     """forward; or, on the backward pass, what an FP8 / FP4 dot's backward scope says, else
     wgrad when the result has as many elements as a parameter operand (the weight's gradient,
     in whatever layout), else dgrad."""
@@ -485,7 +488,7 @@ def _matmul_kind(eqn, rec: _interpret.OpRecord, backward: bool, stack: str) -> s
     return "dgrad"
 
 
-def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_shape
+def _assemble(closed, rec: _scopes.Recorder, param_table, out_shapes, loss_shape
               ) -> PolicyReport:
     acc: dict[str, dict] = {}
 
@@ -544,7 +547,7 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
 
     modules = {}
     for path, a in acc.items():
-        type_name, policy = rec.modules.get(path, ("-", None))
+        type_name, policy, rule = rec.modules.get(path, ("-", None, None))
         prefix = f"{path}/" if path else ""
         own = {full[len(prefix):]: dt for full, dt in param_table.items()
                if full.startswith(prefix) and "/" not in full[len(prefix):]}
@@ -555,7 +558,7 @@ def _assemble(closed, rec: _interpret.Recorder, param_table, out_shapes, loss_sh
             head_policy=a["head_policy"],
             ops=frozen(a["ops"]), grad_ops=frozen(a["grad_ops"]),
             output_dtypes=tuple(sorted(rec.exits.get(path, ()))),
-            params=MappingProxyType(own))
+            params=MappingProxyType(own), rule=rule)
     out_dtypes = tuple(sorted({str(s.dtype) for s in jax.tree.leaves(out_shapes)
                                if jnp.issubdtype(s.dtype, jnp.floating)}))
     return PolicyReport(modules=MappingProxyType(modules), params=MappingProxyType(param_table),
@@ -567,7 +570,7 @@ def _matmul_dtypes(eqn) -> str:
     return f"{_dtype(eqn.invars[0])} x {_dtype(eqn.invars[1])} -> {_dtype(eqn.outvars[0])}"
 
 
-def _not_policied(op: _interpret.OpRecord | None) -> str:
+def _not_policied(op: _scopes.OpRecord | None) -> str:
     """Why a matmul that is not an interpreted matmul op ran as traced."""
     if op is None:
         return "outside the policy"

@@ -3,7 +3,7 @@
 ``init`` is the module's own ``init`` (parameters then stored in each module's
 ``param_dtype``, plus an ``"fp8_state"`` collection of amax histories when a delayed FP8 recipe
 applies); ``apply`` traces the module's own ``apply`` with ``nn.intercept_methods`` naming
-each module call's scope, and re-interprets the trace under the rules (``_interpret``). The
+each module call's scope, and re-interprets the trace under the rules (``_trace``). The
 interceptor is entered inside the traced function, so ``jax.jit(policied.apply)`` holds the
 policy (linen's interceptor stack is not part of jit's cache key).
 """
@@ -18,15 +18,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fmtkit.policy import _eager, _interpret, _trace_cache
-from fmtkit.policy._policy import (
-    Rules,
-    ancestor_types,
-    cast_floating,
-    check_param_dtypes,
-    has_delayed_fp8,
-    report_unmatched,
-)
+from fmtkit.policy import _eager, _scopes, _trace, _trace_cache
+from fmtkit.policy._plan import Plan
+from fmtkit.policy._policy import Rules, cast_floating
 
 FP8_COLLECTION = "fp8_state"
 
@@ -52,7 +46,7 @@ def _scope_interceptor(next_fun, args, kwargs, context):
     if name in ("<lambda>", "setup") or (name.startswith("_") and name != "__call__"):
         return next_fun(*args, **kwargs)
     module = context.module
-    with _interpret.module_scope(module_path(module), type_names(type(module))):
+    with _scopes.module_scope(module_path(module), type_names(type(module))):
         return next_fun(*args, **kwargs)
 
 
@@ -104,32 +98,31 @@ class PolicyModel:
 
     def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> dict:
         """``inner.init`` with parameters stored per rule and the FP8 state added."""
-        registry = _interpret.Registry()
-        with _interpret.tracing(registry), scoped():
+        registry = _scopes.Registry()
+        with _scopes.tracing(registry), scoped():
             variables = self.inner.init(rngs, *args, method=method, **kwargs)
-        report_unmatched(self.rules, registry.visited(), self.strict)
+        plan = Plan.of(self.rules, registry.visited())
+        plan.report_unmatched(self.strict)
         variables = dict(variables)
-        variables["params"] = self._store(variables.get("params", {}), registry)
-        if has_delayed_fp8(self.rules):
+        variables["params"] = self._store(variables.get("params", {}), plan)
+        if plan.delayed:
             # Every collection mutable (BatchNorm in training mode updates its statistics) and
             # a "dropout" stream (dropout in training mode): only shapes are read here.
             keys = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
             keys.setdefault("dropout", next(iter(keys.values())))
             traced = self._trace(variables, keys, args, kwargs, method, True)
-            slots = _interpret.fp8_slots(traced, self.rules, _main_outputs(traced, True))
+            slots = _trace.fp8_slots(traced, traced.plan(self.rules),
+                                     _main_outputs(traced, True))
             if slots:
                 variables[FP8_COLLECTION] = {k: jnp.zeros(shape, jnp.float32)
                                              for k, shape in slots.items()}
         return variables
 
-    def _store(self, params: Any, registry: _interpret.Registry) -> Any:
-        visited = registry.visited()
-
+    def _store(self, params: Any, plan: Plan) -> Any:
+        """``params`` with each leaf cast to its module's ``param_dtype``."""
         def store(path, leaf):
             names = [str(getattr(k, "key", k)) for k in path]
-            module = "/".join(names[:-1])
-            policy = self.rules.resolve(module, visited.get(module, ()),
-                                        ancestor_types(module, visited))
+            policy = plan.policy("/".join(names[:-1]))
             return leaf if policy is None else cast_floating(leaf, policy.param_dtype)
 
         return jax.tree_util.tree_map_with_path(store, params)
@@ -140,9 +133,9 @@ class PolicyModel:
                 return self.inner.apply(v, *a, rngs=r, method=method, mutable=mutable, **k)
 
         mutable_key = tuple(mutable) if isinstance(mutable, list) else mutable
-        return _interpret.trace(fn, (variables, rngs, args, kwargs), {}, is_param=_is_param,
-                                cache=self._traces if self.cache_traces else None,
-                                cache_key=(self.inner, method, mutable_key))
+        return _trace.trace(fn, (variables, rngs, args, kwargs), {}, is_param=_is_param,
+                            cache=self._traces if self.cache_traces else None,
+                            cache_key=(self.inner, method, mutable_key))
 
     def as_module(self, **module_kwargs: Any) -> nn.Module:
         """This policied model as an ``nn.Module`` (``PolicyModule``; ``name=`` etc. go to
@@ -184,12 +177,13 @@ class PolicyModel:
         variables = dict(variables)
         fp8_state = variables.pop(FP8_COLLECTION, None)
         traced = self._trace(variables, rngs, args, kwargs, method, mutable)
-        report_unmatched(self.rules, traced.registry.visited(), self.strict)
+        plan = traced.plan(self.rules)
+        plan.report_unmatched(self.strict)
         leaves = [(tuple(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf
                   in jax.tree_util.tree_leaves_with_path(variables.get("params", {}))]
-        check_param_dtypes(self.rules, traced.registry.visited(), leaves, "variables['params']")
-        out, _ = _interpret.run(traced, self.rules, main=_main_outputs(traced, mutable),
-                                fp8_state=None if fp8_state is None else dict(fp8_state))
+        plan.check_param_dtypes(leaves, "variables['params']")
+        out, _ = _trace.run(traced, plan, main=_main_outputs(traced, mutable),
+                            fp8_state=None if fp8_state is None else dict(fp8_state))
         return out
 
 
@@ -251,11 +245,11 @@ def _main_outputs(traced, mutable) -> list[bool | str] | None:
 def collect_paths(model: nn.Module, *inputs, **kwargs) -> dict[str, tuple[str, ...]]:
     """Paths and class names of the modules ``model`` calls on ``inputs`` (abstract init)."""
     inner = model.inner if isinstance(model, PolicyModel) else model
-    registry = _interpret.Registry()
+    registry = _scopes.Registry()
 
     def init():
         keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-        with _interpret.tracing(registry), scoped():
+        with _scopes.tracing(registry), scoped():
             return inner.init(keys, *inputs, **kwargs)
 
     jax.eval_shape(init)

@@ -12,7 +12,7 @@ public method of the root (``__call__``, ``attend``, ...):
 1. splits the model and any graph nodes among the arguments (an ``nnx.Rngs``) into
    parameters and other state;
 2. traces a pure function that merges them, swaps the merged copy's module classes for
-   subclasses whose methods enter the module's registry scope (``_interpret``), calls it, and
+   subclasses whose methods enter the module's registry scope (``_scopes``), calls it, and
    returns the output and the new state (BatchNorm statistics, RNG counts, sown values);
 3. re-interprets that trace under the rules and writes the new state back (``nnx.update``).
 
@@ -21,9 +21,10 @@ unchanged. Module paths are the model's own (``blocks/0/mlp/linear1``); layers s
 ``nnx.vmap`` and run with ``nnx.scan`` are one module (``layers``) whose per-layer state gets a
 leading layer axis.
 
-Delayed FP8 state: an ``Fp8State`` Variable ``fp8_state`` on the policied root holding one
-amax history per FP8 matmul (created zero at the first call). It works in the functional
-style too (``nnx.split(model, nnx.Param, Fp8State, ...)``, ``nnx.merge`` inside the loss):
+Delayed FP8 state: a ``DelayedScalingVariable`` ``fp8_state`` on the policied root holding
+one amax history per FP8 matmul (created zero at the first call). It works in the functional
+style too (``nnx.split(model, nnx.Param, DelayedScalingVariable, ...)``, ``nnx.merge`` inside
+the loss):
 differentiated with the params, its gradient holds the observed amaxes; not differentiated,
 the histories are read and simply not updated that step. Limitation: ``pickle`` of a
 graphdef holding the swapped root class fails (it is created at run time).
@@ -40,24 +41,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fmtkit.policy import _eager, _interpret, _trace_cache
-from fmtkit.policy._policy import (
-    Rules,
-    ancestor_types,
-    check_param_dtypes,
-    has_delayed_fp8,
-    is_floating,
-    report_unmatched,
-)
+from fmtkit.policy import _eager, _scopes, _trace, _trace_cache
+from fmtkit.policy._plan import Plan
+from fmtkit.policy._policy import Rules, is_floating
 
 
-class Fp8State(nnx.Variable):
-    """Amax histories of the delayed FP8 matmuls (a dict of f32[..., 3, history]).
+class DelayedScalingVariable(nnx.Variable):
+    """The NNX Variable holding a policied NNX model's delayed FP8 scaling states: the amax
+    histories of its delayed FP8 matmuls (a dict of f32[..., 3, history], one
+    ``fmtkit.DelayedScalingState`` history per matmul), at the policied root's ``fp8_state``.
 
     Never a ``nnx.Param``: differentiate with respect to it too
-    (``nnx.DiffState(0, (nnx.Param, Fp8State))``); its "gradient" holds the observed amaxes;
-    record them with ``fmtkit.fp8.update_state`` and ``nnx.update`` once per step, and keep it
-    out of the optimizer.
+    (``nnx.DiffState(0, (nnx.Param, DelayedScalingVariable))``); its "gradient" holds the
+    observed amaxes; record them with ``fmtkit.fp8.update_state`` and ``nnx.update`` once per
+    step, and keep it out of the optimizer. (Formerly ``Fp8State``, a deprecated alias.)
     """
 
 
@@ -87,7 +84,7 @@ def _method_names(cls: type) -> tuple[str, ...]:
 def _scoped_method(fn, path: str, names: tuple[str, ...]):
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        with _interpret.module_scope(path, names):
+        with _scopes.module_scope(path, names):
             return fn(self, *args, **kwargs)
 
     return method
@@ -125,7 +122,12 @@ def collect_paths(model: nnx.Module) -> dict[str, tuple[str, ...]]:
     return dict(sorted(out.items(), key=lambda kv: (kv[0] != "", kv[0].split("/"))))
 
 
-def _store_params(copy: nnx.Module, rules: Rules) -> None:
+def _plan(model: nnx.Module, rules: Rules) -> Plan:
+    """``rules`` resolved against every module of the graph (kept per rules and paths)."""
+    return Plan.of(rules, collect_paths(model))
+
+
+def _store_params(copy: nnx.Module, plan: Plan) -> None:
     """Gives the policied copy its own Params where its rule stores a narrower dtype.
 
     A Param wider than its module's ``param_dtype`` (f32 under pure-bf16) is replaced, in the
@@ -133,10 +135,9 @@ def _store_params(copy: nnx.Module, rules: Rules) -> None:
     other Param stays shared with the user's model, which is never changed.
     """
     memo: dict[int, nnx.Variable] = {}
-    paths = collect_paths(copy)
     for parts, module in list(nnx.iter_modules(copy)):
         path = "/".join(str(p) for p in parts)
-        policy = rules.resolve(path, type_names(type(module)), ancestor_types(path, paths))
+        policy = plan.policy(path, type_names(type(module)))
         if policy is None:
             continue
         want = np.dtype(policy.param_dtype)
@@ -150,11 +151,11 @@ def _store_params(copy: nnx.Module, rules: Rules) -> None:
                 setattr(module, name, memo[id(value)])
 
 
-def _check_params(model: nnx.Module, params: Any, rules: Rules) -> None:
-    """``check_param_dtypes`` on the model's Params (node 0 of the split state)."""
+def _check_params(params: Any, plan: Plan) -> None:
+    """``Plan.check_param_dtypes`` on the model's Params (node 0 of the split state)."""
     leaves = [(path[1:], var.get_value()) for path, var in nnx.to_flat_state(params)
               if path and path[0] == 0]
-    check_param_dtypes(rules, collect_paths(model), leaves, "the model's nnx.Param")
+    plan.check_param_dtypes(leaves, "the model's nnx.Param")
 
 
 def _is_param(path, leaf) -> bool:
@@ -164,11 +165,11 @@ def _is_param(path, leaf) -> bool:
 
 def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
     """``fn(model, *args, **kwargs)`` traced and re-interpreted under the model's rules."""
-    rules: Rules = type(model)._fmtkit_rules
+    plan = _plan(model, type(model)._fmtkit_rules)
     nodes_in = [x for x in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)
                 if nnx.graph.is_graph_node(x)]
     graphdef, params, rest = nnx.split((model, *nodes_in), nnx.Param, ...)
-    _check_params(model, params, rules)
+    _check_params(params, plan)
     a_tree, k_tree = jax.tree.map(lambda x: _SLOT if nnx.graph.is_graph_node(x) else x,
                                   (args, kwargs), is_leaf=nnx.graph.is_graph_node)
 
@@ -183,11 +184,11 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
         return out, new_state
 
     def run(tree):
-        traced = _interpret.trace(pure, tree, {}, is_param=_is_param,
-                                  cache=_TRACES if type(model)._fmtkit_cache_traces else None,
-                                  cache_key=(graphdef, fn), static_types=(_Slot,))
-        (out, new_state), _ = _interpret.run(traced, rules, main=_main_outputs(traced),
-                                             fp8_state=_fp8_state(model, traced, rules))
+        traced = _trace.trace(pure, tree, {}, is_param=_is_param,
+                              cache=_TRACES if type(model)._fmtkit_cache_traces else None,
+                              cache_key=(graphdef, fn), static_types=(_Slot,))
+        (out, new_state), _ = _trace.run(traced, plan, main=_main_outputs(traced),
+                                         fp8_state=_fp8_state(model, traced, plan))
         return out, new_state
 
     def changes(tree):  # the output and the Variables the call changed or created
@@ -201,7 +202,7 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
     # Eager calls: compiled once per signature (fmtkit.policy._eager; the graphdef and the
     # method are part of the key). Not under a delayed FP8 recipe: its histories are read
     # from the model itself.
-    delayed = has_delayed_fp8(rules) or isinstance(vars(model).get("fp8_state"), Fp8State)
+    delayed = plan.delayed or isinstance(vars(model).get("fp8_state"), DelayedScalingVariable)
     cached, result = ((False, None) if delayed else
                       _EAGER_CALLS(changes, tree, (graphdef, fn), static_types=(_Slot,),
                                    aux=True))
@@ -246,20 +247,20 @@ def _main_outputs(traced) -> list[bool | str]:
     return main
 
 
-def _fp8_state(model: nnx.Module, traced, rules: Rules) -> dict | None:
+def _fp8_state(model: nnx.Module, traced, plan: Plan) -> dict | None:
     """The delayed-FP8 histories of the model (created zero at the first call)."""
     state = vars(model).get("fp8_state")
-    if isinstance(state, Fp8State):
+    if isinstance(state, DelayedScalingVariable):
         return dict(state.get_value())
-    if not has_delayed_fp8(rules):
+    if not plan.delayed:
         return None
     shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
     n_main = len(jax.tree.leaves(shapes[0]))
-    slots = _interpret.fp8_slots(traced, rules, [i < n_main for i in range(len(traced.out_avals))])
+    slots = _trace.fp8_slots(traced, plan, [i < n_main for i in range(len(traced.out_avals))])
     if not slots:
         return None
     fresh = {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
-    model.fp8_state = Fp8State(fresh)
+    model.fp8_state = DelayedScalingVariable(fresh)
     return fresh
 
 
@@ -280,8 +281,8 @@ def _write_back(nodes: tuple, changed: list) -> None:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether two Variable values hold the same leaf objects (an ``Fp8State`` value is a
-    dict, rebuilt by the trace even when no history changed)."""
+    """Whether two Variable values hold the same leaf objects (a ``DelayedScalingVariable``
+    value is a dict, rebuilt by the trace even when no history changed)."""
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
     return ta == tb and all(x is y for x, y in zip(la, lb))
@@ -297,7 +298,7 @@ _SLOT = _Slot()  # one instance: a static leaf of the eager cache's key
 def _policied_method(fn):
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        if _interpret.is_tracing():  # inside our own trace: the model's own code
+        if _scopes.is_tracing():  # inside our own trace: the model's own code
             return fn(self, *args, **kwargs)
         return _policied_call(self, fn, args, kwargs)
 
@@ -327,13 +328,14 @@ def wrap(model: nnx.Module, rules: Rules, strict: bool, cache_traces: bool = Tru
     """A copy of ``model``'s module graph whose root runs under ``rules``; it shares the
     model's Variables except the Params its rules store narrower (converted copies), so the
     user's model is never changed. Params narrower than their rule's ``param_dtype`` raise
-    (``check_param_dtypes``)."""
+    (``Plan.check_param_dtypes``)."""
     if is_wrapped(model):
         raise ValueError("This NNX model already has a policy (with_policy was applied to it); "
                          "apply with_policy once, to the unwrapped model, with all rules.")
-    report_unmatched(rules, collect_paths(model), strict)
-    _check_params(model, nnx.split((model,), nnx.Param, ...)[1], rules)
+    plan = _plan(model, rules)
+    plan.report_unmatched(strict)
+    _check_params(nnx.split((model,), nnx.Param, ...)[1], plan)
     copy = nnx.clone(model, variables=False)
-    _store_params(copy, rules)
+    _store_params(copy, plan)
     copy.__class__ = _policied_class(type(model), rules, cache_traces)
     return copy

@@ -68,7 +68,7 @@ VIEW_OPS = frozenset({
 # the dtypes they were traced with.
 DTYPE_EXACT = frozenset({"bitcast_convert_type", "nextafter"})
 
-# Call primitives whose bodies the interpreter enters (``_interpret`` handles the other
+# Call primitives whose bodies the interpreter enters (``_interpreter`` handles the other
 # bodies: scan, remat, cond, while, shard_map, custom_jvp/vjp; any primitive with a body it
 # does not know runs as written, inputs cast back, with a warning).
 INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})

@@ -10,7 +10,6 @@ import dataclasses
 import difflib
 import functools
 import re
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -311,8 +310,11 @@ class Rules:
       rules: ``(pattern, policy)`` pairs; a policy may be a ``Policy`` or its string form.
       default: the policy of unmatched modules, or None to leave them alone.
       check_unmatched: whether ``with_policy`` warns (or, with ``strict=True``, raises) when a
-        pattern matches no module. The presets switch it off: they cover layers a model may
-        lack.
+        pattern matches no module, naming it and listing the model's paths. The presets' own
+        patterns (norms, router: ``OPTIONAL_PATTERNS``) are never reported, as they cover
+        layers a model may lack; so a rule list built from a preset's (``Rules([(pattern,
+        policy), *preset.rules])``, ``dataclasses.replace(preset, rules=...)``) still
+        reports a pattern of its own that matches nothing (a typo).
       head: the Policy of the output head, the matmul that produces the model's outputs
         (found by its role, not its name: a tied-embedding ``attend``, a ``Dense`` called
         anything). Its ``compute_dtype`` is the matmul's operand dtype and its
@@ -488,6 +490,11 @@ NORM_PATHS = (r"(^|/)(ln|norm)(_?\d+|_[a-z0-9]+)?$|(^|/)[a-z0-9]+_norm(_?\d+)?$"
 ROUTER_PATHS = r"subtree:(^|/)(router|gate|gating)(_\d+)?$"
 ROUTER_TYPES = "subtree:type:(Router|Gate|Gating)$"
 ROUTER_POLICY = "p=f32,c=f32,o=f32,g=f32"
+# The presets' patterns cover layers a model may lack (a router, a norm by one of its usual
+# names), so ``with_policy`` never reports them as matching nothing; every other pattern of a
+# rule list is reported, in a list built from a preset's too (``Rules([mine,
+# *preset.rules])``, ``dataclasses.replace(preset, rules=...)``).
+OPTIONAL_PATTERNS = frozenset({NORM_TYPES, NORM_PATHS, ROUTER_TYPES, ROUTER_PATHS})
 
 
 def _mixed(half: str) -> Rules:
@@ -505,7 +512,6 @@ def _mixed(half: str) -> Rules:
         # The head: half matmul, f32 logits; its backward GEMMs take the cotangent in half.
         head=f"p=f32,c={half},o=f32,g={half}",
         output_dtype="float32",
-        check_unmatched=False,
     )
 
 
@@ -516,7 +522,7 @@ def _fp8(recipe: str) -> Rules:
     FP8)."""
     mixed = _mixed("bf16")
     return Rules(mixed.rules, default=f"p=f32,c=bf16,o=bf16,fp8={recipe}", head=mixed.head,
-                 output_dtype=mixed.output_dtype, check_unmatched=False)
+                 output_dtype=mixed.output_dtype)
 
 
 _FP8_PRESETS = {
@@ -535,7 +541,7 @@ _FP4_PRESETS = {
 
 _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
     "fp32": ("Everything in float32 (the reference).",
-             Rules((), default="p=f32,c=f32,o=f32,g=f32", check_unmatched=False)),
+             Rules((), default="p=f32,c=f32,o=f32,g=f32")),
     "bf16-mixed": (
         "f32 params; matmuls on bf16 operands; exp/log/softmax, norm statistics, sums and the "
         "loss in f32 wherever the model writes them; router and the head's logits in f32. No "
@@ -549,7 +555,7 @@ _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
         "bf16 everywhere, params stored in bf16 too: no master weights, so small updates are "
         "rounded away (1 + 1e-3 == 1 in bf16). exp/log/softmax, norm statistics and sums still "
         "run in f32 (their outputs are f32 until the next matmul).",
-        Rules((), default="p=bf16,c=bf16,o=bf16,g=bf16", check_unmatched=False)),
+        Rules((), default="p=bf16,c=bf16,o=bf16,g=bf16")),
     **_FP8_PRESETS,
     **_FP4_PRESETS,
 })
@@ -589,68 +595,3 @@ def has_delayed_fp8(rules: Rules) -> bool:
     """Whether any policy of ``rules`` has a delayed FP8 recipe (which needs an amax state)."""
     policies = [p for _, p in rules.rules] + [rules.default]
     return any(p is not None and p.fp8 is not None and p.fp8.delayed for p in policies)
-
-
-def check_param_dtypes(rules: Rules, modules: Mapping[str, Sequence[str]],
-                       params: Iterable[tuple[Sequence[str], Any]], what: str) -> None:
-    """Raises when a parameter is stored narrower than its module's ``param_dtype``.
-
-    One rule for every frontend (linen ``apply``, NNX, functions): a policy never converts the
-    parameters it is given. A parameter narrower than the policy's ``param_dtype`` (a bf16
-    checkpoint under a mixed preset's f32) would otherwise train in bf16 without the master
-    copy the preset promises (JAX returns gradients in each parameter's own dtype); one of the
-    same width but another format (f16 under ``p=bf16``) is refused too. Wider parameters
-    (f32 under pure-bf16) are used as given and cast to the compute dtype at use.
-
-    Args:
-      modules: ``{module path: class names}`` of the modules the call ran.
-      params: ``(key names, leaf)`` per parameter leaf; the leaf belongs to the longest
-        module path its keys start with (the root ``""`` when none), after a leading
-        ``"params"`` collection name.
-      what: how the error names the parameters (``"variables['params']"``).
-    """
-    bad = []
-    for keys, leaf in params:
-        if not is_floating(leaf):
-            continue
-        names = [str(k) for k in keys]
-        if names and names[0] == "params" and "params" not in modules:
-            names = names[1:]
-        module = ""
-        for n in range(len(names) - 1, 0, -1):
-            if "/".join(names[:n]) in modules:
-                module = "/".join(names[:n])
-                break
-        policy = rules.resolve(module, tuple(modules.get(module, ())))
-        if policy is None:
-            continue
-        want, got = np.dtype(policy.param_dtype), np.dtype(leaf.dtype)
-        if got != want and got.itemsize <= want.itemsize:
-            bad.append(f"{'/'.join(str(k) for k in keys)}: {got.name} (module "
-                       f"{module or '<root>'!r} stores {want.name})")
-    if not bad:
-        return
-    shown = "\n  ".join(bad[:12]) + (f"\n  ... and {len(bad) - 12} more" if len(bad) > 12 else "")
-    raise ValueError(
-        f"{len(bad)} parameter(s) in {what} are narrower than the policy's param_dtype:\n  "
-        f"{shown}\nA policy never converts the parameters it is given (training them would "
-        "skip the f32 master copy the policy promises: gradients come back in each "
-        "parameter's own dtype). Cast them to the param dtype first (e.g. "
-        "jax.tree.map(lambda x: x.astype(jnp.float32), params)), or choose a policy that "
-        "stores them as they are (p=bf16, e.g. 'pure-bf16', with fmtkit.optim.master_weights "
-        "for an f32 master copy in the optimizer).")
-
-
-def report_unmatched(rules: Rules, modules: dict[str, tuple[str, ...]], strict: bool) -> None:
-    """Warns (or raises with ``strict``) about user patterns that matched no module."""
-    if not rules.check_unmatched or not rules.rules:
-        return
-    missing = rules.unmatched(modules.items())
-    if not missing:
-        return
-    listing = "\n".join(f"  {p!r} ({t[0] if t else '?'})" for p, t in modules.items())
-    msg = (f"Policy rule pattern(s) {missing} match no module of this model. Paths (and class "
-           f"names, matched by 'type:' patterns) are:\n{listing}")
-    if strict:
-        raise ValueError(msg)
-    warnings.warn(msg, UserWarning, stacklevel=3)

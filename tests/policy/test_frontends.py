@@ -17,7 +17,7 @@ from flax import nnx
 from jaxpr_utils import dot_operand_dtypes
 
 from fmtkit import fp8
-from fmtkit.policy import Fp8State, Policy, get_preset, with_policy
+from fmtkit.policy import DelayedScalingVariable, Policy, get_preset, with_policy
 
 F32, BF16 = np.float32, ml_dtypes.bfloat16
 RNG = np.random.default_rng(21)
@@ -166,7 +166,7 @@ def test_nnx_presets_leave_the_original_bit_identical():
 def test_nnx_functional_grad_over_params_only_leaves_histories_alone():
     model = with_policy(Mlp(nnx.Rngs(1)), "fp8-delayed")
     model(X)  # creates the histories
-    graphdef, params, state, rest = nnx.split(model, nnx.Param, Fp8State, ...)
+    graphdef, params, state, rest = nnx.split(model, nnx.Param, DelayedScalingVariable, ...)
     hist0 = jax.tree.map(np.asarray, state)
 
     def loss(p, s):
@@ -174,7 +174,7 @@ def test_nnx_functional_grad_over_params_only_leaves_histories_alone():
 
     g_params = jax.jit(jax.grad(loss))(params, state)
     jax.tree.map(np.testing.assert_array_equal, hist0,
-                 jax.tree.map(np.asarray, nnx.state(model, Fp8State)))
+                 jax.tree.map(np.asarray, nnx.state(model, DelayedScalingVariable)))
     # Differentiating the histories too gives the same parameter gradients plus amaxes.
     g_both, g_state = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)
     jax.tree.map(np.testing.assert_array_equal, g_params, g_both)

@@ -253,17 +253,18 @@ def test_delayed_fp8_has_one_history_per_layer_in_nnx_scan():
     def loss(m):
         return jnp.sum(m(X).astype(jnp.float32))
 
-    grads = nnx.grad(loss, argnums=nnx.DiffState(0, (nnx.Param, Fp8StateFilter())))(model)
+    wrt = nnx.DiffState(0, (nnx.Param, _delayed_scaling_variable()))
+    grads = nnx.grad(loss, argnums=wrt)(model)
     obs = nnx.to_pure_dict(grads)["fp8_state"]
     amax = _histories_per_layer(obs)
     want = float(jnp.max(jax.nn.relu(X)).astype(jnp.bfloat16))
     assert amax[0] == pytest.approx(want, rel=0)
 
 
-def Fp8StateFilter():
-    from fmtkit.policy import Fp8State
+def _delayed_scaling_variable():
+    from fmtkit.policy import DelayedScalingVariable
 
-    return Fp8State
+    return DelayedScalingVariable
 
 
 def test_inspect_policy_in_nnx_training_mode_and_linen_delayed_defaults():

@@ -3,7 +3,7 @@
 References are independent of the interpreter: the rounded cotangent is derived by hand
 (float64 NumPy, the bf16 rounding by ml_dtypes), and the dedup is compared bit for bit with
 the one-rounding-per-module behaviour it replaces (the private switch
-``_interpret._DEDUP_COTANGENT``).
+``_cotangent._DEDUP_COTANGENT``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
-from fmtkit.policy import Policy, _interpret, with_policy
+from fmtkit.policy import Policy, _binding, _cotangent, with_policy
 
 # Every module: f32 storage, compute and outputs, cotangents rounded to bf16 (the only
 # setting where a value leaving nested modules is wrapped, since o=f32 is wider than g).
@@ -91,14 +91,14 @@ def test_nested_modules_round_a_value_once(linen_case, monkeypatch):
     make_loss, params, _ = linen_case
     # The Dense output leaves dense, inner, middle and the root: one rounding, not four.
     assert _roundings(jax.make_jaxpr(make_loss())(params)) == 1
-    monkeypatch.setattr(_interpret, "_DEDUP_COTANGENT", False)
+    monkeypatch.setattr(_cotangent, "_DEDUP_COTANGENT", False)
     assert _roundings(jax.make_jaxpr(make_loss())(params)) == 4
 
 
 def test_dedup_gradients_bit_identical_and_match_hand_rounding(linen_case, monkeypatch):
     make_loss, params, x = linen_case
     grads = jax.jit(jax.grad(make_loss()))(params)
-    monkeypatch.setattr(_interpret, "_DEDUP_COTANGENT", False)
+    monkeypatch.setattr(_cotangent, "_DEDUP_COTANGENT", False)
     undeduped = jax.jit(jax.grad(make_loss()))(params)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(undeduped)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -128,7 +128,7 @@ def test_nnx_nested_dedup_bit_identical(monkeypatch):
 
     assert _roundings(jax.make_jaxpr(make_loss())(params)) == 1
     grads = jax.jit(jax.grad(make_loss()))(params)
-    monkeypatch.setattr(_interpret, "_DEDUP_COTANGENT", False)
+    monkeypatch.setattr(_cotangent, "_DEDUP_COTANGENT", False)
     # NNX scopes the sub-modules (dense, middle), not the root: two without the dedup.
     assert _roundings(jax.make_jaxpr(make_loss())(params)) == 2
     undeduped = jax.jit(jax.grad(make_loss()))(params)
@@ -313,21 +313,21 @@ def test_jitted_primitives_leave_the_program_unchanged(monkeypatch):
     scan and custom_vjp bodies."""
     cases = _cases()
     with_jit = [_policied_grad_jaxpr(c) for c in cases]
-    assert _interpret._jitted_primitive.cache_info().currsize > 0  # the path was taken
-    monkeypatch.setattr(_interpret, "_JIT_PRIMITIVES", False)
+    assert _binding._jitted_primitive.cache_info().currsize > 0  # the path was taken
+    monkeypatch.setattr(_binding, "_JIT_PRIMITIVES", False)
     direct = [_policied_grad_jaxpr(c) for c in cases]
     for a, b in zip(with_jit, direct):
         assert a == b
     # Negative control: a jit that is not inlined while tracing shows in the jaxpr.
-    monkeypatch.setattr(_interpret, "_JIT_PRIMITIVES", True)
-    monkeypatch.setattr(_interpret, "_JIT_INLINE", jax.Inline.JAX_LATE)
-    _interpret._jitted_primitive.cache_clear()
-    _interpret._jitted_cast.cache_clear()
+    monkeypatch.setattr(_binding, "_JIT_PRIMITIVES", True)
+    monkeypatch.setattr(_binding, "_JIT_INLINE", jax.Inline.JAX_LATE)
+    _binding._jitted_primitive.cache_clear()
+    _binding._jitted_cast.cache_clear()
     try:
         assert _policied_grad_jaxpr(cases[0]) != direct[0]
     finally:
-        _interpret._jitted_primitive.cache_clear()
-        _interpret._jitted_cast.cache_clear()
+        _binding._jitted_primitive.cache_clear()
+        _binding._jitted_cast.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,14 @@ from jaxpr_utils import dot_operand_dtypes
 from zoo import NnxTransformerLM, TransformerConfig, TransformerLM, lm_loss
 
 from fmtkit import fp8
-from fmtkit.policy import Fp8State, Policy, Rules, get_preset, list_presets, with_policy
+from fmtkit.policy import (
+    DelayedScalingVariable,
+    Policy,
+    Rules,
+    get_preset,
+    list_presets,
+    with_policy,
+)
 
 # Tokens per batch (4 x 64 = 256) and every matmul dim divide the 128 blocks of "blockwise".
 CFG = TransformerConfig(d_model=128, num_heads=2, num_layers=1, d_ff=256, max_len=64)
@@ -87,11 +94,11 @@ def _train_nnx(preset):
         def loss(m):
             return lm_loss(m(tokens).astype(jnp.float32), tokens)
 
-        value, g = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, (nnx.Param, Fp8State)))(
-            model)
-        g_params, g_state = nnx.split_state(g, nnx.Param, Fp8State)
+        wrt = nnx.DiffState(0, (nnx.Param, DelayedScalingVariable))
+        value, g = nnx.value_and_grad(loss, argnums=wrt)(model)
+        g_params, g_state = nnx.split_state(g, nnx.Param, DelayedScalingVariable)
         opt.update(model, g_params)
-        nnx.update(model, fp8.update_state(nnx.state(model, Fp8State), g_state))
+        nnx.update(model, fp8.update_state(nnx.state(model, DelayedScalingVariable), g_state))
         return value
 
     return [float(step(model, opt, t)) for t in _batches()], model
@@ -135,7 +142,7 @@ def test_nnx_trains_with_each_recipe(recipe):
     ref = _nnx_bf16()
     assert losses[-1] < 0.8 * losses[0]
     assert abs(losses[-1] - ref[-1]) / ref[-1] < MAX_GAP
-    hist = jax.tree.leaves(nnx.state(model, Fp8State))
+    hist = jax.tree.leaves(nnx.state(model, DelayedScalingVariable))
     assert len(hist) == (6 if recipe == "delayed" else 0)
     for h in hist:
         assert float(h[0, STEPS - 1]) > 0 and float(h[0, STEPS]) == 0  # one entry per step

@@ -4,6 +4,7 @@ Dtype facts are read from the jaxpr by ``inspect_policy``; numbers are checked a
 unwrapped model (fp32) and against a float64 NumPy backward pass with ml_dtypes rounding.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -15,7 +16,8 @@ import pytest
 from flax import nnx
 from policy_testlib import APIS, MODEL_NAMES, build, init_params, loss_and_grads
 
-from fmtkit.policy import Policy, inspect_policy, module_paths, with_policy
+from fmtkit.policy import Policy, get_preset, inspect_policy, module_paths, with_policy
+from fmtkit.policy._policy import OPTIONAL_PATTERNS
 
 BF16, F32 = "bfloat16", "float32"
 
@@ -268,19 +270,52 @@ def test_jax_vmap_over_the_wrapped_model(api):
         np.testing.assert_array_equal(np.asarray(batched[i]), np.asarray(jax.jit(f)(xs[i])))
 
 
+def _wrap_and_init(case, rules, **kwargs):
+    """``with_policy``, plus linen's ``init`` (where a linen model learns its modules)."""
+    wrapped = with_policy(case.model, rules, **kwargs)
+    if case.api == "linen":
+        init_params(case, wrapped)
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_unmatched_rule_warns_with_paths_or_raises_when_strict(api):
     case = build(api, "mlp")
     rules = [("Dense|layers", "c=bf16"), ("no_such_module", "f32")]
     with pytest.warns(UserWarning, match="no_such_module") as record:
-        wrapped = with_policy(case.model, rules)
-        if api == "linen":
-            init_params(case, wrapped)
+        _wrap_and_init(case, rules)
     assert ("Dense_1" if api == "linen" else "layers/1") in str(record[0].message)
     with pytest.raises(ValueError, match="no_such_module"):
-        wrapped = with_policy(case.model, rules, strict=True)
-        if api == "linen":
-            init_params(case, wrapped)
+        _wrap_and_init(case, rules, strict=True)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_typo_in_rules_built_from_a_preset_is_reported(api):
+    # A rule list made from a preset with dataclasses.replace keeps the preset's other
+    # fields; the preset's own patterns (norms, router: this MLP has neither) stay silent, a
+    # pattern of the user's that matches nothing (a typo: Dense_9 / layers/9) does not.
+    case = build(api, "mlp")
+    preset = get_preset("bf16-mixed")
+    typo = "^(Dense_9|layers/9)$"
+    rules = dataclasses.replace(preset, rules=[(typo, "f32"), *preset.rules])
+    assert rules.check_unmatched and rules.head == preset.head
+    with pytest.warns(UserWarning, match=r"match no module") as record:
+        _wrap_and_init(case, rules)
+    msg = str(record[0].message)
+    assert repr([typo]) in msg  # the typo alone: no preset pattern is listed as missing
+    assert not any(p in msg for p in OPTIONAL_PATTERNS)
+    assert ("'Dense_1' (Dense)" if api == "linen" else "'layers/1' (Linear)") in msg
+    with pytest.raises(ValueError, match=r"Dense_9\|layers/9"):
+        _wrap_and_init(case, rules, strict=True)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_inspect_policy_names_the_rule_of_each_module(api):
+    case = build(api, "mlp")
+    first = "Dense_0" if api == "linen" else "layers/0"
+    report = _report(case, with_policy(case.model, [(f"^{first}$", "c=bf16")]))
+    assert report.modules[first].rule == f"^{first}$"
+    assert report.modules[first].policy == Policy.parse("c=bf16")
+    assert all(m.rule is None for path, m in report.modules.items() if path != first)
 
 
 @pytest.mark.parametrize("api", APIS)

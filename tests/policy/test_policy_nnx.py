@@ -123,3 +123,31 @@ def test_graphdef_is_not_picklable_as_documented():
     wrapped = with_policy(case.model, "bf16-mixed")
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         pickle.dumps(nnx.graphdef(wrapped))
+
+
+def test_fp8state_is_a_deprecated_alias_of_delayed_scaling_variable():
+    import fmtkit.policy
+    from fmtkit.policy import DelayedScalingVariable
+
+    assert issubclass(DelayedScalingVariable, nnx.Variable)
+    assert not issubclass(DelayedScalingVariable, nnx.Param)  # never seen by the optimizer
+    with pytest.warns(DeprecationWarning, match=r"fmtkit\.policy\.DelayedScalingVariable"):
+        old = fmtkit.policy.Fp8State
+    assert old is DelayedScalingVariable
+    with pytest.warns(DeprecationWarning, match="DelayedScalingVariable"):
+        from fmtkit.policy import Fp8State
+    assert Fp8State is DelayedScalingVariable
+    # The deprecated name is not part of the surface a star-import brings in.
+    assert "Fp8State" not in fmtkit.policy.__all__
+    assert "DelayedScalingVariable" in fmtkit.policy.__all__
+
+
+def test_the_policy_surface_imports_from_fmtkit_policy():
+    import fmtkit.policy
+
+    assert set(fmtkit.policy.__all__) == {
+        "DelayedScalingVariable", "MatmulOp", "ModuleReport", "Policy", "PolicyReport", "Rules",
+        "as_rules", "describe_presets", "find_stack", "get_preset", "inspect_policy",
+        "keep_blocks", "list_presets", "mark_head", "module_paths", "with_policy"}
+    for name in fmtkit.policy.__all__:
+        assert getattr(fmtkit.policy, name) is not None

@@ -11,6 +11,7 @@ import pytest
 
 from fmtkit.formats import get_format
 from fmtkit.policy import Policy, Rules, describe_presets, get_preset, list_presets
+from fmtkit.policy._plan import Plan
 from fmtkit.policy._policy import as_rules
 
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -156,6 +157,39 @@ def test_unmatched_lists_patterns_that_match_nothing():
     rules = Rules([("Dense", "f32"), ("type:Norm$", "f32"), ("nothing_here", "f32")])
     mods = [("", ("Model",)), ("Dense_0", ("Dense",)), ("ln", ("LayerNorm",))]
     assert rules.unmatched(mods) == ["nothing_here"]
+
+
+def test_plan_resolves_each_path_once():
+    rules = Rules([("^dense$", "f32"), ("subtree:type:Router$", "c=f32"), ("typo", "f32")],
+                  default="c=bf16")
+    mods = {"": ("Model",), "dense": ("Dense",), "moe/router": ("TopRouter",),
+            "moe/router/proj": ("Linear",), "mlp": ("Mlp",)}
+    plan = Plan.of(rules, mods)
+    assert Plan.of(rules, dict(mods)) is plan  # kept per (rules, modules)
+    # The router's child matches by its ancestor's class (subtree:type:); mlp by no rule.
+    assert dict(plan.matches) == {"": None, "dense": 0, "moe/router": 1,
+                                  "moe/router/proj": 1, "mlp": None}
+    assert plan.rule("moe/router/proj") == "subtree:type:Router$" and plan.rule("mlp") is None
+    assert plan.policy("dense") == Policy.parse("f32")
+    assert plan.resolve("mlp") == (Policy.parse("c=bf16"), False)
+    assert plan.unmatched == ("typo",)
+    # Code outside every module: the root's path without class names (what Rules.resolve says).
+    assert plan.resolve("", ()) == (rules.resolve("", ()), False)
+    # A parameter belongs to the longest module path its keys start with.
+    assert plan.owner(["params", "moe", "router", "proj", "kernel"]) == "moe/router/proj"
+    assert plan.owner(["moe", "scale"]) == "" and plan.owner(["dense", "bias"]) == "dense"
+
+
+def test_plan_reports_a_typo_but_not_the_presets_patterns():
+    preset = get_preset("bf16-mixed")
+    mods = {"": ("Model",), "Dense_0": ("Dense",)}
+    with pytest.warns(UserWarning, match=r"(?s)\['Dens_0'\] match no module.*'Dense_0' \(Dense\)"):
+        Plan.of(Rules([("Dens_0", "f32"), *preset.rules]), mods).report_unmatched(False)
+    with pytest.raises(ValueError, match="Dens_0"):
+        Plan.of(Rules([("Dens_0", "f32"), *preset.rules]), mods).report_unmatched(True)
+    Plan.of(preset, mods).report_unmatched(True)  # norms and router absent: nothing to say
+    off = Rules([("Dens_0", "f32")], check_unmatched=False)
+    Plan.of(off, mods).report_unmatched(True)
 
 
 # -------------------------------------------------------------------------------- presets

@@ -1133,7 +1133,7 @@ def fp8_state_type():
     """The NNX Variable type holding delayed-FP8 histories (None if the policy has none)."""
     import fmtkit.policy
 
-    return getattr(fmtkit.policy, "Fp8State", None)
+    return getattr(fmtkit.policy, "DelayedScalingVariable", None)
 
 
 def batch(case: Case, key: int = 0) -> dict:

@@ -1,0 +1,550 @@
+"""The interpreter: every equation of a trace bound again with the dtypes the rules give it.
+
+``Interpreter`` evaluates a traced jaxpr under the rules (op classes in ``_ops``): matmuls on
+the compute dtype (or the FP8 recipe), precision-sensitive ops in f32, the rest following
+their inputs; module outputs are cast to the module's ``output_dtype`` and their cotangents
+rounded through ``grad_dtype`` (``_cotangent``). The interpretation is ordinary JAX code, so
+``jit``, ``grad`` and ``vmap`` around it work and the backward pass is JAX's own transpose
+of the policied forward pass. Every primitive that holds a body is interpreted and rebuilt:
+``jit`` (kept as a ``jit`` with its shardings), ``scan``, ``remat``, ``custom_jvp`` (the
+tangent is the original rule's), ``cond``/``switch`` (outputs in the widest dtype the
+branches give), ``while`` (the carry in its traced dtypes), ``shard_map`` (same mesh and
+specs), ``custom_vjp`` (the user's forward rule interpreted; the user's backward rule on
+residuals and cotangents in their traced dtypes). Any other body (``pallas_call``, a
+primitive this module does not know) runs as traced, inputs cast back, with one warning per
+module and primitive. Equations are bound through ``_binding``'s shared jits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fmtkit import fp8
+from fmtkit.policy import _analysis, _ops
+from fmtkit.policy._analysis import (
+    BODIES,
+    Analysis,
+    VjpParts,
+    holds_matmul,
+    open_jaxpr,
+    scan_counts,
+)
+from fmtkit.policy._binding import F32, bind, cast, floating_dtype, is_float_value, wider
+from fmtkit.policy._cotangent import round_on_exit
+from fmtkit.policy._plan import Plan
+from fmtkit.policy._policy import Policy
+from fmtkit.policy._scopes import OP_SCOPE, ModuleInfo, OpRecord, Recorder, Registry, scope_chain
+from fmtkit.scaling import DelayedScalingState
+
+
+def _mixed_matmul(eqn, lhs, rhs, out_dtype):
+    """A matmul on narrow operands with a wider result (the head's f32 logits), whose two
+    backward GEMMs also run on the narrow dtype (the cotangent is cast down first), as a
+    bf16 head matmul does in frameworks that keep f32 logits."""
+    narrow = lhs.dtype
+
+    def low(a, b):
+        return bind(eqn, [a, b], preferred_element_type=narrow)[0]
+
+    @jax.custom_vjp
+    def matmul(a, b):
+        return bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
+
+    def fwd(a, b):
+        return matmul(a, b), (a, b)
+
+    def bwd(res, g):
+        _, vjp = jax.vjp(low, *res)
+        return vjp(g.astype(narrow))
+
+    matmul.defvjp(fwd, bwd)
+    return matmul(lhs, rhs)
+
+
+class Interpreter:
+    """Evaluates a traced jaxpr under a plan's rules (see the module docstring)."""
+
+    def __init__(self, plan: Plan, registry: Registry, *, fp8_state: dict | None = None,
+                 record: Recorder | None = None):
+        self.plan = plan
+        self.rules = plan.rules
+        self.registry = registry
+        self.fp8_state = fp8_state
+        self.record = record
+        self._policies: dict[int | None, tuple[Policy | None, bool]] = {}
+        self._warned: set[str] = set()
+        self._vjp: dict[int, tuple[Any, VjpParts | None]] = {}
+        self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
+        self.analysis: Analysis | None = None
+
+    # -- rules ----------------------------------------------------------------------------
+    def path(self, module: int | None) -> str:
+        return "" if module is None else self.registry.modules[module].path
+
+    def resolve(self, module: int | None) -> tuple[Policy | None, bool]:
+        """(policy, matched-by-a-pattern) of a module (None: code outside every module), as
+        the plan resolved it."""
+        if module not in self._policies:
+            info = (self.registry.modules[module] if module is not None
+                    else ModuleInfo("", ()))
+            self._policies[module] = self.plan.resolve(info.path, info.type_names)
+        return self._policies[module]
+
+    def policy_of(self, module: int | None) -> Policy | None:
+        return self.resolve(module)[0]
+
+    def head_applies(self, module: int | None) -> bool:
+        """Whether a head matmul written in ``module`` gets ``Rules.head`` (patterns win)."""
+        return self.rules.head is not None and not self.resolve(module)[1]
+
+    def analyze(self, closed, param_inputs: Sequence[bool], head_outputs: Sequence[bool]
+                ) -> Analysis:
+        self.analysis = Analysis(closed, param_inputs, head_outputs, self)
+        return self.analysis
+
+    # -- evaluation -----------------------------------------------------------------------
+    def run(self, closed, args: Sequence[Any],
+            leave: Sequence[bool | tuple[int, ...]] | None = None) -> list[Any]:
+        """Interprets ``closed`` on ``args`` (flat). Per output, ``leave`` (default: all
+        True): True, it leaves every module (cast to each one's ``output_dtype``); False,
+        it is returned as computed; a scope chain, it is read there (as the module at the
+        end of the chain sees it: the outputs of the modules it did not run are cast)."""
+        assert self.analysis is not None, "analyze first"
+        return self._walk(closed.jaxpr, closed.consts, list(args), [()] * len(args), (), (),
+                          self.fp8_state or {}, leave)
+
+    def _walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local,
+              leave=None):
+        env: dict[Any, Any] = {}
+        chains: dict[Any, tuple] = {}
+        exits: dict[tuple, Any] = {}
+        for v, x, c in zip(jaxpr.invars, args, arg_chains):
+            env[v], chains[v] = x, c
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v], chains[v] = x, ()
+
+        def read(v, consumer: tuple):
+            if isinstance(v, jex.Literal):
+                return np.asarray(v.val, dtype=v.aval.dtype)
+            x, producer = env[v], chains[v]
+            common = 0
+            for a, b in zip(producer, consumer):
+                if a != b:
+                    break
+                common += 1
+            if len(producer) == common or not is_float_value(x):
+                return x
+            key = (v, common)
+            if key not in exits:
+                exits[key] = self._exit(x, producer[common:],
+                                        self.analysis.is_head_value(idprefix, v))
+            return exits[key]
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            chain = scope_chain(eqn, prefix)
+            invals = [read(v, chain) for v in eqn.invars]
+            outs = self._eqn(eqn, invals, chain, (*idprefix, i), idprefix, fp8_local)
+            for v, x in zip(eqn.outvars, outs):
+                env[v], chains[v] = x, chain
+        if leave is None:
+            return [read(v, prefix) for v in jaxpr.outvars]
+        return [read(v, prefix) if e is True or isinstance(v, jex.Literal) else
+                env[v] if e is False else read(v, e) for v, e in zip(jaxpr.outvars, leave)]
+
+    def _exit(self, x, modules: tuple[int, ...], head_value: bool):
+        """Casts a value leaving ``modules`` (innermost last) to their output dtypes.
+
+        Its cotangent is rounded through each module's ``grad_dtype`` (``round_on_exit``: once
+        for nested modules with the same one).
+        """
+        rounded: tuple[Any, np.dtype] | None = None  # (value, dtype) last wrapped here
+        for m in reversed(modules):
+            policy, explicit = self.resolve(m)
+            path = self.registry.modules[m].path
+            root_by_rule = path == "" and not explicit and self.rules.output_dtype is not None
+            if policy is not None and not root_by_rule:  # else: Rules.output_dtype decides
+                odt = np.dtype(policy.output_dtype)
+                if not (head_value and odt.itemsize < x.dtype.itemsize):
+                    x = cast(x, odt)
+                x, rounded = round_on_exit(x, policy.grad_dtype, rounded)
+            if self.record is not None:
+                self.record.exits.setdefault(path, set()).add(str(x.dtype))
+        return x
+
+    def _eqn(self, eqn, invals, chain, idp, idprefix, fp8_local) -> list[Any]:
+        name = eqn.primitive.name
+        scope = (self._record(eqn, chain, idp) if self.record is not None
+                 else contextlib.nullcontext())
+        with scope:
+            if name in _ops.INLINE_CALLS:
+                return self._jit(eqn, invals, chain, idp, fp8_local)
+            if name == "custom_jvp_call":
+                return self._custom_jvp(eqn, invals, chain, idp, fp8_local)
+            if name in _ops.REMAT:
+                return self._checkpoint(eqn, invals, chain, idp, fp8_local)
+            if name == "scan" and scan_counts(eqn) is not None:
+                return self._scan(eqn, invals, chain, idp, fp8_local)
+            body = BODIES.get(name)
+            if body is not None:
+                outs = getattr(self, body.removesuffix("_facts"))(eqn, invals, chain, idp,
+                                                                  fp8_local)
+                if outs is not None:
+                    return outs
+            if name in _ops.DTYPE_EXACT:  # bit patterns: on the traced dtypes
+                return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
+            if list(jex.jaxprs_in_params(eqn.params)):
+                return self._opaque(eqn, invals, chain)
+            policy = self.policy_of(chain[-1] if chain else None)
+            if name in _ops.MATMUL and policy is not None:
+                return [self._matmul(eqn, invals, chain, idp, idprefix, policy, fp8_local)]
+            if name in _ops.F32_OPS and policy is not None:
+                return bind(eqn, [cast(x, F32) if is_float_value(x)
+                                   and x.dtype.itemsize < 4 else x for x in invals])
+            if name == "convert_element_type":
+                return [self._convert(eqn, invals[0], idp, policy)]
+            return bind(eqn, self._follow(eqn, invals, idprefix, policy))
+
+    def _follow(self, eqn, invals, idprefix, policy):
+        """Operands that had one dtype in the trace get the widest of their current dtypes.
+
+        Constants written in the model (literals, weakly typed Python scalars) take their
+        partners' dtype, and parameters count in the module's compute dtype (a bias added to a
+        bf16 matmul result stays bf16, as parameters cast at use would), so only activations
+        decide.
+        """
+        groups: dict[np.dtype, list[int]] = {}
+        for j, v in enumerate(eqn.invars):
+            if floating_dtype(v.aval.dtype):
+                groups.setdefault(np.dtype(v.aval.dtype), []).append(j)
+        out = list(invals)
+        cdt = None if policy is None else np.dtype(policy.compute_dtype)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            weak, strong = [], []
+            for j in members:
+                v = eqn.invars[j]
+                if isinstance(v, jex.Literal) or v.aval.weak_type:
+                    weak.append(j)
+                elif cdt is not None and self.analysis.is_param(idprefix, v):
+                    out[j] = cast(out[j], cdt)
+                    weak.append(j)
+                else:
+                    strong.append(j)
+            pick = strong or members
+            target = np.dtype(out[pick[0]].dtype)
+            for j in pick[1:]:
+                target = wider(target, out[j].dtype)
+            for j in members:
+                out[j] = cast(out[j], target)
+        return out
+
+    def _convert(self, eqn, x, idp, policy):
+        """An author's cast, applied as written; except a round trip's way back
+        (``x.astype(bf16)``, a dispatch, ``.astype(f32)``), which restores the dtype the
+        value had before its narrowing in this run (bf16 for a bf16 module's activation)."""
+        src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+        if is_float_value(x):
+            self._before_cast[idp] = x.dtype
+        if floating_dtype(src) and src == dst:
+            return x  # a weak-type change in the trace: the value follows its input
+        narrowing = self.analysis.round_trips.get(idp)
+        if (narrowing is not None and policy is not None
+                and narrowing in self._before_cast and is_float_value(x)):
+            return cast(x, self._before_cast[narrowing])
+        return bind(eqn, [x])[0]
+
+    def _matmul(self, eqn, invals, chain, idp, idprefix, policy, fp8_local):
+        info = self.analysis.dots.get(idp)
+        module = chain[-1] if chain else None
+        head = info is not None and info.head and self.head_applies(module)
+        if head:
+            policy = self.rules.head
+        cdt = np.dtype(policy.compute_dtype)
+        lhs, rhs = invals[0], invals[1]
+        targets = []
+        for x, v in zip((lhs, rhs), eqn.invars[:2]):
+            keep = (is_float_value(x) and x.dtype == F32
+                    and self.analysis.is_upcast(idprefix, v))
+            targets.append(F32 if keep else cdt)
+        target = wider(*targets)
+        lhs, rhs = cast(lhs, target), cast(rhs, target)
+        out_dt = np.dtype(policy.output_dtype) if head else target
+        recipe = policy.fp8
+        if (recipe is not None and not head and target == cdt and info is not None
+                and info.projection and eqn.primitive.name == "dot_general"):
+            out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt)
+            if out is not None:
+                return out
+        if not (is_float_value(lhs) and is_float_value(rhs)):
+            return bind(eqn, [lhs, rhs, *invals[2:]])[0]
+        if out_dt.itemsize > target.itemsize:
+            return _mixed_matmul(eqn, lhs, rhs, out_dt)
+        return bind(eqn, [lhs, rhs, *invals[2:]], preferred_element_type=out_dt)[0]
+
+    def _fp8_matmul(self, eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt):
+        path = self.path(module)
+        kwargs = {}
+        if recipe.delayed:
+            key = self.analysis.sites.get(idp)
+            if key is None or key not in fp8_local:
+                reason = ("no amax history was passed for it (initialize the policied model "
+                          "and pass its 'fp8_state')")
+                self._warn(path, f"FP8 recipe {recipe} skipped for a matmul in module "
+                                 f"{path or '<root>'!r}: {reason}; it runs in {cdt.name}.")
+                return None
+            kwargs["fp8_state"] = DelayedScalingState(fp8_local[key])
+        try:
+            return fp8.dot_general_fn(recipe)(lhs, rhs, eqn.params["dimension_numbers"], None,
+                                              preferred_element_type=cdt, **kwargs)
+        except ValueError as err:
+            raise ValueError(f"FP8 matmul in module {path or '<root>'!r} (recipe "
+                             f"{recipe}): {err}") from None
+
+    def _record(self, eqn, chain, idp):
+        module = chain[-1] if chain else None
+        info = ModuleInfo("", ()) if module is None else self.registry.modules[module]
+        policy = self.policy_of(module)
+        dot = self.analysis.dots.get(idp)
+        head = bool(dot and dot.head and self.head_applies(module))
+        type_name = info.type_names[0] if info.type_names else "-"
+        self.record.modules.setdefault(
+            info.path, (type_name, policy, self.plan.rule(info.path, info.type_names)))
+        facts = [None if isinstance(v, jex.Literal) else self.analysis.facts.get((idp[:-1], v))
+                 for v in eqn.invars]
+        self.record.ops.append(OpRecord(
+            path=info.path, type_name=type_name, policy=self.rules.head if head else policy,
+            primitive=eqn.primitive.name, head=head,
+            projection=bool(dot and dot.projection),
+            param_operands=tuple(j for j, f in enumerate(facts) if f is not None and f.param),
+            operand_shapes=tuple(tuple(getattr(v.aval, "shape", ())) for v in eqn.invars)))
+        return jax.named_scope(f"{OP_SCOPE}{len(self.record.ops) - 1}")
+
+    def _warn(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, UserWarning, stacklevel=2)
+
+    def _custom_jvp(self, eqn, invals, chain, idp, fp8_local):
+        traced = [v.aval.dtype for v in eqn.invars]
+        if (all(not is_float_value(x) or x.dtype == d for x, d in zip(invals, traced))
+                and not holds_matmul(eqn.params["call_jaxpr"].jaxpr)):
+            return bind(eqn, invals)  # dtypes as traced: the original, custom rule and all
+        body = eqn.params["call_jaxpr"]
+
+        def original(*xs):
+            return bind(eqn, list(xs))
+
+        @jax.custom_jvp
+        def policied(*xs):
+            return self._walk(body.jaxpr, body.consts, list(xs), [chain] * len(xs), chain,
+                              idp, fp8_local)
+
+        @policied.defjvp
+        def policied_jvp(primals, tangents):
+            out = policied(*primals)
+            p0 = [cast(p, d) for p, d in zip(primals, traced)]
+            t0 = [cast(t, d) for t, d in zip(tangents, traced)]
+            _, t_out = jax.jvp(original, p0, t0)
+            return out, [cast(t, o.dtype) for t, o in zip(t_out, out)]
+
+        return policied(*invals)
+
+    # -- bodies of control flow ------------------------------------------------------------
+    def vjp_parts(self, eqn) -> VjpParts | None:
+        """``vjp_parts`` once per equation (the Analysis and the evaluation share it)."""
+        key = id(eqn)
+        if key not in self._vjp:
+            # the eqn is kept so its id stays unique
+            self._vjp[key] = (eqn, _analysis.vjp_parts(eqn))
+        return self._vjp[key][1]
+
+    def _opaque(self, eqn, invals, chain):
+        """A primitive whose body the policy cannot interpret (``pallas_call``, an unknown
+        primitive): it runs as traced, inputs cast back, with one warning per module and
+        primitive; ``inspect_policy`` lists its matmuls as not policied."""
+        name = eqn.primitive.name
+        path = self.path(chain[-1] if chain else None)
+        self._warn(f"opaque:{path}:{name}",
+                   f"Primitive {name!r} in module {path or '<root>'!r} holds a body the policy "
+                   "does not interpret: it runs as traced (its matmuls in their traced dtypes, "
+                   "no FP8). inspect_policy lists its matmuls as not policied.")
+        if self.record is not None:
+            self.record.opaque.append((path, name))
+        return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
+
+    def _jit(self, eqn, invals, chain, idp, fp8_local):
+        """A nested ``jit`` is kept as a ``jit`` of its interpreted body, with the same
+        ``in_shardings``/``out_shardings`` (inlining it changed XLA's fusion of the
+        gradient: ~1e-7 differences under "fp32"); other call primitives are inlined."""
+        inner = eqn.params["jaxpr"]
+
+        def body(*xs):
+            return tuple(self._walk(inner.jaxpr, inner.consts, list(xs), [chain] * len(xs),
+                                    chain, idp, fp8_local))
+
+        if eqn.primitive.name not in ("pjit", "jit"):
+            return list(body(*invals))
+        p = eqn.params
+        jitted = jax.jit(body, in_shardings=tuple(p["in_shardings"]),
+                         out_shardings=tuple(p["out_shardings"]),
+                         keep_unused=p["keep_unused"])
+        jitted.__name__ = p.get("name", "jit")  # for the jaxpr's readers
+        return list(jitted(*invals))
+
+    def _cond(self, eqn, invals, chain, idp, fp8_local):
+        """``cond``/``switch``: each branch interpreted; an output gets the widest of the
+        dtypes the branches give it (``lax.switch`` needs one type)."""
+        ops = invals[1:]
+        n = len(ops)
+
+        def branch(b, br):
+            def fn(*xs):
+                return self._walk(br.jaxpr, br.consts, list(xs), [chain] * n, chain,
+                                  (*idp, b), fp8_local)
+            return fn
+
+        fns = [branch(b, br) for b, br in enumerate(eqn.params["branches"])]
+        record, self.record = self.record, None  # dtypes only: nothing recorded
+        try:
+            shapes = [jax.eval_shape(fn, *ops) for fn in fns]
+        finally:
+            self.record = record
+        targets = [functools.reduce(wider, [s[j].dtype for s in shapes])
+                   if all(floating_dtype(s[j].dtype) for s in shapes) else None
+                   for j in range(len(eqn.outvars))]
+
+        def cast_outputs(fn):
+            return lambda *xs: [o if t is None else cast(o, t) for o, t in zip(fn(*xs),
+                                                                             targets)]
+
+        return list(lax.switch(invals[0], [cast_outputs(fn) for fn in fns], *ops))
+
+    def _while(self, eqn, invals, chain, idp, fp8_local):
+        """``while`` (``fori_loop`` with a traced bound): body and condition interpreted, the
+        carry kept in its traced dtypes (as ``scan``'s; a loop needs one carry type)."""
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        (cj, cc), (bj, bc) = open_jaxpr(p["cond_jaxpr"]), open_jaxpr(p["body_jaxpr"])
+        cconsts, bconsts = invals[:cn], invals[cn:cn + bn]
+        dtypes = [v.aval.dtype for v in eqn.invars[cn + bn:]]
+        init = [cast(x, d) for x, d in zip(invals[cn + bn:], dtypes)]
+
+        def cond_fn(carry):
+            args = [*cconsts, *carry]
+            return self._walk(cj, cc, args, [chain] * len(args), chain, (*idp, 0),
+                              fp8_local)[0]
+
+        def body_fn(carry):
+            args = [*bconsts, *carry]
+            outs = self._walk(bj, bc, args, [chain] * len(args), chain, (*idp, 1), fp8_local)
+            return [cast(o, d) for o, d in zip(outs, dtypes)]
+
+        return list(lax.while_loop(cond_fn, body_fn, init))
+
+    def _shard_map(self, eqn, invals, chain, idp, fp8_local):
+        """``shard_map``: the body interpreted, rebuilt with the same mesh, specs and manual
+        axes."""
+        p = eqn.params
+        body, consts = open_jaxpr(p["jaxpr"])
+
+        def fn(*xs):
+            return tuple(self._walk(body, consts, list(xs), [chain] * len(xs), chain, idp,
+                                    fp8_local))
+
+        mapped = jax.shard_map(fn, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                               out_specs=tuple(p["out_specs"]), check_vma=p["check_vma"],
+                               axis_names=set(p["newly_manual_axes"]))
+        return list(mapped(*invals))
+
+    def _custom_vjp(self, eqn, invals, chain, idp, fp8_local):
+        """A user's ``jax.custom_vjp``: the forward rule interpreted under the policy (it also
+        gives the primal outputs); the user's backward rule runs on the residuals and
+        cotangents in their traced dtypes, its results cast to the inputs' dtypes."""
+        traced_in = [v.aval.dtype for v in eqn.invars]
+        if (all(not is_float_value(x) or x.dtype == d for x, d in zip(invals, traced_in))
+                and not holds_matmul(open_jaxpr(eqn.params["call_jaxpr"])[0])):
+            return bind(eqn, invals)  # nothing to change: JAX's own primal and rules
+        parts = self.vjp_parts(eqn)
+        if parts is None:
+            return None
+        traced_out = [v.aval.dtype for v in eqn.outvars]
+        res_dtypes = [v.aval.dtype for v in parts.fwd.outvars[:parts.num_res]]
+        consts = invals[:parts.num_consts]
+        n = len(invals) - parts.num_consts
+
+        def forward(xs):
+            outs = self._walk(parts.fwd, parts.fwd_consts, list(xs), [chain] * n, chain, idp,
+                              fp8_local)
+            computed = iter(cast(r, d) for r, d in zip(outs[:parts.num_res], res_dtypes))
+            full = [*consts, *xs]
+            res = [next(computed) if f is None else cast(full[f], traced_in[f])
+                   for f in parts.forwarded]
+            return outs[parts.num_res:], res
+
+        @jax.custom_vjp
+        def policied(*xs):
+            return forward(xs)[0]
+
+        in_dtypes = [getattr(x, "dtype", None) for x in invals[parts.num_consts:]]
+
+        def fwd(*xs):
+            outs, res = forward(xs)
+            return outs, res
+
+        def bwd(res, cts):
+            cts = [cast(g, d) for g, d in zip(cts, traced_out)]
+            grads, _logs = parts.bwd.call_wrapped(*res, *cts)
+            out = []
+            for g, d in zip(grads, in_dtypes):
+                if d is None or not floating_dtype(d):
+                    out.append(None)
+                elif not hasattr(g, "dtype"):  # JAX's symbolic zero
+                    out.append(jnp.zeros(g.aval.shape, d))
+                else:
+                    out.append(cast(g, d))
+            return tuple(out)
+
+        policied.defvjp(fwd, bwd)
+        return list(policied(*invals[parts.num_consts:]))
+
+    def _checkpoint(self, eqn, invals, chain, idp, fp8_local):
+        body = eqn.params["jaxpr"]
+
+        def fn(*xs):
+            return self._walk(body, (), list(xs), [chain] * len(xs), chain, idp, fp8_local)
+
+        return jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"],
+                              policy=eqn.params["policy"])(*invals)
+
+    def _scan(self, eqn, invals, chain, idp, fp8_local):
+        n0, n1, _ = scan_counts(eqn)
+        body = eqn.params["jaxpr"]
+        consts, init, xs = invals[:n0], invals[n0:n0 + n1], invals[n0 + n1:]
+        carry_dtypes = [getattr(x, "dtype", None) for x in init]
+        keys = [k for k in self.analysis.scan_sites.get(idp, []) if k in fp8_local]
+        n_in = len(invals)
+
+        def step(carry, inp):
+            x, hist = inp
+            local = {**fp8_local, **dict(zip(keys, hist))}
+            outs = self._walk(body.jaxpr, body.consts, [*consts, *carry, *x], [chain] * n_in,
+                              chain, idp, local)
+            new = [cast(o, d) if d is not None else o for o, d in zip(outs[:n1], carry_dtypes)]
+            return new, outs[n1:]
+
+        carry, ys = lax.scan(step, list(init), (list(xs), [fp8_local[k] for k in keys]),
+                             length=int(eqn.params["length"]), reverse=eqn.params["reverse"],
+                             unroll=eqn.params["unroll"])
+        return [*carry, *ys]
+

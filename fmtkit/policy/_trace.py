@@ -1,0 +1,178 @@
+"""Tracing a model and running the trace under the rules: how ``with_policy`` works.
+
+How ``with_policy`` works, for a linen model, an NNX model and a plain function alike:
+
+1. **Trace.** The unmodified model runs once under ``jax.make_jaxpr`` in its own dtypes. Each
+   Flax module call is wrapped in a named scope ``fmtkit_module_<i>`` (linen:
+   ``nn.intercept_methods``; NNX: the traced copy's classes are swapped for subclasses whose
+   methods enter the scope), and a ``Registry`` maps ``i`` to the module's path and class
+   names (``_scopes``). Every equation's name stack then says which modules wrote it,
+   innermost last, even inside ``jit``, ``scan`` and ``remat`` bodies. The trace is kept per
+   input signature (``_trace_cache``), so a second trace of the same call only re-interprets
+   it.
+2. **Analyze** (``_analysis``). One pass over the jaxpr finds, for every matmul, whether it
+   is a *projection* (an operand is a view of a parameter: what FP8 recipes target), whether
+   it is the model's *output head* (found by its role, not its name), and the delayed-FP8
+   amax-history slots it needs.
+3. **Interpret** (``_interpreter``). Every equation is bound again with the dtypes the rules
+   give it (op classes in ``_ops``): matmuls on the compute dtype (or the FP8 recipe),
+   precision-sensitive ops in f32, the rest following their inputs; module outputs are cast to
+   the module's ``output_dtype`` and their cotangents rounded through ``grad_dtype``
+   (``_cotangent``). Bodies (``jit``, ``scan``, ``cond``, ``custom_vjp``, ...) are
+   interpreted and rebuilt. Each rebuilt equation is bound through a ``jit`` shared by equal
+   equations (``_binding``), as ``jnp`` binds its operators: under ``jax.grad`` it is
+   linearized once, not per bind.
+
+This module holds the entry points the frontends call: ``trace`` (step 1) and ``run`` (steps
+2 and 3), and ``fp8_slots`` (step 2 alone: the delayed-FP8 state a trace needs).
+
+Why re-interpretation rather than intercepting ``Primitive.bind`` as the model runs (qwix's
+way): changing a dtype while user code still runs breaks its Python-level dtype logic
+(``jnp`` promotion raises under ``jax_numpy_dtype_promotion="strict"`` and silently widens
+under "standard"; ``lax.scan`` rejects a carry whose dtype changed), and needs no private JAX
+API patched. On a finished trace every dtype decision is the policy's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+from fmtkit.policy import _trace_cache
+from fmtkit.policy._binding import cast, floating_dtype
+from fmtkit.policy._interpreter import Interpreter
+from fmtkit.policy._plan import Plan
+from fmtkit.policy._policy import Rules
+from fmtkit.policy._scopes import Recorder, Registry, active_recorder, tracing
+
+# Private switch for tests and benchmarks: False traces the model on every call even where its
+# policied model keeps traces (``_trace_cache``).
+_TRACE_CACHE = True
+
+
+def _is_dynamic(x) -> bool:
+    """An array input (a ``jax.ShapeDtypeStruct`` too: tracing needs only its shape, e.g.
+    ``init_fp8_state`` on ``jax.eval_shape``'d parameters)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+@dataclasses.dataclass
+class Traced:
+    """One trace of a function: its jaxpr, the modules it called, its array inputs."""
+
+    closed: jex.ClosedJaxpr
+    registry: Registry
+    dyn: list[Any]
+    params: list[bool]  # per array input: is it a parameter?
+    out_tree: Any
+    out_avals: list[Any]
+
+    def plan(self, rules: Rules) -> Plan:
+        """``rules`` resolved against the modules this trace called, or the root ``""``
+        alone when it called none (a plain function); kept per rules and modules, so a trace
+        from the cache resolves nothing again."""
+        return Plan.of(rules, self.registry.visited() or {"": ()})
+
+
+def trace(fn: Callable, args: tuple, kwargs: dict, *,
+          is_param: Callable[[tuple, Any], bool] = lambda path, x: True,
+          scopes: Callable | None = None, cache: _trace_cache.TraceCache | None = None,
+          cache_key: Any = None, static_types: tuple[type, ...] = ()) -> Traced:
+    """Traces ``fn(*args, **kwargs)`` recording module scopes; array leaves are the inputs.
+
+    Args:
+      is_param: ``(key path in (args, kwargs), leaf) -> bool``: which inputs are parameters.
+      scopes: a context-manager factory entered around the call inside the trace (the NNX
+        adapter's class swap); linen's interceptor is installed by its adapter inside ``fn``.
+      cache: where to keep the trace per input signature (``_trace_cache``); None: always
+        trace. ``cache_key`` identifies ``fn`` in it (``fn`` itself is often a new closure);
+        ``static_types``: leaf types the key compares by value (an adapter's placeholders).
+    """
+    with_path, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [x for _, x in with_path]
+    dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    dyn = [leaves[i] for i in dyn_idx]
+    params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
+    key = (None if cache is None or not _TRACE_CACHE
+           else _trace_cache.signature(leaves, dyn_idx, treedef, static_types))
+    if key is not None:
+        key = (cache_key, key)
+        hit = cache.get(key)
+        if hit is not None:
+            closed, registry, out_tree, avals = hit
+            return Traced(closed, registry, dyn, params, out_tree, avals)
+    registry = Registry()
+
+    def flat_fn(*dyn_vals):
+        full = list(leaves)
+        for i, x in zip(dyn_idx, dyn_vals):
+            full[i] = x
+        a, k = jax.tree.unflatten(treedef, full)
+        with tracing(registry), (scopes() if scopes else contextlib.nullcontext()):
+            return fn(*a, **k)
+
+    # The model is traced in the caller's promotion mode, except when it holds parameters or
+    # inputs below f32 (pure-bf16 storage): Flax's own layers raise under "strict" once given
+    # bf16 (LayerNorm's promote_types(dtype, float32), attention's f32 scale), so that trace
+    # runs under "standard", as the model would without a policy.
+    narrow = any(floating_dtype(x.dtype) and np.dtype(x.dtype).itemsize < 4 for x in dyn)
+    mode = "standard" if narrow else jax.config.jax_numpy_dtype_promotion
+    with jax.numpy_dtype_promotion(mode):
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+    avals, out_tree = jax.tree.flatten(out_shape)
+    # A constant that is a tracer (the model closed over a value of an enclosing trace)
+    # exists in that trace only: such a jaxpr is not kept.
+    if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+        cache.put(key, (closed, registry, out_tree, avals))
+    return Traced(closed, registry, dyn, params, out_tree, avals)
+
+
+def fp8_slots(traced: Traced, plan: Plan, main: Sequence[bool | str] | None = None
+              ) -> dict[str, tuple[int, ...]]:
+    """Shapes of the delayed-FP8 amax histories the plan needs for this trace, by slot name
+    (``"<module path>:dot<i>"``; shape ``[*layers, *batch, 3, history]``: a leading axis per
+    enclosing ``scan`` and per batch dimension of the dot); ``main`` as in ``run``."""
+    main = [True] * len(traced.out_avals) if main is None else main
+    interp = Interpreter(plan, traced.registry)
+    return interp.analyze(traced.closed, traced.params,
+                          [m is True and floating_dtype(a.dtype)
+                           for m, a in zip(main, traced.out_avals)]).site_shapes
+
+
+def run(traced: Traced, plan: Plan, *, main: Sequence[bool | str] | None = None,
+        fp8_state: dict | None = None, record: Recorder | None = None
+        ) -> tuple[Any, Interpreter]:
+    """Interprets a trace under a plan (``Traced.plan``); returns (output tree, the
+    interpreter).
+
+    ``main``: per output leaf, True for a model output (cast to ``Rules.output_dtype``,
+    searched for the head), False for state handed back (kept in its traced dtype: BatchNorm
+    statistics, RNG state), a module path for a value that module sowed (as that module sees
+    it: a sub-module's output reaches it cast to the sub-module's output dtype, as the ops
+    it runs read it).
+    """
+    main = [True] * len(traced.out_avals) if main is None else list(main)
+    interp = Interpreter(plan, traced.registry, fp8_state=fp8_state,
+                         record=record if record is not None else active_recorder())
+    interp.analyze(traced.closed, traced.params,
+                   [m is True and floating_dtype(a.dtype) for m, a in zip(main, traced.out_avals)])
+    # State is not a module output (no output cast applies); a sown value is read where
+    # its module sowed it.
+    outs = interp.run(traced.closed, traced.dyn,
+                      [traced.registry.chain(m) if isinstance(m, str) else m for m in main])
+    odt = plan.rules.output_dtype
+    final = []
+    for x, aval, is_main in zip(outs, traced.out_avals, main):
+        if is_main is True:
+            final.append(cast(x, odt) if odt is not None else x)
+        elif isinstance(is_main, str):
+            final.append(x)
+        else:
+            final.append(cast(x, aval.dtype))
+    return jax.tree.unflatten(traced.out_tree, final), interp
