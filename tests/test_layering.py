@@ -1,12 +1,16 @@
 """Imports flow one way: formats -> casting -> scaling -> {policy, optim, fp8} -> studies.
 
-The test reads every module of ``fmtkit``, ``pallas_kernels`` and ``studies`` with ``ast``
+The test reads every module of ``fmtkit``, ``pallas_kernels``, ``studies`` and ``tools`` with
+``ast``
 (nothing is imported, so lazy imports inside functions count too) and checks each
 first-party import against ``ALLOWED``: the table of which unit may import which. A unit is a
 module, or a package taken as a whole (``fmtkit.policy``, ``fmtkit.optim``,
 ``pallas_kernels``, ``studies``); imports inside one unit are free. ``pallas_kernels`` is a
 GEMM backend on top of the core; ``studies`` (with the ``fmtkit`` command line,
 ``studies.cli``) is the application on top of everything, and nothing imports it.
+``tools`` (the GPU check, ``python3 -m tools.gpu_check``) is a repository tool beside the
+application: it imports the core and the kernels (never the reverse), runs the ``fmtkit``
+command line as a command and never imports ``studies``; nothing imports ``tools``.
 
 ``studies.models`` (the studies' reference models) is a leaf of its own: it imports no other
 module of ``studies`` (nor ``pallas_kernels``), so the core's tests can use the same models
@@ -32,7 +36,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fmtkit", "pallas_kernels", "studies")
+PACKAGES = ("fmtkit", "pallas_kernels", "studies", "tools")
 
 CORE = ("fmtkit.formats", "fmtkit.casting", "fmtkit.scaling")
 ALLOWED: dict[str, set[str]] = {
@@ -64,6 +68,9 @@ ALLOWED: dict[str, set[str]] = {
                 "fmtkit.fp4",
                 "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels",
                 "studies.models"},
+    # Repository tools: the core and the kernels; studies only as a command.
+    "tools": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
+              "fmtkit.fp4", "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels"},
 }
 
 KNOWN_EDGES: dict[tuple[str, str], str] = {
@@ -245,3 +252,14 @@ def test_the_studies_check_sees_uses(tmp_path):
                    "OK = ('-m', 'pytest', 'studies')\nfrom studies.models import lm_loss\n")
     assert _uses_of_studies(bad) == [(2, "imports studies.models"), (5, "imports studies.training"),
                                      (6, "runs -m studies.cli"), (8, "imports studies.models")]
+
+
+def test_nothing_imports_the_tools():
+    # No package unit may import tools, and no test but the tools' own imports it.
+    assert [u for u in ALLOWED if "tools" in ALLOWED[u]] == []
+    assert any(m.startswith("tools.gpu_check.") for m in MODULES)  # the walk found them
+    assert "studies" not in ALLOWED["tools"] and "pallas_kernels" in ALLOWED["tools"]
+    outside = [p for p in sorted(TESTS.rglob("*.py")) if (TESTS / "tools") not in p.parents]
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}" for path in outside
+           for target, _, line in _imports("tests", path) if target.split(".")[0] == "tools"]
+    assert not bad, "\n".join(bad)
