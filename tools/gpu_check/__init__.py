@@ -1,4 +1,4 @@
-"""The one prepared GPU check: the first command a GPU session runs, and all it needs to run.
+"""The one prepared GPU check: the first command to run on a GPU machine, and all it needs.
 
     python3 -m tools.gpu_check OUTDIR                   # <= 8 min on one H200
     python3 -m tools.gpu_check --cpu-rehearsal OUTDIR   # the same code on CPU
