@@ -3,6 +3,7 @@
 #   make ablate   the main job
 #   make test      the fast suite (every test not marked slow) on 2 worker processes
 #   make test-all  the whole suite, slow tests included (what CI runs, with make lint)
+#   make gpu-check the prepared GPU check (tools/gpu_check), results in runs/gpu-check
 
 SHELL := /bin/bash
 VENV := .venv
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.installed
 PYTHON := $(shell for c in "python3.12" "env PYENV_VERSION=3.12.1 python3.12" "python3.13" "python3"; do \
 	$$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$$c"; break; }; done)
 
-.PHONY: ablate formats test test-all lint install clean
+.PHONY: ablate formats test test-all lint gpu-check install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -n "$(PYTHON)" || { echo "error: need Python >= 3.12 (python3.12 on PATH or pyenv 3.12.1)"; exit 1; }
@@ -38,7 +39,11 @@ test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fmtkit pallas_kernels studies tests
+	$(VENV)/bin/ruff check fmtkit pallas_kernels studies tools tests
+
+# A repo tool, not part of the installed package: run from the checkout (python -m).
+gpu-check: $(STAMP)
+	$(VENV)/bin/python -m tools.gpu_check runs/gpu-check
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

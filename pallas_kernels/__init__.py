@@ -11,7 +11,8 @@ Blockwise FP8 training GEMMs (DeepSeek-V3's recipe) for Hopper, written for Mosa
 
 Every function takes ``impl``: "auto" (kernel on a Hopper GPU, reference elsewhere),
 "kernel", "interpret" (GPU-interpret mode on CPU) or "reference"; ``is_hopper()`` says
-whether "auto" picks the kernel here. Tile configs live in ``pallas_kernels.config``.
+whether "auto" picks the kernel here, ``num_sms(impl)`` how many programs the persistent
+kernels launch (the GPU's SM count). Tile configs live in ``pallas_kernels.config``.
 
 Importing the package registers the blockwise kernel as a GEMM backend of ``fmtkit.fp8``
 (``fmtkit.fp8.register_gemm_backend``), so FP8 recipes with ``use_kernel="auto"`` run it on a
@@ -22,7 +23,7 @@ package by name; it also loads it through the ``fmtkit.gemm_backends`` entry poi
 import jax.numpy as jnp
 
 from pallas_kernels import config
-from pallas_kernels._backend import is_hopper
+from pallas_kernels._backend import is_hopper, num_sms
 from pallas_kernels.blockwise_fp8_matmul import (
     blockwise_fp8_dgrad,
     blockwise_fp8_matmul,
@@ -71,6 +72,7 @@ __all__ = [
     "blockwise_fp8_wgrad",
     "config",
     "is_hopper",
+    "num_sms",
     "quantize_1x128",
     "quantize_1x128_reference",
     "quantize_128x128",

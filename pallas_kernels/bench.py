@@ -1,7 +1,8 @@
-"""Operands, shapes and device timing shared by the fp8-matmul benchmark and ``gpu_check``.
+"""The blockwise kernel's benchmark sweep: operands, shapes and device timing.
 
-Lives in ``pallas_kernels`` so that both ``studies.bench.fp8_matmul`` (an application) and
-``pallas_kernels.gpu_check`` use it without ``pallas_kernels`` importing ``studies``.
+Shared by the fp8-matmul benchmark (``fmtkit bench fp8-matmul``, ``studies.bench``), the
+GPU check (``tools.gpu_check``) and the kernel tests, which may not import one another: so
+it lives with the kernel, below all three, as a Pallas op keeps its sweep beside it.
 
 Timing (``device_times``): on a GPU, CUPTI kernel timestamps through Mosaic GPU's profiler
 (``jax.experimental.mosaic.gpu.profiler.measure``): the summed duration of every kernel one
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 __all__ = ["DEFAULT_SHAPES", "bench_shape", "device_times", "make_operands", "parse_shapes"]
 
-# The issue's shapes: 4096^3, 8192^3 and DeepSeek-V3's projections at M = 4096 tokens,
+# The benchmark's shapes: 4096^3, 8192^3 and DeepSeek-V3's projections at M = 4096 tokens,
 # (N, K) = (7168, 2048), (2112, 7168), (24576, 1536), (7168, 16384) (arXiv 2412.19437;
 # DeepGEMM's benchmark set).
 DEFAULT_SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 2048),

@@ -181,8 +181,8 @@ SHIPPED_CONFIGS: dict[str, TuningConfig] = {
 
 # Relative cost of one output element per K block, by tile shape: bytes loaded per FLOP
 # fall with the tile's (bm + bn) / (bm * bn), and a 64x64 warpgroup tile issues twice the
-# wgmmas per FLOP of 64x128. Guesses to be replaced by H200 measurements (gpu_check's tune
-# phase times every config at 8192^3 and 4096x7168x2048).
+# wgmmas per FLOP of 64x128. Guesses to be replaced by H200 measurements (the tune phase of
+# tools.gpu_check times every config at 8192^3 and 4096x7168x2048).
 _TILE_COST = {"256x128": 0.95, "128x256": 0.95, "128x128": 1.0, "64x256": 1.05,
               "64x128": 1.25}
 

@@ -1,7 +1,7 @@
 """Study ``ablate`` (the main job): a small transformer LM under each precision setup.
 
 Trains ``studies.models.TransformerLM`` (byte level) under the setups of
-``studies.train.SETUPS`` (fp32, bf16-mixed, pure-bf16 with plain / stochastically rounded /
+``studies.training.SETUPS`` (fp32, bf16-mixed, pure-bf16 with plain / stochastically rounded /
 Kahan updates, bf16 with f32 master weights, fp16 without and with dynamic loss scaling, the
 five FP8 recipes), several seeds per setup (``--seeds``, default 3) trained together by one
 vmapped step (``studies.training.multiseed``); seed k of every setup starts from the same
@@ -73,11 +73,18 @@ import numpy as np
 from fmtkit import fp8, qdq
 from fmtkit.telemetry import compare
 from studies import corpus, fp4_training, regimes, stats
-from studies import seeds as seeds_lib
 from studies._common import format_table, no_progress
 from studies.models import TransformerLM
-from studies.train import DEFAULT_SETUPS, SETUPS, TrainConfig, batch_at, load_data
-from studies.training import distributed, mesh, multiseed
+from studies.training import (
+    DEFAULT_SETUPS,
+    SETUPS,
+    TrainConfig,
+    batch_at,
+    distributed,
+    load_data,
+    mesh,
+    multiseed,
+)
 from studies.training.setups import FP4_SETUPS
 
 __all__ = ["CONTRASTS", "FP4_BUDGET", "Config", "gap_curves", "main", "plot", "run", "run_order",
@@ -111,7 +118,7 @@ class Config:
 
     Attributes:
       policies: the setups to train (comma- or space-separated), in table order; see
-        studies.train.SETUPS. Empty (default): the contrast groups (module docstring), or
+        studies.training.SETUPS. Empty (default): the contrast groups (module docstring), or
         with ``--regime`` every setup but the FP4 ones (fp4-training: its own group).
       full: the contrasts with the "small" model, 400 steps and 5 seeds (longer).
       checkpoint_dir: checkpoints go to CHECKPOINT_DIR/<timestamp>/<regime>/<setup>/.
@@ -147,7 +154,7 @@ class Config:
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"policies lists a setup twice: {', '.join(self.policies)}.")
         if not isinstance(self.train, TrainConfig):
-            raise TypeError(f"train must be a studies.train.TrainConfig, got "
+            raise TypeError(f"train must be a studies.training.TrainConfig, got "
                             f"{type(self.train).__name__}.")
         if self.train.data is not None and self.train.data != corpus.STDLIB:
             p = Path(self.train.data)
@@ -266,7 +273,7 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         row["wall_seconds"] = wall
         rows.append(row)
     if regime == "outlier-features":
-        info = _gemm_input_sqnr(gcfg, seeds_lib.unstack(results[0][0].state)[0].params, data,
+        info = _gemm_input_sqnr(gcfg, multiseed.unstack(results[0][0].state)[0].params, data,
                                 names)
         info["per_tensor_vs_fine"] = _per_tensor_vs_fine(rows)
     elif fp4:

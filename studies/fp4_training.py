@@ -51,7 +51,7 @@ __all__ = ["GROUP", "NOISE_POINTS", "REFERENCE", "noise_steps", "plot_noise", "r
 
 GROUP = ("bf16-mixed", "fp8-blockwise", "nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d",
          "nvfp4-all-layers", "mxfp4")
-"""The setups of the regime, reference first (the issue's list)."""
+"""The setups of the regime, reference first."""
 
 REFERENCE = "bf16-mixed"
 

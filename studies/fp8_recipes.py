@@ -1,7 +1,7 @@
 """Study ``fp8-recipes``: training loss of the small transformer under each FP8 recipe vs
 bf16-mixed, over several seeds.
 
-Each setup is the ``fp8-<recipe>`` policy preset of ``studies.train`` (bf16-mixed with the
+Each setup is the ``fp8-<recipe>`` policy preset of ``studies.training`` (bf16-mixed with the
 recipe on every linear layer; embeddings, head, norms, router and the attention core stay
 bf16/f32, as in DeepSeek-V3 section 3.3). Every setup trains the seeds ``--seeds`` (default
 3) together with one vmapped step (``studies.training.multiseed.train_seeds``); seed k of
@@ -70,20 +70,20 @@ def recipe_of(name: str) -> Fp8Recipe:
 
 
 def setup_of(name: str):
-    """The ``studies.train.Setup`` of a recipe: the registered ``fp8-<name>`` setup, or, for
+    """The ``studies.training.Setup`` of a recipe: the registered ``fp8-<name>`` setup, or, for
     an extra recipe, bf16-mixed's rules with the recipe on every other (linear) layer, as
     ``fmtkit``'s ``fp8-*`` presets are built."""
-    from studies import train
+    from studies import training
 
     if name == BASELINE:
-        return train.get_setup(BASELINE)
-    if f"fp8-{name}" in train.SETUPS:
-        return train.get_setup(f"fp8-{name}")
+        return training.get_setup(BASELINE)
+    if f"fp8-{name}" in training.SETUPS:
+        return training.get_setup(f"fp8-{name}")
     recipe = recipe_of(name)
     mixed = get_preset("bf16-mixed")
     rules = Rules(mixed.rules, default=Policy("float32", "bfloat16", "bfloat16", fp8=recipe),
                   head=mixed.head, output_dtype=mixed.output_dtype, check_unmatched=False)
-    return train.Setup(f"fp8-{name}", rules, grad_format="bfloat16",
+    return training.Setup(f"fp8-{name}", rules, grad_format="bfloat16",
                        description=f"bf16-mixed + FP8 {name} recipe on the linear layers")
 
 
@@ -108,7 +108,7 @@ class Config:
         for r in self.recipes:
             recipe_of(r)
         if not isinstance(self.train, TrainConfig):
-            raise TypeError(f"train must be a studies.train.TrainConfig, got "
+            raise TypeError(f"train must be a studies.training.TrainConfig, got "
                             f"{type(self.train).__name__}.")
 
 
@@ -129,10 +129,10 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     Raises:
       StudyError: a non-finite loss.
     """
-    from studies import train
+    from studies import training
 
     tcfg = config.train
-    data = train.load_data(tcfg)
+    data = training.load_data(tcfg)
     params = multiseed.seed_params(tcfg)  # seed k of every setup starts from these
     names = [BASELINE, *dict.fromkeys(config.recipes)]
     rows: dict[str, dict[str, Any]] = {}

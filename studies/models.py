@@ -1,4 +1,9 @@
-"""Small reference models for the studies and benchmarks: linen and NNX twins.
+"""Small reference models for the studies, the benchmarks and the core's tests: linen and NNX
+twins.
+
+A leaf module: it imports jax, flax and numpy and nothing of ``studies``, so the test zoo
+(``tests/policy/zoo.py``) builds the policy tests' reference models from it without importing
+the application (``tests/test_layering.py`` checks both).
 
 * ``Mlp`` / ``NnxMlp``: a GELU MLP.
 * ``MoeBlock`` / ``NnxMoeBlock``: a top-1 (Switch) mixture of experts with a router named

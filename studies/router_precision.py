@@ -30,9 +30,9 @@ largest expert load ``E * max_e f_e`` (1 when balanced).
 The shadow needs the parameters before each update, so the seeds are not trained by
 ``studies.training.multiseed.train_seeds``: each seed's state comes from its own
 ``make_train_step(setup, cfg.with_seed(s), params=...)``, the states are stacked
-(``studies.seeds``) and one ``jax.jit(jax.vmap(...))`` of "measure, then step" advances them
-all. Reported per variant, mean ± std over seeds: final loss, flips (mean over the run and
-over its last 10%), aux loss and max load (last 10%); and the paired gaps bf16 - f32 of
+(``studies.training.multiseed``) and one ``jax.jit(jax.vmap(...))`` of "measure, then step"
+advances them all. Reported per variant, mean ± std over seeds: final loss, flips (mean over
+the run and over its last 10%), aux loss and max load (last 10%); and the paired gaps bf16 - f32 of
 those numbers with the 3-SE mark (``studies.stats.compare(paired=True)``). The bf16 router
 **measurably hurts** where a gap in loss, max load or aux loss (higher is worse for each)
 is positive and significant.
@@ -62,12 +62,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fmtkit.policy import Rules, get_preset
-from studies import seeds as seeds_lib
 from studies import stats
 from studies._common import figure, format_table, no_progress, plot_style, save
 from studies.models import TransformerConfig
 from studies.training import multiseed
 from studies.training.config import TrainConfig
+from studies.training.metrics import final_loss
 
 __all__ = [
     "GAP_METRICS",
@@ -219,7 +219,7 @@ class Config:
                 raise ValueError(f"{name} must be a non-empty tuple of distinct {what}, got "
                                  f"{vals!r}.")
         if not isinstance(self.train, TrainConfig):
-            raise TypeError(f"train must be a studies.train.TrainConfig, got "
+            raise TypeError(f"train must be a studies.training.TrainConfig, got "
                             f"{type(self.train).__name__}.")
         if self.train.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.train.num_layers}.")
@@ -271,7 +271,7 @@ def _measured_step(step_fn, measure):
 
 def _seed_summary(seed: int, hist: dict[str, list], fractions: Any,
                   diverged_at: int | None) -> dict[str, Any]:
-    last = multiseed.final_loss  # mean of the last 10% of a curve
+    last = final_loss  # mean of the last 10% of a curve
     return {
         "seed": seed, **hist,
         "final_loss": float("nan") if diverged_at is not None else last(hist["loss"]),
@@ -287,21 +287,21 @@ def _seed_summary(seed: int, hist: dict[str, list], fractions: Any,
 def _train_variant(name: str, tcfg: TrainConfig, data: np.ndarray, params: list[Any],
                    progress) -> dict[str, Any]:
     """Every seed of one router variant, stacked and stepped by one vmapped step."""
-    from studies import train
+    from studies import training
 
-    setup = train.Setup(f"router-{name}", router_rules(ROUTERS[name]),
+    setup = training.Setup(f"router-{name}", router_rules(ROUTERS[name]),
                         grad_format="bfloat16",
                         description=f"bf16-mixed, router {ROUTERS[name]}")
     seeds = tcfg.seed_list
     states, step_fn = [], None
     for s, p in zip(seeds, params):
-        init_fn, fn = train.make_train_step(setup, tcfg.with_seed(s), params=p)
+        init_fn, fn = training.make_train_step(setup, tcfg.with_seed(s), params=p)
         step_fn = step_fn or fn  # nothing seed-dependent is a constant of the step
         states.append(init_fn())
-    state = seeds_lib.stack(states)
+    state = multiseed.stack(states)
     e = tcfg.model_config().num_experts
-    vstep = seeds_lib.vmap_step(_measured_step(
-        step_fn, _make_measure(train.build_model(setup, tcfg), e)))
+    vstep = multiseed.vmap_step(_measured_step(
+        step_fn, _make_measure(training.build_model(setup, tcfg), e)))
     keys = ("loss", "flip_frac", "flip_frac_per_layer", "aux_loss", "max_load")
     hists = [{k: [] for k in keys} for _ in seeds]
     fractions: list[Any] = [None] * len(seeds)
@@ -362,10 +362,10 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
       [per seed], ...}}, "gaps": {metric: stats.Gap.to_dict}, "hurts": [labels] or None}],
       "grid": bool, ...}``: one cell without ``grid``; per-step lists over ``steps``.
     """
-    from studies import train
+    from studies import training
 
     tcfg = config.train_config()
-    data = train.load_data(tcfg)  # the same bytes for every cell
+    data = training.load_data(tcfg)  # the same bytes for every cell
     cells = [_run_cell(c, data, progress) for c in config.cells()]
     return {"grid": config.grid, "seeds": list(tcfg.seed_list),
             "num_layers": tcfg.num_layers, "d_model": config.d_model, "cells": cells}

@@ -1,9 +1,9 @@
 """Runs a study: ``fmtkit study NAME [--option value ...]``, ``fmtkit study --list``.
 
-Each study is a module ``studies/<name with - replaced by _>.py`` (see ``studies._common``
-for the protocol: ``Config``, a pure ``run``, optional ``summarize`` and ``plot``). The runner
-derives the command-line options from the fields of the study's ``Config`` (with tyro,
-nested dataclasses included), runs it, writes
+Each study is a module ``studies/<name with - replaced by _>.py``, or the one ``MODULES``
+names (see ``studies._common`` for the protocol: ``Config``, a pure ``run``, optional
+``summarize`` and ``plot``). The runner derives the command-line options from the fields of
+the study's ``Config`` (with tyro, nested dataclasses included), runs it, writes
 ``runs/NAME/<timestamp>/results.json`` (config, versions, device, wall times, the numbers) and
 the PNG plots, and prints the study's summary table.
 
@@ -37,7 +37,7 @@ from studies._common import (
 )
 from studies.training import distributed
 
-__all__ = ["RESERVED_OPTIONS", "STUDIES", "Invocation", "load", "main", "module_name",
+__all__ = ["MODULES", "RESERVED_OPTIONS", "STUDIES", "Invocation", "load", "main", "module_name",
            "parse_args", "run_study"]
 
 STUDIES: dict[str, str] = {
@@ -58,13 +58,22 @@ STUDIES: dict[str, str] = {
 }
 """The registered studies, in ``--list`` order."""
 
+MODULES: dict[str, str] = {
+    # CLI name: module stem, where it is not the name with "-" replaced by "_": fmtkit has
+    # modules fmtkit.formats and fmtkit.memory, and a study does not reuse their stems.
+    "formats": "format_ranges",
+    "memory": "memory_footprint",
+}
+"""The studies whose module is not ``studies/<name with - replaced by _>.py``."""
+
 RESERVED_OPTIONS = ("out", "plot")
 """Options the runner adds to every study; a ``Config`` must not use these field names."""
 
 
 def module_name(name: str) -> str:
-    """``"fp8-outliers"`` -> ``"studies.fp8_outliers"``."""
-    return "studies." + name.replace("-", "_")
+    """``"fp8-outliers"`` -> ``"studies.fp8_outliers"``; ``"formats"`` ->
+    ``"studies.format_ranges"`` (``MODULES``)."""
+    return "studies." + MODULES.get(name, name.replace("-", "_"))
 
 
 def _check_name(name: str) -> str:

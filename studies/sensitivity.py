@@ -28,7 +28,7 @@ Modules: every module that has parameters of its own, plus attention modules (th
 computation is the QK^T / softmax / PV core; the projections are separate rows); containers
 (``Block_0``, ``MlpBlock_0``, the model) are skipped. ``modules`` filters by regex.
 
-The default model is the byte-level transformer of ``studies.train`` (size preset "tiny":
+The default model is the byte-level transformer of ``studies.training`` (size preset "tiny":
 d_model 128, d_ff 256, every matmul tiles into 128 blocks; here with 2 layers) trained for
 ``train.steps`` steps in f32 on the embedded corpus (``--no-pretrain``: random
 initialization), evaluated on a batch the training never saw.
@@ -131,7 +131,7 @@ class Config:
             raise ValueError(f"rank_by must be grad_sqnr, output_sqnr or loss, got "
                              f"{self.rank_by!r}.")
         if not isinstance(self.train, TrainConfig):
-            raise TypeError(f"train must be a studies.train.TrainConfig, got "
+            raise TypeError(f"train must be a studies.training.TrainConfig, got "
                             f"{type(self.train).__name__}.")
 
     @property
@@ -143,19 +143,19 @@ class Config:
 def prepare(config: Config, progress=no_progress
             ) -> tuple[TransformerConfig, Any, jax.Array]:
     """``(model config, f32 params, tokens)``: the model, trained ``train.steps`` steps in
-    f32 (``studies.train``, setup "fp32") unless ``pretrain`` is off, and a batch the
+    f32 (``studies.training``, setup "fp32") unless ``pretrain`` is off, and a batch the
     training never saw."""
-    from studies import train
+    from studies import training
 
     tcfg = config.train
     mcfg = tcfg.model_config()
-    data = train.load_data(tcfg)
+    data = training.load_data(tcfg)
     if config.pretrain:
-        params = train.train("fp32", tcfg, progress=progress, data=data).state.params
-    else:  # the initial parameters every studies.train setup starts from
-        params = train.init_params(tcfg)
+        params = training.train("fp32", tcfg, progress=progress, data=data).state.params
+    else:  # the initial parameters every studies.training setup starts from
+        params = training.init_params(tcfg)
     # A batch index beyond the training steps: not a training batch.
-    tokens = jnp.asarray(train.batch_at(data, tcfg, 10**6 + config.train_steps))
+    tokens = jnp.asarray(training.batch_at(data, tcfg, 10**6 + config.train_steps))
     return mcfg, params, tokens
 
 

@@ -13,7 +13,7 @@ SHARED, NOTE, GUIDE = "sha" + "red", "pallas" + "-fp8.md", "STY" + "LE.md"
 
 
 def _files():
-    for pkg in ("fmtkit", "pallas_kernels", "studies", "tests"):
+    for pkg in ("fmtkit", "pallas_kernels", "studies", "tools", "tests"):
         yield from sorted((ROOT / pkg).rglob("*.py"))
     yield from (ROOT / name for name in ("README.md", "CHANGELOG.md", "Makefile",
                                          "pyproject.toml") if (ROOT / name).exists())

@@ -1,16 +1,25 @@
 """Imports flow one way: formats -> casting -> scaling -> {policy, optim, fp8} -> studies.
 
-The test reads every module of ``fmtkit``, ``pallas_kernels`` and ``studies`` with ``ast``
+The test reads every module of ``fmtkit``, ``pallas_kernels``, ``studies`` and ``tools`` with
+``ast``
 (nothing is imported, so lazy imports inside functions count too) and checks each
 first-party import against ``ALLOWED``: the table of which unit may import which. A unit is a
 module, or a package taken as a whole (``fmtkit.policy``, ``fmtkit.optim``,
 ``pallas_kernels``, ``studies``); imports inside one unit are free. ``pallas_kernels`` is a
 GEMM backend on top of the core; ``studies`` (with the ``fmtkit`` command line,
 ``studies.cli``) is the application on top of everything, and nothing imports it.
+``tools`` (the GPU check, ``python3 -m tools.gpu_check``) is a repository tool beside the
+application: it imports the core and the kernels (never the reverse), runs the ``fmtkit``
+command line as a command and never imports ``studies``; nothing imports ``tools``.
+
+``studies.models`` (the studies' reference models) is a leaf of its own: it imports no other
+module of ``studies`` (nor ``pallas_kernels``), so the core's tests can use the same models
+without the application.
 
 The tests follow the same order: only ``tests/studies`` tests the application, so no other
 test file imports ``studies`` or runs one of its modules (``python -m studies.cli``); the
-core's tests build their models from the test zoo (``tests/policy/zoo.py``).
+one exception is ``studies.models``, which the test zoo (``tests/policy/zoo.py``) imports so
+that the core's tests and the studies train one transformer, not two copies of it.
 
 Also checked: no module imports a private name (``from m import _x``) of another module, and
 no module imports a private module of another unit (``fmtkit.optim._master`` from
@@ -29,7 +38,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fmtkit", "pallas_kernels", "studies")
+PACKAGES = ("fmtkit", "pallas_kernels", "studies", "tools")
 
 CORE = ("fmtkit.formats", "fmtkit.casting", "fmtkit.scaling")
 ALLOWED: dict[str, set[str]] = {
@@ -52,10 +61,18 @@ ALLOWED: dict[str, set[str]] = {
                "fmtkit.policy", "fmtkit.memory"},
     # A GEMM backend: the core (quantizers, formats) and fp8's backend registry, nothing above.
     "pallas_kernels": {*CORE, "fmtkit.fp8"},
+    # The studies' models, the one studies module the core tests import: a leaf (the core at
+    # most, no other studies module, no kernels).
+    "studies.models": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
+                       "fmtkit.fp4", "fmtkit.optim", "fmtkit.policy", "fmtkit.memory"},
     # The application: anything below it.
     "studies": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
                 "fmtkit.fp4",
-                "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels"},
+                "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels",
+                "studies.models"},
+    # Repository tools: the core and the kernels; studies only as a command.
+    "tools": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
+              "fmtkit.fp4", "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels"},
 }
 
 FACADES: dict[str, str] = {
@@ -227,6 +244,10 @@ def _uses_of_studies(path: Path) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+TESTS_MAY_IMPORT = "studies.models"
+"""The one module of ``studies`` tests outside ``tests/studies`` may import (a leaf)."""
+
+
 def _test_files_outside_studies() -> list[Path]:
     return [p for p in sorted(TESTS.rglob("*.py")) if (TESTS / "studies") not in p.parents]
 
@@ -234,10 +255,22 @@ def _test_files_outside_studies() -> list[Path]:
 def test_only_the_studies_tests_use_studies():
     files = _test_files_outside_studies()
     assert len(files) > 30 and (TESTS / "policy" / "zoo.py") in files  # the walk found them
+    allowed = f"imports {TESTS_MAY_IMPORT}"
     bad = [f"{path.relative_to(ROOT)}:{line} {what}"
-           for path in files for line, what in _uses_of_studies(path)]
+           for path in files for line, what in _uses_of_studies(path) if what != allowed]
     assert not bad, ("\n".join(bad) + "\nmove the test under tests/studies, or build its "
-                     "model from the test zoo (tests/policy/zoo.py)")
+                     f"model from the test zoo (tests/policy/zoo.py, {TESTS_MAY_IMPORT})")
+    # The zoo's reference models are the studies' own (one source, not a copy).
+    assert allowed in {what for _, what in _uses_of_studies(TESTS / "policy" / "zoo.py")}
+
+
+def test_the_models_the_tests_share_are_a_leaf():
+    # studies.models imports nothing of studies (nor the kernels), so a core test importing
+    # it does not import the application.
+    assert _unit(TESTS_MAY_IMPORT) == TESTS_MAY_IMPORT
+    found = [target for target, _, _ in _imports(TESTS_MAY_IMPORT, MODULES[TESTS_MAY_IMPORT])]
+    assert not [t for t in found if t.split(".")[0] in ("studies", "pallas_kernels")], found
+    assert not ALLOWED[TESTS_MAY_IMPORT] & {"studies", "pallas_kernels"}
 
 
 def test_the_studies_check_sees_uses(tmp_path):
@@ -247,8 +280,19 @@ def test_the_studies_check_sees_uses(tmp_path):
     assert studies_test not in _test_files_outside_studies()
     bad = tmp_path / "test_bad.py"
     bad.write_text("import sys\nfrom studies import models\nimport fmtkit\n"
-                   "def f():\n    import studies.train as T\n"
+                   "def f():\n    import studies.training as T\n"
                    "CMD = [sys.executable, '-m', 'studies.cli', 'run']\n"
-                   "OK = ('-m', 'pytest', 'studies')\n")
-    assert _uses_of_studies(bad) == [(2, "imports studies.models"), (5, "imports studies.train"),
-                                     (6, "runs -m studies.cli")]
+                   "OK = ('-m', 'pytest', 'studies')\nfrom studies.models import lm_loss\n")
+    assert _uses_of_studies(bad) == [(2, "imports studies.models"), (5, "imports studies.training"),
+                                     (6, "runs -m studies.cli"), (8, "imports studies.models")]
+
+
+def test_nothing_imports_the_tools():
+    # No package unit may import tools, and no test but the tools' own imports it.
+    assert [u for u in ALLOWED if "tools" in ALLOWED[u]] == []
+    assert any(m.startswith("tools.gpu_check.") for m in MODULES)  # the walk found them
+    assert "studies" not in ALLOWED["tools"] and "pallas_kernels" in ALLOWED["tools"]
+    outside = [p for p in sorted(TESTS.rglob("*.py")) if (TESTS / "tools") not in p.parents]
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}" for path in outside
+           for target, _, line in _imports("tests", path) if target.split(".")[0] == "tools"]
+    assert not bad, "\n".join(bad)

@@ -7,7 +7,7 @@
 Three models, every variant of one model timed in alternation in the same run (median of
 ``--repeats`` after warm-up, ``block_until_ready`` before reading the clock):
 
-* **dense** (issue 22's configuration, as a user writes it): ``--layers`` ``nn.Dense`` of
+* **dense** (the comparison with Flax's FP8 op, as a user writes it): ``--layers`` ``nn.Dense`` of
   width ``--dense-width`` (1024) on ``--dense-batch`` (256) rows, relu, MSE, ``optax.adamw``,
   f32 parameters and compute, state donated: ``f32`` (plain ``nn.Dense``), ``fp8-NAME``
   (``nn.Dense(dot_general=fmtkit.fp8.dot_general_fn(NAME))``; the delayed recipe's history
@@ -31,8 +31,8 @@ variant's step time and its ratios to the bf16, f32 and Flax-op steps (where the
 them); the ratios to Flax's op and to bf16 again, last. (On XLA:CPU every
 FP8 dot runs as an f32 GEMM after a fused conversion, while bf16 dots run in bf16: the f32
 column separates the quantization overhead from that.)
-Saved: runs/bench-fp8-step/results.json. Targets: issue 14 (2-core CPU) per-tensor and
-row-wise recipes <= 1.15x the bf16 step, blockwise and MX <= 1.5x; issue 22, against Flax's
+Saved: runs/bench-fp8-step/results.json. Targets: on a 2-core CPU, per-tensor and
+row-wise recipes <= 1.15x the bf16 step, blockwise and MX <= 1.5x; against Flax's
 op in the same model: per tensor <= 1.05x, blockwise and MX <= 1.3x.
 """
 
@@ -57,10 +57,10 @@ from studies.bench._timing import time_interleaved, write_results
 
 DN = (((1,), (0,)), ((), ()))  # x [B, in] · w [in, out]
 TARGETS = {"current": 1.15, "delayed": 1.15, "rowwise": 1.15, "blockwise": 1.5, "mxfp8": 1.5}
-"""Issue 14's targets: step time of each recipe over the bf16 step."""
+"""The targets on a 2-core CPU: step time of each recipe over the bf16 step."""
 FLAX_TARGETS = {"current": 1.05, "delayed": 1.05, "rowwise": 1.05, "blockwise": 1.3,
                 "mxfp8": 1.3}
-"""Issue 22's targets: step time of each recipe over Flax's ``Fp8DirectDotGeneralOp`` step."""
+"""The targets against Flax: step time of each recipe over Flax's ``Fp8DirectDotGeneralOp`` step."""
 
 
 class _Dense(nn.Module):
@@ -98,7 +98,7 @@ def lax_dot(x: jax.Array, w: jax.Array) -> jax.Array:
 class _Mlp(nn.Module):
     """``layers`` dense layers of ``width`` with ``activation`` between them: the bench's
     hand-written layers (``_Dense``, GELU) or ``nn.Dense`` as a user plugs FP8 into it
-    (``user_dense``: ``_UserDense``, ReLU in issue 22's configuration)."""
+    (``user_dense``: ``_UserDense``, ReLU, as in the dense model)."""
 
     width: int
     layers: int

@@ -140,7 +140,7 @@ def _worker(setup: str, steps: int, out: str) -> None:
 
     distributed.initialize_from_env()
     from studies.bench._timing import time_samples
-    from studies.train import TrainConfig, batch_at, load_data, make_train_step
+    from studies.training import TrainConfig, batch_at, load_data, make_train_step
     from studies.training.mesh import put_batch
 
     # The tiny LM, batch 8 of 64 bytes (the default TrainConfig sizes): small enough for a

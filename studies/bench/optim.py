@@ -22,7 +22,7 @@ master, mu, nu); XLA:CPU makes one loop per output array (it has no multi-output
 Timing: alternating runs after warm-up (the order reversed every other round),
 ``block_until_ready``, median of ``--repeats``, wall time and CPU time of the process;
 fmtkit and the baseline are timed together first, then the jmp versions with the baseline
-again (each ratio is against the baseline of its own phase). Target (issue 22): fmtkit /
+again (each ratio is against the baseline of its own phase). Target: fmtkit /
 optax_f32 <= 1.3x on CPU; the ratio printed last.
 """
 

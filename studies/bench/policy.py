@@ -9,7 +9,7 @@ attention written by hand (``jnp.einsum`` + ``jax.nn.softmax``), an RMSNorm writ
 its baseline casts by hand (bf16 activations, f32 norm statistics, softmax and logits).
 ``--trace-layers N`` also measures the policy's own overhead on an N-layer model, wrapped
 (``bf16-mixed``) vs unwrapped f32 and vs its hand-cast bf16 twin, all in one run: tracing
-(``jit(...).lower``) and compiling the train step (targets, issue 22: trace <= 1.3x,
+(``jit(...).lower``) and compiling the train step (targets: trace <= 1.3x,
 compile unchanged), in alternation, a fresh ``jit`` per round; the policied model's first
 trace (a newly wrapped model) and its re-trace (a fresh ``jit`` of the same policied model,
 which reuses the model's jaxpr kept per input signature); the equations of the traced step
@@ -24,7 +24,7 @@ to f32 (linen: attention softmax in f32 too, as the policy does). The policied m
 unmodified f32 model wrapped by ``with_policy``. Both steps are ``jax.jit`` of loss + grad +
 SGD update on the same parameters and tokens, timed in alternation after warm-up (median).
 Printed: both step times, both compiled-HLO instruction counts, compile times, then the ratio
-(target, issue 3: at most 1.05x).
+(target: at most 1.05x).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 Both are jitted; the baseline ``x.astype(float8_e4m3fn).astype(float32)`` is the cheapest
 possible FP8 round trip (no scaling at all), so the ratio is the cost of blockwise scaling.
-Target (issue 2): at most 1.35x on a 2-core CPU.
+Target: at most 1.35x on a 2-core CPU.
 """
 
 from __future__ import annotations

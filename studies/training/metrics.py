@@ -28,6 +28,11 @@
 * ``update_ratio``: the step's update-to-weight ratio ||p_after - p_before|| / ||p_before||
   over the weight matrices (``studies.regimes.update_ratio``, "global"; differences in f32):
   what the late-training regime claims (1e-4 .. 1e-3).
+
+A run's history (one list per metric) is summarized by ``final_loss`` (the mean of its
+last tenth) and ``history_summary`` (skipped steps, mean flush and update fraction, the
+last loss scale), for one seed (``studies.training.loop``) and per seed
+(``studies.training.multiseed``) alike.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fmtkit.casting import cast
 from studies.regimes import update_ratio
 
-__all__ = ["METRIC_KEYS", "flush_counts", "skipped_steps", "step_metrics"]
+__all__ = ["METRIC_KEYS", "final_loss", "flush_counts", "history_summary", "skipped_steps",
+           "step_metrics"]
 
 F32 = jnp.float32
 
@@ -83,4 +90,24 @@ def step_metrics(*, loss: jax.Array, scale: jax.Array, grads: Any, grad_format: 
         "grad_norm": grad_norm,
         "update_frac": changed / jnp.float32(optax.tree.size(params_after)),
         "update_ratio": update_ratio(params_before, params_after)["global"],
+    }
+
+
+def final_loss(losses: list[float]) -> float:
+    """Mean of the last ``max(1, len // 10)`` losses (nan for an empty list)."""
+    if not losses:
+        return float("nan")
+    k = max(1, len(losses) // 10)
+    return float(np.mean(losses[-k:]))
+
+
+def history_summary(history: dict[str, list[float]]) -> dict[str, Any]:
+    """A history's JSON-ready summary: ``skipped_steps`` (their count), ``grad_flush`` and
+    ``update_frac`` (means over the steps) and ``final_loss_scale`` (None for no step)."""
+    h = history
+    return {
+        "skipped_steps": int(np.sum(h["skipped"])) if h["skipped"] else 0,
+        "grad_flush": float(np.mean(h["grad_flush"])) if h["grad_flush"] else 0.0,
+        "update_frac": float(np.mean(h["update_frac"])) if h["update_frac"] else 0.0,
+        "final_loss_scale": h["loss_scale"][-1] if h["loss_scale"] else None,
     }

@@ -404,7 +404,7 @@ def test_public_surface():
     assert sorted(pallas_kernels.__all__) == sorted([
         "TuningConfig", "blockwise_fp8_dgrad", "blockwise_fp8_matmul",
         "blockwise_fp8_matmul_reference", "blockwise_fp8_wgrad", "config", "is_hopper",
-        "quantize_128x128", "quantize_128x128_reference", "quantize_1x128",
+        "num_sms", "quantize_128x128", "quantize_128x128_reference", "quantize_1x128",
         "quantize_1x128_reference"])
     missing = [name for name in pallas_kernels.__all__ if not hasattr(pallas_kernels, name)]
     assert not missing

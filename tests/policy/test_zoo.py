@@ -1,4 +1,4 @@
-"""Issue 11: precision policies on models written the way the field writes them.
+"""Precision policies on models written the way the field writes them.
 
 Every check reads the jaxpr of the training step (``zoo.trace``: ``value_and_grad`` of the
 training loss, written as ``jax.vjp`` with the cotangent seed as an input so that the backward
@@ -47,7 +47,7 @@ FP8_PRESETS = ("fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "fp
 # a GEMM to run in the compute dtype with a warning instead of zero-padding it.
 BLOCKED = ("fp8-blockwise", "fp8-mxfp8")
 ALL_PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "pure-bf16", *FP8_PRESETS)
-# Issue 11: at least 95% of the matmul FLOPs outside the head on the compute dtype.
+# The target: at least 95% of the matmul FLOPs outside the head on the compute dtype.
 MIN_COMPUTE_FRACTION = 0.95
 
 

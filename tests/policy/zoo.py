@@ -1,4 +1,4 @@
-"""A zoo of small models written the way the field writes them (issue 11's test models).
+"""A zoo of small models written the way the field writes them: the core tests' models.
 
 Each model is written in the style of a Flax repository example (our own code, tiny sizes):
 
@@ -22,8 +22,9 @@ Each model is written in the style of a Flax repository example (our own code, t
   head named ``logitdense``.
 * ``mlp_apply``: a plain JAX MLP, ``apply(params, x)`` with hand-written ``x @ w + b``.
 
-The reference models of the policy tests (``policy_testlib.py`` builds them tiny) are linen /
-NNX twins with Flax's natural module paths:
+The reference models of the policy tests (``policy_testlib.py`` builds them tiny) are the
+studies' own linen / NNX twins with Flax's natural module paths, imported from
+``studies/models.py``, one source for both:
 
 * ``Mlp`` / ``NnxMlp``: a GELU MLP.
 * ``MoeBlock`` / ``NnxMoeBlock``: a top-1 (Switch) mixture of experts with a ``router``.
@@ -32,9 +33,11 @@ NNX twins with Flax's natural module paths:
   ``Block_0/MlpBlock_0/Dense_1`` or ``Block_0/MoeBlock_0/router``, ``ln_f``, ``head``; NNX
   ``blocks/0/mlp/linear1``, ``blocks/0/moe/router``, ...), dense or MoE, tied or not, with
   RMSNorm and LayerNorm, linen ``nn.scan`` / ``nn.remat``, and Flax's per-layer dtype knobs.
+* ``lm_loss``: the next-byte cross entropy they train on.
 
-The studies keep their own models (``studies/models.py``): no test outside ``tests/studies``
-imports ``studies`` (``tests/test_layering.py``).
+``studies.models`` is a leaf (it imports jax, flax and numpy, nothing of ``studies``), and
+it is the only module of ``studies`` a test outside ``tests/studies`` imports
+(``tests/test_layering.py``): the core's tests use the studies' models, never the studies.
 
 The field's models are small (d_model 32-96, vocabularies 50-97, sequences 7-24, batch 2-3),
 none a multiple of 128, and every vocabulary / class count (``Case.head_size``) occurs in no
@@ -56,6 +59,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+
+# The reference models, re-exported (``zoo.TransformerLM``): one source, the studies' models.
+from studies.models import Mlp as Mlp
+from studies.models import MoeBlock as MoeBlock
+from studies.models import NnxMlp as NnxMlp
+from studies.models import NnxMoeBlock as NnxMoeBlock
+from studies.models import NnxTransformerLM as NnxTransformerLM
+from studies.models import TransformerConfig as TransformerConfig
+from studies.models import TransformerLM as TransformerLM
+from studies.models import lm_loss as lm_loss
 
 K_MASK = -2.3819763e38  # gemma's mask value: a large negative number, finite in f32.
 
@@ -679,321 +692,6 @@ class NnxScanMlp(nnx.Module):
 
         x, _ = scan_fn(self.embed_in(x), self.layers)
         return self.logitdense(x)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reference models: the policy tests' GELU MLP, top-1 MoE and pre-LN transformer LM
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Configuration of ``TransformerLM`` / ``NnxTransformerLM`` (hashable).
-
-    ``num_experts``: 0 for dense MLP blocks, E > 0 for a top-1 MoE in every block. ``norm``:
-    the blocks' ``ln_1``/``ln_2``, ``final_norm``: ``ln_f`` ("rmsnorm" or "layernorm"; the
-    defaults use both kinds). ``tie_embeddings``: logits from ``embed.attend`` instead of a
-    ``head``. ``scan_layers`` / ``remat`` (linen): blocks stacked with ``nn.scan`` (module
-    ``blocks``) and/or wrapped in ``nn.remat``. ``dtype``, ``param_dtype``, ``norm_dtype``,
-    ``router_dtype``, ``logits_dtype`` and ``softmax_f32`` (linen: Flax's attention with its
-    softmax in f32) are Flax's own per-layer knobs, so a mixed-precision model can also be
-    written by hand (what ``bf16-mixed`` is compared with).
-    """
-
-    vocab_size: int = 256
-    d_model: int = 64
-    num_heads: int = 4
-    num_layers: int = 2
-    d_ff: int = 128
-    max_len: int = 64
-    num_experts: int = 0
-    norm: str = "rmsnorm"
-    final_norm: str = "layernorm"
-    tie_embeddings: bool = False
-    scan_layers: bool = False
-    remat: bool = False
-    dtype: str | None = None
-    param_dtype: str = "float32"
-    norm_dtype: str | None = None
-    router_dtype: str | None = None
-    logits_dtype: str | None = None
-    softmax_f32: bool = False
-
-
-def _dt(name: str | None) -> Any:
-    return None if name is None else jnp.dtype(name)
-
-
-def lm_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Next-token cross entropy (``logits[:, t]`` predicts ``tokens[:, t + 1]``), computed in
-    the logits' dtype."""
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    return jnp.mean(nll)
-
-
-def _switch_aux_loss(probs: jax.Array, index: jax.Array, num_experts: int) -> jax.Array:
-    """Switch Transformer load-balancing loss, E * sum_e f_e * P_e (Fedus et al. 2021, eq. 4)."""
-    p32 = probs.astype(jnp.float32).reshape(-1, num_experts)
-    frac = jnp.mean(jax.nn.one_hot(index.reshape(-1), num_experts, dtype=jnp.float32), axis=0)
-    return num_experts * jnp.sum(frac * jnp.mean(p32, axis=0))
-
-
-def _top1_combine(logits: jax.Array, num_experts: int):
-    """Exact top-1 routing: every expert runs densely, the top-1 output is selected (no
-    capacity, no dropped tokens; E x the FLOPs, fine at test sizes)."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    index = jnp.argmax(probs, axis=-1)
-    gate = jnp.max(probs, axis=-1)
-    combine = jax.nn.one_hot(index, num_experts, dtype=probs.dtype) * gate[..., None]
-    return probs, index, combine
-
-
-def _experts(x, w_in, w_out, combine):
-    h = jax.nn.gelu(jnp.einsum("...d,edf->...ef", x, w_in))
-    y = jnp.einsum("...ef,efd->...ed", h, w_out)
-    return jnp.einsum("...e,...ed->...d", combine.astype(y.dtype), y)
-
-
-class Mlp(nn.Module):
-    """GELU MLP (linen): ``Dense_0 .. Dense_{n-1}``."""
-
-    features: tuple[int, ...]
-
-    @nn.compact
-    def __call__(self, x):
-        for i, f in enumerate(self.features):
-            x = nn.Dense(f)(x)
-            if i < len(self.features) - 1:
-                x = nn.gelu(x)
-        return x
-
-
-class MoeBlock(nn.Module):
-    """Top-1 mixture of experts (linen): a ``router`` Dense and expert weights ``w_in`` /
-    ``w_out``. Sows ``router_input``, ``router_logits``, ``expert_index`` and ``aux_loss``."""
-
-    num_experts: int
-    d_ff: int
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    router_dtype: Any = None
-
-    @nn.compact
-    def __call__(self, x):
-        d, e = x.shape[-1], self.num_experts
-        x_router = x
-        logits = nn.Dense(e, use_bias=False, dtype=self.router_dtype,
-                          param_dtype=self.param_dtype, name="router")(x)
-        probs, index, combine = _top1_combine(logits, e)
-        init = nn.initializers.lecun_normal(batch_axis=(0,))
-        w_in = self.param("w_in", init, (e, d, self.d_ff), self.param_dtype)
-        w_out = self.param("w_out", init, (e, self.d_ff, d), self.param_dtype)
-        out = _experts(*nn.dtypes.promote_dtype(x, w_in, w_out, dtype=self.dtype), combine)
-        self.sow("intermediates", "router_input", x_router)
-        self.sow("intermediates", "router_logits", logits)
-        self.sow("intermediates", "expert_index", index)
-        self.sow("intermediates", "aux_loss", _switch_aux_loss(probs, index, e))
-        return out
-
-
-class GeluMlpBlock(nn.Module):
-    """Transformer MLP (linen): ``Dense_0`` (d_ff) -> GELU -> ``Dense_1``; ``Block`` names it
-    ``MlpBlock_0`` (the path the policy tests' rules name)."""
-
-    d_ff: int
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.gelu(nn.Dense(self.d_ff, dtype=self.dtype, param_dtype=self.param_dtype)(x))
-        return nn.Dense(x.shape[-1], dtype=self.dtype, param_dtype=self.param_dtype)(h)
-
-
-def _linen_norm(kind: str, cfg: TransformerConfig, name: str) -> nn.Module:
-    cls = nn.RMSNorm if kind == "rmsnorm" else nn.LayerNorm
-    return cls(dtype=_dt(cfg.norm_dtype or cfg.dtype), param_dtype=_dt(cfg.param_dtype),
-               name=name)
-
-
-class Block(nn.Module):
-    """Pre-LN block (linen): ``x + attn(ln_1(x))``, then ``x + MlpBlock_0/MoeBlock_0(ln_2(x))``."""
-
-    cfg: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x, mask):
-        return self._forward(x, mask)
-
-    def _forward(self, x, mask):
-        cfg = self.cfg
-        dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
-        extra = {}
-        if cfg.softmax_f32:
-            extra = dict(force_fp32_for_softmax=True,
-                         qk_attn_weights_einsum_cls=lambda: jnp.einsum,
-                         attn_weights_value_einsum_cls=lambda: (
-                             lambda subs, p, v: jnp.einsum(subs, p.astype(v.dtype), v)))
-        y = _linen_norm(cfg.norm, cfg, "ln_1")(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads, dtype=dt,
-                                                param_dtype=pdt, name="attn", **extra)(y, mask=mask)
-        y = _linen_norm(cfg.norm, cfg, "ln_2")(x)
-        if cfg.num_experts:
-            return x + MoeBlock(cfg.num_experts, cfg.d_ff, dtype=dt, param_dtype=pdt,
-                                router_dtype=_dt(cfg.router_dtype) or dt)(y)
-        return x + GeluMlpBlock(cfg.d_ff, dtype=dt, param_dtype=pdt, name="MlpBlock_0")(y)
-
-
-class _ScanBlock(Block):
-    """``Block`` with the (carry, x) -> (carry, y) signature ``nn.scan`` needs."""
-
-    @nn.compact
-    def __call__(self, x, mask):
-        return self._forward(x, mask), None
-
-
-class TransformerLM(nn.Module):
-    """Byte-level decoder-only pre-LN transformer (linen): token + learned position
-    embeddings, ``Block_i`` (or a scanned ``blocks``), ``ln_f``, and a ``head`` (or the tied
-    embedding). Call on int tokens ``[B, T]``."""
-
-    cfg: TransformerConfig
-
-    @nn.compact
-    def __call__(self, tokens):
-        cfg = self.cfg
-        dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
-        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt, name="embed")
-        pos = nn.Embed(cfg.max_len, cfg.d_model, dtype=dt, param_dtype=pdt, name="pos_embed")
-        x = embed(tokens) + pos(jnp.arange(tokens.shape[-1]))[None]
-        mask = nn.make_causal_mask(tokens)
-        if cfg.scan_layers:
-            body = nn.remat(_ScanBlock) if cfg.remat else _ScanBlock
-            stack = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=nn.broadcast, length=cfg.num_layers)
-            x, _ = stack(cfg, name="blocks")(x, mask)
-        else:
-            block = nn.remat(Block) if cfg.remat else Block
-            for i in range(cfg.num_layers):
-                x = block(cfg, name=f"Block_{i}")(x, mask)
-        x = _linen_norm(cfg.final_norm, cfg, "ln_f")(x)
-        if cfg.tie_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = nn.Dense(cfg.vocab_size, dtype=dt, param_dtype=pdt, name="head")(x)
-        return logits if cfg.logits_dtype is None else logits.astype(cfg.logits_dtype)
-
-
-class NnxMlp(nnx.Module):
-    """GELU MLP (NNX): ``layers/0 .. layers/{n-1}``."""
-
-    def __init__(self, in_features: int, features: tuple[int, ...], *, rngs: nnx.Rngs):
-        dims = [in_features, *features]
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(dims)])
-
-    def __call__(self, x):
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = nnx.gelu(x)
-        return x
-
-
-class NnxMoeBlock(nnx.Module):
-    """Top-1 mixture of experts (NNX): ``router`` and expert Params ``w_in`` / ``w_out``; with
-    ``sow=True`` it sows ``router_logits``, ``expert_index`` and ``aux_loss``."""
-
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, *, dtype: Any = None,
-                 param_dtype: Any = jnp.float32, router_dtype: Any = None, sow: bool = False,
-                 rngs: nnx.Rngs):
-        self.num_experts, self.dtype, self.sow_router = num_experts, dtype, sow
-        self.router = nnx.Linear(d_model, num_experts, use_bias=False, dtype=router_dtype,
-                                 param_dtype=param_dtype, rngs=rngs)
-        init = nnx.initializers.lecun_normal(batch_axis=(0,))
-        self.w_in = nnx.Param(init(rngs.params(), (num_experts, d_model, d_ff), param_dtype))
-        self.w_out = nnx.Param(init(rngs.params(), (num_experts, d_ff, d_model), param_dtype))
-
-    def __call__(self, x):
-        e = self.num_experts
-        logits = self.router(x)
-        probs, index, combine = _top1_combine(logits, e)
-        x, w_in, w_out = nnx.nn.dtypes.promote_dtype((x, self.w_in[...], self.w_out[...]),
-                                                     dtype=self.dtype)
-        out = _experts(x, w_in, w_out, combine)
-        if self.sow_router:
-            self.sow(nnx.Intermediate, "router_logits", logits)
-            self.sow(nnx.Intermediate, "expert_index", index)
-            self.sow(nnx.Intermediate, "aux_loss", _switch_aux_loss(probs, index, e))
-        return out
-
-
-class NnxMlpBlock(nnx.Module):
-    """Transformer MLP (NNX): ``linear1`` -> GELU -> ``linear2``."""
-
-    def __init__(self, d_model: int, d_ff: int, *, dtype: Any, param_dtype: Any,
-                 rngs: nnx.Rngs):
-        self.linear1 = nnx.Linear(d_model, d_ff, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.linear2 = nnx.Linear(d_ff, d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-
-    def __call__(self, x):
-        return self.linear2(nnx.gelu(self.linear1(x)))
-
-
-def _nnx_norm(kind: str, cfg: TransformerConfig, rngs: nnx.Rngs):
-    cls = nnx.RMSNorm if kind == "rmsnorm" else nnx.LayerNorm
-    return cls(cfg.d_model, dtype=_dt(cfg.norm_dtype or cfg.dtype),
-               param_dtype=_dt(cfg.param_dtype), rngs=rngs)
-
-
-class NnxBlock(nnx.Module):
-    """Pre-LN block (NNX): ``ln_1``, ``attn``, ``ln_2``, then ``mlp`` or ``moe``."""
-
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
-        self.ln_1 = _nnx_norm(cfg.norm, cfg, rngs)
-        self.attn = nnx.MultiHeadAttention(cfg.num_heads, cfg.d_model, decode=False, dtype=dt,
-                                           param_dtype=pdt, rngs=rngs)
-        self.ln_2 = _nnx_norm(cfg.norm, cfg, rngs)
-        if cfg.num_experts:
-            self.moe = NnxMoeBlock(cfg.d_model, cfg.d_ff, cfg.num_experts, dtype=dt,
-                                   param_dtype=pdt, router_dtype=_dt(cfg.router_dtype) or dt,
-                                   rngs=rngs)
-        else:
-            self.mlp = NnxMlpBlock(cfg.d_model, cfg.d_ff, dtype=dt, param_dtype=pdt, rngs=rngs)
-
-    def __call__(self, x, mask):
-        x = x + self.attn(self.ln_1(x), mask=mask)
-        ffn = self.moe if hasattr(self, "moe") else self.mlp
-        return x + ffn(self.ln_2(x))
-
-
-class NnxTransformerLM(nnx.Module):
-    """``TransformerLM``'s NNX twin: ``embed``, ``pos_embed``, ``blocks/i``, ``ln_f``, ``head``
-    (linen-only options ``scan_layers`` / ``remat`` are not offered)."""
-
-    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        if cfg.scan_layers or cfg.remat:
-            raise ValueError("scan_layers and remat are options of the linen TransformerLM.")
-        dt, pdt = _dt(cfg.dtype), _dt(cfg.param_dtype)
-        self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
-        self.pos_embed = nnx.Embed(cfg.max_len, cfg.d_model, dtype=dt, param_dtype=pdt,
-                                   rngs=rngs)
-        self.blocks = nnx.List([NnxBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.ln_f = _nnx_norm(cfg.final_norm, cfg, rngs)
-        if not cfg.tie_embeddings:
-            self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, dtype=dt, param_dtype=pdt,
-                                   rngs=rngs)
-
-    def __call__(self, tokens):
-        cfg = self.cfg
-        x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))[None]
-        mask = nnx.make_causal_mask(tokens)
-        for block in self.blocks:
-            x = block(x, mask)
-        x = self.ln_f(x)
-        logits = self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
-        return logits if cfg.logits_dtype is None else logits.astype(cfg.logits_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 ``python mp_worker.py MODE OUT_DIR JSON_ARGS``; writes ``OUT_DIR/p<process>.json``.
 
 Modes:
-  train: ``studies.train.train`` with ``TrainConfig(**args["cfg"])`` and ``args["setup"]``;
+  train: ``studies.training.train`` with ``TrainConfig(**args["cfg"])`` and ``args["setup"]``;
     optional ``run_dir``/``resume``; ``kill_at`` = [process, step]: that process SIGKILLs
     itself when the loop reaches that step; ``kill_in_write`` = step: SIGKILL inside the
     write of that step's checkpoint. Writes the history, the final state's
@@ -41,13 +41,13 @@ def _leaves(tree) -> dict[str, np.ndarray]:
 
 
 def run_train(args: dict, out: Path) -> dict:
-    from studies.train import TrainConfig, train
+    from studies.training import TrainConfig, train
 
     cfg = TrainConfig(**args["cfg"])
     kill = args.get("kill_at")
 
     if kill:  # SIGKILL when the loop asks for the batch of step kill[1]
-        import studies.train as T
+        import studies.training.loop as T
 
         orig = T.batch_at
 

@@ -13,7 +13,7 @@ from studies_testlib import assert_plots, plain
 from fmtkit import fp4
 from studies import ablate, cli, corpus, fp4_training, runner
 from studies.models import TransformerConfig, TransformerLM, lm_loss
-from studies.train import TrainConfig, batch_at, init_params, load_data
+from studies.training import TrainConfig, batch_at, init_params, load_data
 
 
 def _only_run(out_root):

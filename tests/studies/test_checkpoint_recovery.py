@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import studies.train as T
+import studies.training as T
 from studies.models import TransformerConfig
 from studies.training import checkpoint, distributed
 from tests.studies.test_multiprocess import CFG, single

@@ -219,7 +219,7 @@ def test_outlier_readers_held_at_zero_leave_only_the_quantizers_to_see_the_outli
     cold = TransformerLM(CFG).apply({"params": masked}, tokens)
     np.testing.assert_array_equal(np.asarray(hot), np.asarray(cold))
 
-    from studies.train import TrainConfig, batch_at, load_data, make_train_step
+    from studies.training import TrainConfig, batch_at, load_data, make_train_step
 
     cfg = TrainConfig(model=CFG, regime="outlier-features", steps=2, batch=4, seq_len=16,
                       corpus_bytes=4096, warmup=1)

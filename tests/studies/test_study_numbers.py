@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from studies_testlib import assert_plots
 
-from studies import formats, fp8_outliers, loss_scale, master_weights, rounding, underflow
+from studies import format_ranges, fp8_outliers, loss_scale, master_weights, rounding, underflow
 
 # formats ------------------------------------------------------------------------------------
 
 def test_formats_table_matches_ml_dtypes_finfo(tmp_path):
-    res = formats.run(formats.Config())
+    res = format_ranges.run(format_ranges.Config())
     rows = {r["name"]: r for r in res["formats"]}
     assert len(rows) == 14
     for name, dtype in [("float32", np.float32), ("float16", np.float16),
@@ -31,11 +31,11 @@ def test_formats_table_matches_ml_dtypes_finfo(tmp_path):
     assert rows["float8_e4m3fn"]["max"] == 448.0  # OCP FP8 v1.0 (seed 002 says 3.8e5: wrong)
     # fp16: 2^-24 .. 65504 spans log2(65504) + 24 binades (seed 003: "about 40").
     assert rows["float16"]["binades"] == pytest.approx(math.log2(65504) + 24)
-    assert_plots(formats.plot(res, tmp_path))
+    assert_plots(format_ranges.plot(res, tmp_path))
 
 
 def test_formats_subset_and_aliases():
-    res = formats.run(formats.Config(formats=("bf16", "e4m3", "bfloat16")))
+    res = format_ranges.run(format_ranges.Config(formats=("bf16", "e4m3", "bfloat16")))
     assert [r["name"] for r in res["formats"]] == ["bfloat16", "float8_e4m3fn"]
 
 

@@ -1,4 +1,5 @@
-"""studies.train: one trace per run, bit-identical resume, what master weights buy, bad input.
+"""studies.training.loop: one trace per run, bit-identical resume, what master weights buy,
+bad input.
 
 The model here is a micro transformer (d_model 32, one layer) so that each compile takes a
 couple of seconds; the properties tested do not depend on the size.
@@ -15,7 +16,7 @@ import pytest
 from studies_testlib import Interrupted, stop_after
 
 from fmtkit import optim
-from studies import train as T
+from studies import training as T
 from studies._common import StudyError
 from studies.models import TransformerConfig
 from studies.training import checkpoint, metrics, step
@@ -254,7 +255,7 @@ _DATA_PARALLEL_SCRIPT = """
 import json
 import numpy as np
 from fmtkit import optim
-from studies import train as T
+from studies import training as T
 from studies.training import checkpoint, metrics, step
 from studies.models import TransformerConfig
 model = TransformerConfig(d_model=32, num_heads=2, num_layers=1, d_ff=64, max_len=16)

@@ -15,8 +15,16 @@ from studies_testlib import assert_plots
 
 import fmtkit
 from fmtkit import fp8
-from studies import accumulation, fp8_recipes, memory, router_precision, sensitivity, stats, train
-from studies.train import TrainConfig
+from studies import (
+    accumulation,
+    fp8_recipes,
+    memory_footprint,
+    router_precision,
+    sensitivity,
+    stats,
+    training,
+)
+from studies.training import TrainConfig
 
 # accumulation -------------------------------------------------------------------------------
 
@@ -120,13 +128,13 @@ def _transformer_params(cfg):
     return v * d + cfg.max_len * d + cfg.num_layers * block + 2 * d + (d * v + v)
 
 
-MEMORY_CFG = memory.Config(d_model=32, num_heads=2, d_ff=64, num_layers=2, batch=2, seq_len=16,
-                           layers=(1, 2), policies=("fp32",), remat=("none", "full"),
-                           compile="deepest")
+MEMORY_CFG = memory_footprint.Config(d_model=32, num_heads=2, d_ff=64, num_layers=2, batch=2,
+                                     seq_len=16, layers=(1, 2), policies=("fp32",),
+                                     remat=("none", "full"), compile="deepest")
 
 
 def test_memory_state_bytes_against_hand_counts(tmp_path):
-    res = memory.run(MEMORY_CFG)
+    res = memory_footprint.run(MEMORY_CFG)
     n = _transformer_params(MEMORY_CFG.model_config())
     leaves = 2 + 2 * 14 + 2 + 2  # embeds, 2 blocks x 14 arrays, ln_f scale+bias, head
     rows = {r["row"]: r for r in res["state"]}
@@ -169,13 +177,13 @@ def test_memory_state_bytes_against_hand_counts(tmp_path):
     assert full_t < none_t
     assert acts["full"]["points"][-1]["argument_bytes"] == acts["none"]["points"][-1][
         "argument_bytes"]
-    assert_plots(memory.plot(res, tmp_path))
+    assert_plots(memory_footprint.plot(res, tmp_path))
 
 
 def test_memory_bf16_activations_halve_the_saved_input():
-    res = memory.run(dataclasses.replace(MEMORY_CFG, policies=("bf16-mixed",), compile="none",
-                                         state_rows=("fp32-adamw",),
-                                         remat=("full", "dots", "dots_no_batch")))
+    res = memory_footprint.run(dataclasses.replace(
+        MEMORY_CFG, policies=("bf16-mixed",), compile="none", state_rows=("fp32-adamw",),
+        remat=("full", "dots", "dots_no_batch")))
     btd = MEMORY_CFG.batch * MEMORY_CFG.seq_len * MEMORY_CFG.d_model
     acts = {a["remat"]: a["per_layer"]["saved_bytes"] for a in res["activations"]}
     # Under bf16-mixed the residual stream between blocks is bf16: 2 bytes per value.
@@ -187,11 +195,11 @@ def test_memory_bf16_activations_halve_the_saved_input():
 
 def test_memory_config_validation():
     with pytest.raises(ValueError, match="two distinct"):
-        memory.Config(layers=(2, 2))
+        memory_footprint.Config(layers=(2, 2))
     with pytest.raises(ValueError, match="unknown variant"):
-        memory.Config(remat=("some",))
+        memory_footprint.Config(remat=("some",))
     with pytest.raises(ValueError, match="unknown preset"):
-        memory.Config(policies=("fp7",))
+        memory_footprint.Config(policies=("fp7",))
 
 
 # sensitivity --------------------------------------------------------------------------------
@@ -315,9 +323,9 @@ def test_the_shadow_reads_the_input_the_f32_router_reads():
     cfg = router_precision.Config(d_model=32, d_ff=32, train=TrainConfig(
         num_layers=1, batch=4, seq_len=32))
     tcfg = cfg.train_config()
-    setup = train.Setup("router-f32", router_precision.router_rules("p=f32,c=f32"),
+    setup = training.Setup("router-f32", router_precision.router_rules("p=f32,c=f32"),
                         grad_format="bfloat16", description="")
-    model = train.build_model(setup, tcfg)
+    model = training.build_model(setup, tcfg)
     tokens = jax.random.randint(jax.random.key(0), (4, 32), 0, 256)
     variables = model.init(jax.random.key(1), tokens)
     _, state = model.apply(variables, tokens, mutable=["intermediates"])
@@ -382,8 +390,9 @@ def test_router_precision_training_run(tmp_path):
 
     # Reproducible, and seed 1 of the vmapped pair is seed 1 trained alone: the same
     # parameters and batch give the step-0 loss to bf16 rounding of the activations under
-    # another reduction order (batched kernels, studies.seeds); after two bf16-mixed updates
-    # it is within multiseed's 2e-3 relative, far below the gap between seeds 0 and 1.
+    # another reduction order (batched kernels, studies.training.multiseed); after two
+    # bf16-mixed updates it is within multiseed's 2e-3 relative, far below the gap between
+    # seeds 0 and 1.
     alone = router_precision.run(dataclasses.replace(
         RP_CFG, routers=("f32",), train=dataclasses.replace(RP_TRAIN, seed=1, seeds=1)))
     (p1,) = alone["cells"][0]["variants"]["f32"]["per_seed"]
@@ -539,5 +548,5 @@ def test_fp8_recipe_g128_changes_only_the_gradients():
 def test_fp8_recipes_config_validation():
     with pytest.raises(ValueError, match="unknown recipe"):
         fp8_recipes.Config(recipes=("blockwise", "nope"))
-    with pytest.raises(TypeError, match=r"train must be a studies\.train\.TrainConfig"):
+    with pytest.raises(TypeError, match=r"train must be a studies\.training\.TrainConfig"):
         fp8_recipes.Config(train={"steps": 2})

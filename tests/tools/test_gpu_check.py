@@ -1,5 +1,5 @@
-"""The prepared GPU check (``pallas_kernels.gpu_check``) on a machine without a GPU (the
-fp8-matmul benchmark's own tests are in ``tests/studies/test_bench_fp8_matmul.py``)."""
+"""The prepared GPU check (``tools.gpu_check``) on a machine without a GPU (the fp8-matmul
+benchmark's own tests are in ``tests/studies/test_bench_fp8_matmul.py``)."""
 
 import ast
 import json
@@ -11,14 +11,15 @@ from pathlib import Path
 import jax
 import pytest
 
-from pallas_kernels import gpu_check
+from tools.gpu_check import compilation, correctness, kernel_tests, watcher
+from tools.gpu_check.cli import main
 
 no_gpu = pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the no-GPU path")
 
 
 @no_gpu
 def test_gpu_check_without_gpu_writes_status_and_exits_0(tmp_path, capsys):
-    assert gpu_check.main([str(tmp_path)]) == 0
+    assert main([str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["status"].startswith("no Hopper GPU")
     assert report["env"]["backend"] == jax.default_backend()
@@ -27,10 +28,13 @@ def test_gpu_check_without_gpu_writes_status_and_exits_0(tmp_path, capsys):
                                                           "gpu_check_logs.tar.gz"]
 
 
-def test_pallas_kernels_never_imports_studies():
-    """Layering (issue 13): the kernels package depends on the core, never on studies."""
-    root = Path(gpu_check.__file__).parent
-    for file in root.glob("*.py"):
+def test_the_tool_never_imports_studies():
+    """The tool runs the studies' command line as a command; it never imports ``studies``
+    (``tests/test_layering.py`` checks the whole table; this is the check by hand)."""
+    root = Path(watcher.__file__).parent
+    files = sorted(root.glob("*.py"))
+    assert len(files) > 10
+    for file in files:
         for node in ast.walk(ast.parse(file.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
@@ -47,7 +51,7 @@ def _sleeper(progress, item="shape-1", delay=0.0):
 def test_watcher_kills_a_hung_item(tmp_path):
     progress = tmp_path / "p.json"
     t0 = time.time()
-    out = gpu_check.supervise(_sleeper(progress), progress, item_timeout=1.0,
+    out = watcher.supervise(_sleeper(progress), progress, item_timeout=1.0,
                               deadline_at=t0 + 60, log_file=tmp_path / "log")
     assert out["killed"] == "item ran past its 1 s timeout"
     assert out["item"] == "shape-1" and out["returncode"] != 0
@@ -59,11 +63,11 @@ def test_watcher_kills_at_the_deadline_and_on_a_stuck_start(tmp_path, case):
     progress = tmp_path / "p.json"
     t0 = time.time()
     if case == "deadline":  # the item's own timeout is far away; the global one is not
-        out = gpu_check.supervise(_sleeper(progress), progress, item_timeout=600,
+        out = watcher.supervise(_sleeper(progress), progress, item_timeout=600,
                                   deadline_at=t0 + 2, log_file=tmp_path / "log")
         assert out["killed"] == "deadline"
     else:  # never writes progress within the startup timeout
-        out = gpu_check.supervise(_sleeper(progress, delay=60), progress, item_timeout=600,
+        out = watcher.supervise(_sleeper(progress, delay=60), progress, item_timeout=600,
                                   deadline_at=t0 + 60, log_file=tmp_path / "log",
                                   startup_timeout=1.0)
         assert out["killed"] == "no item started within 1 s"
@@ -92,7 +96,7 @@ def test_parse_ptxas_attributes_lines_to_kernels_by_name():
         "serialized due to insufficient register resources for the wgmma pipeline",
         "unrelated output",
     ])
-    got = gpu_check.parse_ptxas(log, [a, b])
+    got = compilation.parse_ptxas(log, [a, b])
     assert got[a]["registers"] == 168 and got[a]["spill_store_bytes"] is None
     assert len(got[a]["lines"]) == 52  # entry, registers, 50 more: no cut
     assert got[b]["registers"] == 232
@@ -109,15 +113,15 @@ def test_float64_errors_finds_the_block_with_a_wrong_scale():
 
     from pallas_kernels import blockwise_fp8_matmul_reference
 
-    ops = gpu_check.block_magnitude_operands(384, 256, 256, seed=0)
+    ops = correctness.block_magnitude_operands(384, 256, 256, seed=0)
     out = blockwise_fp8_matmul_reference(ops["xq"], ops["xs"], ops["wq"], ops["ws"],
                                          out_dtype="float32")
-    clean = gpu_check.float64_errors(out, ops)
+    clean = correctness.float64_errors(out, ops)
     assert clean["rel_fro_vs_float64"] < 1e-6
     assert clean["sampled_rows"] == 3 * 43 and clean["sampled_cols"] == 2 * 64
     bad = np.asarray(out).copy()
     bad[128:256, 128:256] *= 1.01
-    got = gpu_check.float64_errors(bad, ops)
+    got = correctness.float64_errors(bad, ops)
     worst = got["worst_blocks"][0]
     assert (worst["row_block"], worst["col_block"]) == (1, 1)
     assert worst["rel_fro"] == pytest.approx(1e-2, rel=1e-3)
@@ -129,7 +133,7 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
     """The whole watcher/worker path on CPU (GPU-interpret mode, tiny shapes), every phase
     but pytest: the summary has every field, GPU-only values are null (not invented), and
     the folder holds the summary and the log tarball only."""
-    rc = gpu_check.main(["--cpu-rehearsal", str(tmp_path)])
+    rc = main(["--cpu-rehearsal", str(tmp_path)])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rc == 0, json.dumps(report["phases"], indent=1)[:4000]
     assert report["status"] == "passed"
@@ -170,6 +174,14 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
     steps = report["train"]["steps_per_s"]
     assert set(steps) >= {"bf16-mixed", "fp8-current", "fp8-blockwise"}
     assert all(v > 0 for v in steps.values())
+    opt = report["optimizer"]  # the studies' optax chain beside plain adamw, tiny sizes
+    assert opt["ok"] and opt["params"] == 2 * (64 * 64 + 64)
+    for name in ("studies_chain", "optax_adamw"):
+        t = opt["impls"][name]
+        assert 0 < t["min_s"] <= t["median_s"] <= t["max_s"]
+        assert opt["hlo_fusions"][name] > 0
+    chain, plain = opt["impls"]["studies_chain"], opt["impls"]["optax_adamw"]
+    assert opt["ratio_median"] == pytest.approx(chain["median_s"] / plain["median_s"])
     [tune] = report["tune"].values()
     assert len(tune["configs"]) == 2
 
@@ -179,6 +191,6 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
 def test_gpu_check_pytest_phase_parses_verdicts(tmp_path):
     """The last phase on a machine without a GPU: every compiled-mode test is collected and
     skipped; the verdicts are read from the verbose log."""
-    r = gpu_check.run_pytest(300, tmp_path / "pytest.log")
+    r = kernel_tests.run_pytest(300, tmp_path / "pytest.log")
     assert r["ok"] and r["failures"] == []
     assert r["counts"]["SKIPPED"] >= 10 and r["counts"]["PASSED"] == 0

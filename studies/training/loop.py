@@ -1,12 +1,12 @@
-"""The training loop of the training studies (``ablate``, ``fp8-recipes``, ...) and the
-public names of the training library ``studies.training``.
+"""The training loop of one seed: ``train(setup, cfg)``.
 
-``train(setup, cfg)`` runs one setup (``studies.training.setups``) under one ``TrainConfig``
+``train`` runs one setup (``studies.training.setups``) under one ``TrainConfig``
 (``studies.training.config``) on the byte-level ``studies.models.TransformerLM``: it builds
 the step (``studies.training.step.make_train_step``), feeds it the batches
 (``studies.training.data``), records the metrics (``studies.training.metrics``), checkpoints
 the whole state with orbax and resumes from it (``studies.training.checkpoint``), and returns
-the loss curve and telemetry as a ``TrainResult``.
+the loss curve and telemetry as a ``TrainResult``. Several seeds of one setup train together
+in ``studies.training.multiseed``.
 
 Determinism: batch ``k`` is drawn from ``numpy.random.default_rng([cfg.seed, k])``, the
 parameters from ``jax.random.PRNGKey(cfg.seed)``, stochastic rounding from seeds in the
@@ -34,33 +34,15 @@ import numpy as np
 from fmtkit.memory import ledger
 from studies._common import Progress, StudyError, no_progress
 from studies.training import checkpoint
-from studies.training.config import MODEL_SIZES, TrainConfig
+from studies.training.config import TrainConfig
 from studies.training.data import batch_at, load_data
 from studies.training.mesh import put_batch
-from studies.training.metrics import METRIC_KEYS
-from studies.training.optimizer import lr_schedule, make_optimizer
-from studies.training.setups import DEFAULT_SETUPS, SETUPS, Setup, get_setup
-from studies.training.step import TrainState, build_model, init_params, make_train_step
+from studies.training.metrics import METRIC_KEYS, final_loss, history_summary
+from studies.training.optimizer import make_optimizer
+from studies.training.setups import Setup, get_setup
+from studies.training.step import TrainState, make_train_step
 
-__all__ = [
-    "DEFAULT_SETUPS",
-    "METRIC_KEYS",
-    "MODEL_SIZES",
-    "SETUPS",
-    "Setup",
-    "TrainConfig",
-    "TrainResult",
-    "TrainState",
-    "batch_at",
-    "build_model",
-    "get_setup",
-    "init_params",
-    "load_data",
-    "lr_schedule",
-    "make_optimizer",
-    "make_train_step",
-    "train",
-]
+__all__ = ["TrainResult", "train"]
 
 
 @dataclasses.dataclass
@@ -100,26 +82,17 @@ class TrainResult:
     @property
     def final_loss(self) -> float:
         """Mean loss of the last ``max(1, steps_done // 10)`` steps (nan if diverged)."""
-        if self.diverged or not self.history["loss"]:
-            return float("nan")
-        losses = self.history["loss"]
-        k = max(1, len(losses) // 10)
-        return float(np.mean(losses[-k:]))
+        return float("nan") if self.diverged else final_loss(self.history["loss"])
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready numbers (no state)."""
-        h = self.history
         return {
             "setup": self.setup, "final_loss": self.final_loss, "steps_done": self.steps_done,
-            "diverged_at": self.diverged_at,
-            "skipped_steps": int(np.sum(h["skipped"])) if h["skipped"] else 0,
-            "grad_flush": float(np.mean(h["grad_flush"])) if h["grad_flush"] else 0.0,
-            "update_frac": float(np.mean(h["update_frac"])) if h["update_frac"] else 0.0,
-            "final_loss_scale": h["loss_scale"][-1] if h["loss_scale"] else None,
+            "diverged_at": self.diverged_at, **history_summary(self.history),
             "compile_seconds": self.compile_seconds, "step_ms": self.step_ms,
             "first_step_seconds": self.first_step_seconds,
             "bytes_per_param": self.bytes_per_param, "memory": self.memory,
-            "resumed_from": self.resumed_from, "history": h,
+            "resumed_from": self.resumed_from, "history": self.history,
         }
 
 

@@ -1,0 +1,137 @@
+"""The ``compile`` phase: every shipped kernel variant compiled and run once, and ptxas's
+report of each (registers, spills, wgmma serialization), attributed by kernel name.
+
+Each compile item prints ``KERNEL_MARK`` with its kernel's name before it compiles and an
+end marker after, so that ptxas's lines in the worker's log (``MOSAIC_GPU_DUMP_PTXAS=1``)
+can be attributed even where ptxas does not name the kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import sys
+import time
+
+from tools.gpu_check.correctness import (
+    BF16_RTOL,
+    block_magnitude_operands,
+    f32_rtol,
+    float64_errors,
+)
+
+__all__ = ["COMPILE_SHAPE", "KERNEL_MARK", "compile_kernel", "environment", "parse_ptxas"]
+
+# Several tiles per CTA for every config on 132 SMs and 8 K blocks (every ring wraps).
+COMPILE_SHAPE = (4096, 2048, 1024)
+KERNEL_MARK = "=== gpu_check kernel: "
+
+
+def compile_kernel(m: int, n: int, k: int, *, impl: str, config, out_dtype: str,
+                   b_rows: bool) -> dict:
+    """One kernel variant: lowering, compile and first-run times taken separately, a
+    second run, and its output against float64 on a sample. Prints a marker with the
+    kernel's name first, so that ptxas's report in the log can be attributed."""
+    import functools
+
+    import jax
+
+    from pallas_kernels import blockwise_fp8_matmul
+    from pallas_kernels.blockwise_fp8_matmul import kernel_name
+
+    name = kernel_name(config, out_dtype, b_rows)
+    print(f"{KERNEL_MARK}{name} ===", flush=True)
+    ops = block_magnitude_operands(m, n, k, b_rows=b_rows, seed=5)
+    args = (ops["xq"], ops["xs"], ops["wq"], ops["ws"])
+    jax.block_until_ready(args)
+    fn = jax.jit(functools.partial(blockwise_fp8_matmul, out_dtype=out_dtype, impl=impl,
+                                   config=config))
+    t0 = time.perf_counter()
+    lowered = fn.trace(*args).lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    out = jax.block_until_ready(compiled(*args))
+    t3 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    t4 = time.perf_counter()
+    print(f"{KERNEL_MARK}end ===", flush=True)
+    e = float64_errors(out, ops)
+    bound = BF16_RTOL if out_dtype == "bfloat16" else f32_rtol(impl)
+    return {"kernel": name, "config": str(config), "out_dtype": out_dtype,
+            "form": "wgrad (B scaled per row)" if b_rows else "forward (B per 128x128)",
+            "shape": [m, n, k], "lower_s": t1 - t0, "compile_s": t2 - t1,
+            "first_run_s": t3 - t2, "second_run_s": t4 - t3,
+            "rel_fro_vs_float64": e["rel_fro_vs_float64"],
+            "ok": bool(e["rel_fro_vs_float64"] < bound)}
+
+
+def environment() -> dict:
+    """The device, its SM count, whether it is a Hopper GPU, and the versions that matter."""
+    import jax
+    import jaxlib
+
+    import pallas_kernels
+
+    dev = jax.devices()[0]
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    return {"ok": True, "python": sys.version.split()[0], "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
+            "device": getattr(dev, "device_kind", str(dev)),
+            "compute_capability": getattr(dev, "compute_capability", None),
+            "num_sms": pallas_kernels.num_sms("kernel"), "hopper": pallas_kernels.is_hopper(),
+            "torch": torch_version, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+# ptxas's report.
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_FUNC_PROPS = re.compile(r"Function properties for (\S+)")
+
+
+def parse_ptxas(log_text: str, kernels: list[str]) -> dict[str, dict]:
+    """ptxas's verbose report (``MOSAIC_GPU_DUMP_PTXAS=1``: Mosaic GPU prints it to stdout
+    as it compiles, per jaxlib 0.11.2's dump options) per kernel, from a worker log.
+
+    A line belongs to the kernel named by the last ``Compiling entry function 'F'`` or
+    ``Function properties for F`` line if one of ``kernels`` is a part of F (Mosaic GPU
+    may decorate the name), else to the kernel whose ``KERNEL_MARK`` marker was printed
+    last (each compile item prints one before it compiles). All of a kernel's lines are
+    kept. Returns, per kernel: registers, spill store / load bytes, stack frame bytes (the
+    largest reported), wgmma-serialization warnings, the lines.
+    """
+    by_kernel: dict[str, list[str]] = {}
+    marked = entry = None
+    for line in log_text.splitlines():
+        if line.startswith(KERNEL_MARK):
+            name = line.removeprefix(KERNEL_MARK).removesuffix(" ===").strip()
+            marked, entry = (None if name == "end" else name), None
+            continue
+        found = _ENTRY.search(line) or _FUNC_PROPS.search(line)
+        if found:
+            fn = found.group(1)
+            entry = next((k for k in sorted(kernels, key=len, reverse=True) if k in fn),
+                         None)
+        owner = entry or marked
+        if owner is None or not re.search(r"ptxas|registers|spill|stack frame|wgmma|"
+                                          r"cmem|smem", line, re.IGNORECASE):
+            continue
+        by_kernel.setdefault(owner, []).append(line.strip())
+    out = {}
+    for name, lines in by_kernel.items():
+        def biggest(pattern, lines=lines):
+            vals = [int(v) for line in lines for v in re.findall(pattern, line)]
+            return max(vals) if vals else None
+
+        out[name] = {
+            "registers": biggest(r"Used (\d+) registers"),
+            "spill_store_bytes": biggest(r"(\d+) bytes spill stores"),
+            "spill_load_bytes": biggest(r"(\d+) bytes spill loads"),
+            "stack_frame_bytes": biggest(r"(\d+) bytes stack frame"),
+            "wgmma_serialization_warnings": [
+                line for line in lines if "wgmma" in line.lower() and "serializ" in line.lower()],
+            "lines": lines}
+    return out

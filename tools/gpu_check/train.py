@@ -1,0 +1,47 @@
+"""The ``train`` phase's training step: steps/s of the policied train step of a small
+transformer LM, through ``fmtkit bench fp8-step`` run as a command (the tool never imports
+``studies``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tools.gpu_check.files import REPO
+
+__all__ = ["TRAIN_ARGS", "TRAIN_ARGS_REHEARSAL", "train_step"]
+
+# Small transformer of the training-step phase: d_model 1024, 4 blocks, 8192 tokens a step
+# (GEMMs of 8192 x 1024 x 4096: big enough that FP8's GEMM speed shows, small enough to
+# compile four variants in about a minute).
+TRAIN_ARGS = ("--d-model", "1024", "--layers", "4", "--heads", "8", "--seq", "1024",
+              "--lm-batch", "8", "--repeats", "20")
+TRAIN_ARGS_REHEARSAL = ("--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "16",
+                        "--lm-batch", "2", "--repeats", "1")
+_TRAIN_VARIANTS = {"bf16-mixed": "bf16", "fp8-current": "current",
+                   "fp8-blockwise": "blockwise", "f32": "f32"}
+
+
+def train_step(work: Path, rehearsal: bool) -> dict:
+    """Steps/s of the policied train step (``fmtkit bench fp8-step``, transformer only),
+    run as a command in this worker's process group."""
+    out = work / "train"
+    cmd = [sys.executable, "-m", "studies.cli", "bench", "fp8-step", "--models",
+           "transformer", "--recipes", "current,blockwise", "--out", str(out),
+           *(TRAIN_ARGS_REHEARSAL if rehearsal else TRAIN_ARGS)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    print(proc.stdout[-6000:], proc.stderr[-6000:], flush=True)
+    if proc.returncode:
+        return {"ok": False, "error": f"exit status {proc.returncode}: {proc.stderr[-2000:]}",
+                "command": " ".join(cmd)}
+    res = json.loads((out / "results.json").read_text())["transformer"]
+    secs = res["seconds"]
+    return {"ok": True, "command": " ".join(cmd),
+            "steps_per_s": {k: (1.0 / secs[v] if v in secs else None)
+                            for k, v in _TRAIN_VARIANTS.items()},
+            "step_ms": {k: (secs[v] * 1e3 if v in secs else None)
+                        for k, v in _TRAIN_VARIANTS.items()},
+            "compile_s": {k: res["compile_seconds"].get(v) for k, v in _TRAIN_VARIANTS.items()},
+            "loss": {k: res["loss"].get(v) for k, v in _TRAIN_VARIANTS.items()}}
