@@ -54,7 +54,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "hadamard_matrix", "mxfp4_quantize", "nvfp4_quantize", "quantization_stats",
         "random_hadamard_transform", "rht_matrix", "GEMM_SCOPE"),
     "fmtkit.policy": (
-        "Fp8State", "MatmulOp", "ModuleReport", "Policy", "PolicyReport", "Rules", "as_rules",
+        "DelayedScalingVariable", "Fp8State", "MatmulOp", "ModuleReport", "Policy", "PolicyReport", "Rules", "as_rules",
         "describe_presets", "find_stack", "get_preset", "inspect_policy", "keep_blocks",
         "list_presets", "mark_head", "module_paths", "with_policy"),
     "fmtkit.optim": (
@@ -78,7 +78,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
     "fmtkit.memory": ("MemoryLedger", "ledger"),
     "pallas_kernels": (
         "TuningConfig", "blockwise_fp8_dgrad", "blockwise_fp8_matmul",
-        "blockwise_fp8_matmul_reference", "blockwise_fp8_wgrad", "config", "is_hopper",
+        "blockwise_fp8_matmul_reference", "blockwise_fp8_wgrad", "config", "is_hopper", "num_sms",
         "quantize_128x128", "quantize_128x128_reference", "quantize_1x128",
         "quantize_1x128_reference"),
 }
@@ -86,6 +86,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
 DEPRECATED: dict[tuple[str, str], str] = {
     ("fmtkit.fp8", "FP8Recipe"): "fmtkit.fp8.Fp8Recipe",
     ("fmtkit.fp8", "Fp8DotState"): "fmtkit.DelayedScalingState",
+    ("fmtkit.policy", "Fp8State"): "fmtkit.policy.DelayedScalingVariable",
 }
 
 
