@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import optax
 from flax.linen import fp8_ops
 
+import pallas_kernels  # noqa: F401  registers the Pallas GEMM backend for "auto" from a checkout too
 from fmtkit import DelayedScalingState, fp4, fp8
 from studies import models
 from studies.bench._timing import time_interleaved, write_results
@@ -239,11 +240,13 @@ def _transformer_variants(args, kinds):
 
 
 def _run(name: str, variants: dict, repeats: int) -> dict[str, Any]:
-    compile_s, losses, steps = {}, {}, {}
+    compile_s, losses, steps, kernel_calls = {}, {}, {}, {}
     for k, (step, state, batch) in variants.items():
         t0 = time.perf_counter()
         compiled = step.lower(state, batch).compile()
         compile_s[k] = time.perf_counter() - t0
+        # Pallas kernels lowered for a GPU are Mosaic GPU custom calls in the compiled step.
+        kernel_calls[k] = compiled.as_text().count('custom_call_target="mosaic_gpu')
         # (dense steps donate their state: the probe call gets a copy)
         losses[k] = float(compiled(jax.tree.map(jnp.copy, state), batch)[1])
         steps[k] = [step, state, batch]
@@ -263,8 +266,10 @@ def _run(name: str, variants: dict, repeats: int) -> dict[str, Any]:
         cells = "".join(f"   {row[k]:5.2f}x {c.removeprefix('ratio_to_')}"
                         for c, row in cols.items())
         print(f"  {name:<11} {k:<10} step {times[k] * 1e3:8.2f} ms{cells}   "
-              f"compile {compile_s[k]:5.1f} s   loss {losses[k]:.5f}")
-    return {"seconds": times, **cols, "compile_seconds": compile_s, "loss": losses}
+              f"compile {compile_s[k]:5.1f} s   loss {losses[k]:.5f}   "
+              f"Pallas kernel calls {kernel_calls[k]}")
+    return {"seconds": times, **cols, "compile_seconds": compile_s, "loss": losses,
+            "pallas_kernel_calls": kernel_calls}
 
 
 def main(argv: list[str] | None = None) -> int:
