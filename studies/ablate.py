@@ -80,8 +80,8 @@ from studies.train import DEFAULT_SETUPS, SETUPS, TrainConfig, batch_at, load_da
 from studies.training import distributed, mesh, multiseed
 from studies.training.setups import FP4_SETUPS
 
-__all__ = ["CONTRASTS", "FP4_BUDGET", "Config", "gap_curves", "main", "plot", "run", "run_order",
-           "summarize"]
+__all__ = ["CONTRASTS", "FP4_BUDGET", "OUTLIER_GROUP", "Config", "gap_curves", "main",
+           "outlier_config", "plot", "run", "run_order", "summarize"]
 
 CONTRASTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("late-training", ("bf16-master", "pure-bf16", "pure-bf16-sr", "pure-bf16-kahan")),
@@ -229,6 +229,8 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
     if regime == "late-training":
         gcfg, params, info = multiseed.late_training(gcfg, progress, data=data)
     elif regime in ("outlier-features", "fp4-training"):
+        if regime == "outlier-features":
+            gcfg = outlier_config(gcfg)
         params = multiseed.seed_params(gcfg)  # the regime changes the model's config
 
     fp4 = regime == "fp4-training"
@@ -281,6 +283,28 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         r["heldout_bits_per_byte"] = (None if any(h is None for h in held) else
                                       [corpus.bits_per_byte(h) for h in held])
     return rows, info
+
+
+OUTLIER_GROUP = dict(d_model=256, magnitude=1e5)
+"""The outlier-features group's width and outlier magnitude. At the tiny model's d_model
+128 a 1x128 tile is the whole row, so fine-grained scaling cannot separate the outlier
+channel from the others and blockwise equals rowwise; at 256 the outlier channel holds one
+of two tiles per row (``studies.outlier_dose``). 1e5 is the top of the literature's range
+(``studies.regimes.OutlierFeatures``) and the magnitude at which per-tensor scaling hurts
+the GEMM input most there (SQNR of the normal tile 9 dB against FP8's own 32 dB)."""
+
+
+def outlier_config(cfg: TrainConfig) -> TrainConfig:
+    """The outlier group's training config: ``cfg``'s model widened to
+    ``OUTLIER_GROUP["d_model"]`` when narrower (d_ff at least twice that), with the outlier
+    channel at ``OUTLIER_GROUP["magnitude"]`` (``OutlierFeatures(magnitude=...)``: the
+    regime's channel, so the readers it holds at zero are the same)."""
+    base = dataclasses.replace(cfg, regime="none").model_config()
+    d = max(base.d_model, OUTLIER_GROUP["d_model"])
+    if d != base.d_model:
+        base = dataclasses.replace(base, d_model=d, d_ff=max(base.d_ff, 2 * d))
+    model = regimes.OutlierFeatures(magnitude=OUTLIER_GROUP["magnitude"]).apply(base)
+    return dataclasses.replace(cfg, model=model, regime="outlier-features")
 
 
 def run_order(names: tuple[str, ...]) -> tuple[str, ...]:

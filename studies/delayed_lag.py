@@ -125,7 +125,8 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
 
     with ThreadPoolExecutor(config.parallel) as pool:
         units = dict(zip(named, pool.map(train, named)))
-    end = config.ramp_start + config.ramp_steps
+    # The steps whose magnitude exceeds the previous step's: start + 1 .. start + steps.
+    grow = slice(config.ramp_start + 1, config.ramp_start + config.ramp_steps + 1)
     events = {}
     for name, u in units.items():
         per = []
@@ -133,8 +134,8 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
             sat = np.asarray(r["history"]["saturated"])
             per.append({"overflow_steps": int(np.sum(sat > 0)),
                         "saturated_total": int(np.sum(sat)),
-                        "during_ramp": int(np.sum(sat[config.ramp_start:end] > 0)),
-                        "after_ramp": int(np.sum(sat[end:] > 0))})
+                        "during_ramp": int(np.sum(sat[grow] > 0)),
+                        "after_ramp": int(np.sum(sat[grow.stop:] > 0))})
         events[name] = per
     cur = ft.final_losses(units[REFERENCE])
     bf = ft.final_losses(units["bf16-mixed"])

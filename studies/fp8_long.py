@@ -78,6 +78,7 @@ def relative_gap_curve(ref: list[list[float]], cand: list[list[float]],
     b = np.asarray(cand, np.float64)
     n = min(a.shape[1], b.shape[1])
     a, b = a[:, :n], b[:, :n]
+    smooth = min(smooth, n)  # a run shorter than the window: one average over all of it
     if smooth > 1:
         k = np.ones(smooth) / smooth
         a = np.stack([np.convolve(r, k, mode="valid") for r in a])
@@ -107,7 +108,8 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     with ThreadPoolExecutor(config.parallel) as pool:
         rows = dict(zip(SETUPS, pool.map(train, SETUPS)))
     curves = multiseed.seed_curves(list(rows.values()))
-    gap = relative_gap_curve(curves[SETUPS[0]], curves[SETUPS[1]], SMOOTH)
+    smooth = min(SMOOTH, cfg.steps)
+    gap = relative_gap_curve(curves[SETUPS[0]], curves[SETUPS[1]], smooth)
     mean = gap.mean(axis=0)
     return {
         "rows": rows, "seeds": list(cfg.seed_list), "steps": cfg.steps,
@@ -116,7 +118,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
                                    rows[SETUPS[1]]["final_loss"], paired=True).to_dict(),
         "gap_curve_mean": mean.tolist(), "gap_curve_std": gap.std(axis=0, ddof=1).tolist()
         if gap.shape[0] > 1 else [0.0] * len(mean),
-        "smooth": SMOOTH, "bar": BAR,
+        "smooth": smooth, "bar": BAR,
         "share_within_bar": float(np.mean(np.abs(mean) <= BAR)),
         "heldout_bits_per_byte": {n: [None if p["heldout_loss"] is None else
                                       corpus.bits_per_byte(p["heldout_loss"])
