@@ -21,6 +21,10 @@ outlier-features       bf16-mixed, fp8-current, fp8-delayed,   per-tensor worse 
                        fp8-rowwise, fp8-blockwise, fp8-mxfp8   blockwise, MX
 =====================  ======================================  ==============================
 
+The outlier group runs at d_model 256 (``OUTLIER_GROUP``: at the tiny model's 128 a 1x128
+tile is a whole row and blockwise cannot differ from rowwise) with its outlier channel at
+1e5x; ``fmtkit study outlier-dose`` traces the gaps over magnitudes 1e2..1e5.
+
 ``--policies`` (and/or ``--regime``) instead runs one group: those setups (default all but
 the FP4 ones) in that regime (default none), reference fp32 when it is among them, else the
 first. ``--regime fp4-training`` runs ``studies.fp4_training.GROUP`` by default: bf16-mixed,
@@ -271,6 +275,8 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         info = _gemm_input_sqnr(gcfg, seeds_lib.unstack(results[0][0].state)[0].params, data,
                                 names)
         info["per_tensor_vs_fine"] = _per_tensor_vs_fine(rows)
+        info["magnitude"] = float(max(gcfg.model_config().outlier_scale))
+        info["d_model"] = gcfg.model_config().d_model
     elif fp4:
         info = {n: tele for n, (_, _, tele) in zip(names, results) if tele is not None}
     ref = rows[0]["final_loss"]
@@ -292,6 +298,11 @@ channel from the others and blockwise equals rowwise; at 256 the outlier channel
 of two tiles per row (``studies.outlier_dose``). 1e5 is the top of the literature's range
 (``studies.regimes.OutlierFeatures``) and the magnitude at which per-tensor scaling hurts
 the GEMM input most there (SQNR of the normal tile 9 dB against FP8's own 32 dB)."""
+
+
+OUTLIER_NOTE = ("At this scale the loss barely feels it: `fmtkit study outlier-dose` "
+                "(100 steps, seeds 0-2) found per-tensor's gap to bf16-mixed TBD.")
+"""What the outlier-dose study found (printed under the group's table)."""
 
 
 def outlier_config(cfg: TrainConfig) -> TrainConfig:
@@ -467,6 +478,9 @@ def summarize(results: dict[str, Any]) -> str:
                 f"  GEMM input (block 0 attention, {g['reference']} seed 0 after training): "
                 f"channel amax ratio {gi['channel_amax_ratio']:.3g}; SQNR of its normal "
                 "channels: " + ", ".join(f"{k} {v:.1f} dB" for k, v in gi["sqnr_db"].items()))
+            out.append(f"  outlier channel {gi.get('magnitude', 0):g}x at d_model "
+                       f"{gi.get('d_model')} (1x128 tiles per row: "
+                       f"{gi.get('d_model', 0) // 128}). {OUTLIER_NOTE}")
             if gi.get("per_tensor_vs_fine"):
                 out.append("  per-tensor vs finer tiles (paired; > 0: per-tensor worse): " +
                            ", ".join(f"{c['per_tensor']} - {c['fine']} "
