@@ -26,7 +26,8 @@ value of the state. The reported loss is always the unweighted one.
 
 Every step records, per run: ``loss``, ``grad_norm`` (global, before clipping),
 ``nonfinite`` (inf/NaN gradient elements; ``studies.training.monitor``), and for the first
-block's attention input x (the GEMM input the outlier reaches first): ``amax`` (max |x|),
+block's attention input x (the GEMM input the outlier reaches first, in bf16 as the
+projections read it): ``amax`` (max |x|),
 ``amax_used`` (the per-tensor amax its FP8 quantization divides by: the current amax, or,
 under a delayed recipe, the largest of the amax history before this step), ``saturated``
 (elements with |x| > amax_used: clipped to E4M3's 448) and ``sqnr_normal`` (dB, of the
@@ -247,7 +248,9 @@ def make_step(setup: Setup, cfg: TrainConfig, *, outliers: bool, ramp: Ramp = Ra
             updates, opt_state = opt.update(grads, st.opt_state, st.params)
             new_params = optax.apply_updates(st.params, updates)
         fp8_state = st.fp8_state
-        x = x0.astype(F32).reshape(-1, d)
+        # As the projections read it: the norm's output in the compute dtype (bf16), whose
+        # amax is the one the delayed history records.
+        x = x0.astype(jnp.bfloat16).astype(F32).reshape(-1, d)
         amax = jnp.max(jnp.abs(x))
         used = amax
         if delayed:
