@@ -21,6 +21,10 @@ outlier-features       bf16-mixed, fp8-current, fp8-delayed,   per-tensor worse 
                        fp8-rowwise, fp8-blockwise, fp8-mxfp8   blockwise, MX
 =====================  ======================================  ==============================
 
+The outlier group runs at d_model 256 (``OUTLIER_GROUP``: at the tiny model's 128 a 1x128
+tile is a whole row and blockwise cannot differ from rowwise) with its outlier channel at
+1e5x; ``fmtkit study outlier-dose`` traces the gaps over magnitudes 1e2..1e5.
+
 ``--policies`` (and/or ``--regime``) instead runs one group: those setups (default all but
 the FP4 ones) in that regime (default none), reference fp32 when it is among them, else the
 first. ``--regime fp4-training`` runs ``studies.fp4_training.GROUP`` by default: bf16-mixed,
@@ -87,8 +91,8 @@ from studies.training import (
 )
 from studies.training.setups import FP4_SETUPS
 
-__all__ = ["CONTRASTS", "FP4_BUDGET", "Config", "gap_curves", "main", "plot", "run", "run_order",
-           "summarize"]
+__all__ = ["CONTRASTS", "FP4_BUDGET", "OUTLIER_GROUP", "Config", "gap_curves", "main",
+           "outlier_config", "plot", "run", "run_order", "summarize"]
 
 CONTRASTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("late-training", ("bf16-master", "pure-bf16", "pure-bf16-sr", "pure-bf16-kahan")),
@@ -236,6 +240,8 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
     if regime == "late-training":
         gcfg, params, info = multiseed.late_training(gcfg, progress, data=data)
     elif regime in ("outlier-features", "fp4-training"):
+        if regime == "outlier-features":
+            gcfg = outlier_config(gcfg)
         params = multiseed.seed_params(gcfg)  # the regime changes the model's config
 
     fp4 = regime == "fp4-training"
@@ -276,6 +282,8 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         info = _gemm_input_sqnr(gcfg, multiseed.unstack(results[0][0].state)[0].params, data,
                                 names)
         info["per_tensor_vs_fine"] = _per_tensor_vs_fine(rows)
+        info["magnitude"] = float(max(gcfg.model_config().outlier_scale))
+        info["d_model"] = gcfg.model_config().d_model
     elif fp4:
         info = {n: tele for n, (_, _, tele) in zip(names, results) if tele is not None}
     ref = rows[0]["final_loss"]
@@ -288,6 +296,37 @@ def _group_rows(regime: str, names: tuple[str, ...], cfg: TrainConfig, data: np.
         r["heldout_bits_per_byte"] = (None if any(h is None for h in held) else
                                       [corpus.bits_per_byte(h) for h in held])
     return rows, info
+
+
+OUTLIER_GROUP = dict(d_model=256, magnitude=1e5)
+"""The outlier-features group's width and outlier magnitude. At the tiny model's d_model
+128 a 1x128 tile is the whole row, so fine-grained scaling cannot separate the outlier
+channel from the others and blockwise equals rowwise; at 256 the outlier channel holds one
+of two tiles per row (``studies.outlier_dose``). 1e5 is the top of the literature's range
+(``studies.regimes.OutlierFeatures``) and the magnitude at which per-tensor scaling hurts
+the GEMM input most there (SQNR of the normal tile 9 dB against FP8's own 32 dB)."""
+
+
+OUTLIER_NOTE = (
+    "`fmtkit study outlier-dose` (100 steps, seeds 0-2) traces it over magnitudes: "
+    "per-tensor minus 1x128 blockwise is within +-0.06% from 1e2 to 3e4 and first "
+    "significant (> 3 SE) at 1e5 (fp8-delayed +0.16% +- 0.06%); this group's 150 steps at "
+    "1e5 resolved it for both per-tensor setups when measured (about +0.3%).")
+"""What the outlier-dose study found (printed under the group's table): the smallest
+magnitude at which it found the per-tensor vs fine-grained contrast significant."""
+
+
+def outlier_config(cfg: TrainConfig) -> TrainConfig:
+    """The outlier group's training config: ``cfg``'s model widened to
+    ``OUTLIER_GROUP["d_model"]`` when narrower (d_ff at least twice that), with the outlier
+    channel at ``OUTLIER_GROUP["magnitude"]`` (``OutlierFeatures(magnitude=...)``: the
+    regime's channel, so the readers it holds at zero are the same)."""
+    base = dataclasses.replace(cfg, regime="none").model_config()
+    d = max(base.d_model, OUTLIER_GROUP["d_model"])
+    if d != base.d_model:
+        base = dataclasses.replace(base, d_model=d, d_ff=max(base.d_ff, 2 * d))
+    model = regimes.OutlierFeatures(magnitude=OUTLIER_GROUP["magnitude"]).apply(base)
+    return dataclasses.replace(cfg, model=model, regime="outlier-features")
 
 
 def run_order(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -450,6 +489,9 @@ def summarize(results: dict[str, Any]) -> str:
                 f"  GEMM input (block 0 attention, {g['reference']} seed 0 after training): "
                 f"channel amax ratio {gi['channel_amax_ratio']:.3g}; SQNR of its normal "
                 "channels: " + ", ".join(f"{k} {v:.1f} dB" for k, v in gi["sqnr_db"].items()))
+            out.append(f"  outlier channel {gi.get('magnitude', 0):g}x at d_model "
+                       f"{gi.get('d_model')} (1x128 tiles per row: "
+                       f"{gi.get('d_model', 0) // 128}). {OUTLIER_NOTE}")
             if gi.get("per_tensor_vs_fine"):
                 out.append("  per-tensor vs finer tiles (paired; > 0: per-tensor worse): " +
                            ", ".join(f"{c['per_tensor']} - {c['fine']} "

@@ -150,7 +150,9 @@ class TrainConfig:
             from studies.regimes import FP4Training
 
             mcfg = FP4Training().apply(mcfg)
-        if self.regime == "outlier-features":
+        if self.regime == "outlier-features" and mcfg.outlier_scale is None:
+            # (an explicit model with its own outlier_scale keeps it: ``fmtkit ablate``'s
+            # outlier group sets its magnitude and width that way)
             from studies.regimes import OutlierFeatures
 
             mcfg = OutlierFeatures().apply(mcfg)
