@@ -59,9 +59,9 @@ from fmtkit.fp8 import Fp8Recipe, get_recipe
 from fmtkit.fp8 import update_state as fp8_update_state
 from fmtkit.policy import Policy, Rules, get_preset
 from studies import regimes
-from studies import seeds as seeds_lib
 from studies._common import Progress, no_progress, to_jsonable
 from studies.models import TransformerConfig, TransformerLM, lm_loss
+from studies.training import multiseed
 from studies.training.config import TrainConfig
 from studies.training.data import batch_at, load_data
 from studies.training.monitor import grad_norm, monitor_summary, nonfinite_count
@@ -342,7 +342,7 @@ def train_unit(setup: Setup, cfg: TrainConfig, runs: tuple[Run, ...], *,
                            grad_outliers=grad_outliers)
     model = fmtkit.with_policy(TransformerLM(cfg.model_config()), setup.rules())
     params = {s: init_params(cfg.with_seed(s)) for s in dict.fromkeys(r.seed for r in runs)}
-    state = seeds_lib.stack([_init_state(setup, cfg, r, params[r.seed], mask, model)
+    state = multiseed.stack([_init_state(setup, cfg, r, params[r.seed], mask, model)
                              for r in runs])
     vstep = jax.jit(jax.vmap(step))
 

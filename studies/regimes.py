@@ -188,7 +188,7 @@ class LateTraining(_Regime):
     keep them moving (the seeds' 1.0 + 1e-3 example, inside training). The loss cost at
     this scale depends on how long the late phase runs; the study reports it either way.
 
-    Measured (the "tiny" model of ``studies.train.TrainConfig()``, its first Adam step):
+    Measured (the "tiny" model of ``studies.training.TrainConfig()``, its first Adam step):
     lr = 2.7e-5 gives the 3e-4 ratio; there 92% of the bf16 parameter elements stall,
     against 0.08% at the model's own lr of 3e-3 (ratio 3.3e-2). Adam's direction shrinks
     as training proceeds (|m_hat / sqrt(v_hat)| < 1), so calibrate ``lr`` at the step where
@@ -292,7 +292,7 @@ class TokensPerUpdate(_Regime):
     so fp16 without loss scaling loses them and trains worse; dynamic loss scaling shifts
     them back into range and matches bf16; bf16 (smallest subnormal 2^-133) is unaffected.
 
-    Measured (the "tiny" model of ``studies.train.TrainConfig()``, batch 8 x 64, step 0):
+    Measured (the "tiny" model of ``studies.training.TrainConfig()``, batch 8 x 64, step 0):
     the multiplier is 504 / 2^22 = 1.2e-4; 11.8% of the nonzero parameter-gradient elements
     fall under 2^-24 (6.0% flush to zero in a cast to fp16) against 0.07% without the
     regime, and all of them are under fp16's smallest normal 2^-14 (median |g| 3.2e-7).
