@@ -2,7 +2,9 @@
 # project with the pinned versions in constraints.txt on first use.
 #   make ablate   the main job
 #   make test      the fast suite (every test not marked slow) on 2 worker processes
-#   make test-all  the whole suite, slow tests included (what CI runs, with make lint)
+#   make test-all  the whole suite, slow tests included (what CI runs, with lint and docs)
+#   make docs      the docs site into site/ (warnings are errors: a broken link fails)
+#   make lint      ruff
 
 SHELL := /bin/bash
 VENV := .venv
@@ -11,13 +13,13 @@ STAMP := $(VENV)/.installed
 PYTHON := $(shell for c in "python3.12" "env PYENV_VERSION=3.12.1 python3.12" "python3.13" "python3"; do \
 	$$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$$c"; break; }; done)
 
-.PHONY: ablate formats test test-all lint install clean
+.PHONY: ablate formats test test-all lint docs install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -n "$(PYTHON)" || { echo "error: need Python >= 3.12 (python3.12 on PATH or pyenv 3.12.1)"; exit 1; }
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[test,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -38,7 +40,12 @@ test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fmtkit pallas_kernels studies tests
+	$(VENV)/bin/ruff check fmtkit pallas_kernels studies tests examples
+
+# mkdocs.yml sets strict: true, so a warning (a broken link or anchor, a docstring that
+# mkdocstrings cannot parse, a name the API reference cannot find) fails the build.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache
