@@ -16,6 +16,6 @@ _HEADING = re.compile(r"^(\s*)Example:\s*$", re.MULTILINE)
 class ExampleSections(griffe.Extension):
     """Reads an ``Example:`` section heading as ``Examples:``."""
 
-    def on_object(self, *, obj: griffe.Object, **kwargs) -> None:  # noqa: ARG002
+    def on_object(self, *, obj: griffe.Object, **kwargs) -> None:
         if obj.docstring is not None and "Example:" in obj.docstring.value:
             obj.docstring.value = _HEADING.sub(r"\1Examples:", obj.docstring.value)
