@@ -45,7 +45,7 @@ lint: $(STAMP)
 # mkdocs.yml sets strict: true, so a warning (a broken link or anchor, a docstring that
 # mkdocstrings cannot parse, a name the API reference cannot find) fails the build.
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 clean:
 	rm -rf $(VENV) runs site .pytest_cache
