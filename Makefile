@@ -43,9 +43,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check fmtkit pallas_kernels studies tests examples
 
 # mkdocs.yml sets strict: true, so a warning (a broken link or anchor, a docstring that
-# mkdocstrings cannot parse, a name the API reference cannot find) fails the build.
+# mkdocstrings cannot parse, a name the API reference cannot find) fails the build. No --quiet:
+# it drops the warnings before strict mode counts them, and a broken anchor then passes.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) runs site .pytest_cache
