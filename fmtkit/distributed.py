@@ -55,9 +55,19 @@ def reduce_gradients(grads: Any, axis_name: str | tuple[str, ...], *,
     Returns:
       The reduced gradients, in each leaf's original dtype.
 
-    Example (8 devices on a mesh axis "data"):
-      >>> # g = jax.grad(loss)(params, local_batch)
-      >>> # g = reduce_gradients(g, "data", dtype=policy.reduce_dtype)
+    Example:
+      Inside ``shard_map`` over the mesh axis "data" (one device here, the same code on 8),
+      after ``g = jax.grad(loss)(params, local_batch)``:
+
+      >>> import functools
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(jax.devices()[:1], ("data",))
+      >>> @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P(),
+      ...                    check_vma=False)
+      ... def mean_grad(g):
+      ...     return reduce_gradients({"w": g}, "data", comm_dtype="bf16")
+      >>> mean_grad(jnp.full((4,), 0.5, jnp.float32))["w"]
+      Array([0.5, 0.5, 0.5, 0.5], dtype=float32)
     """
     acc = _dtype(dtype, "dtype")
     comm = None if comm_dtype is None else _dtype(comm_dtype, "comm_dtype")

@@ -531,7 +531,9 @@ def blockwise_fp8_dgrad(
       dy: floating ``[..., M, N]``; N must be divisible by 128 (it is the contraction dim).
       w: float8_e4m3fn ``[N, K]``, the forward's quantized weight.
       w_scale: float32 ``[N/128, K/128]``.
-      out_dtype, impl, config: as ``blockwise_fp8_matmul``.
+      out_dtype: as ``blockwise_fp8_matmul``.
+      impl: as ``blockwise_fp8_matmul``.
+      config: as ``blockwise_fp8_matmul``.
 
     Returns:
       ``dx``, ``[..., M, K]`` of ``out_dtype``.
@@ -571,7 +573,8 @@ def blockwise_fp8_wgrad(
       dy: floating ``[M, N]`` (flatten leading dims first).
       x: floating ``[M, K]``, the forward's high-precision input.
       out_dtype: float32 (default; weight gradients accumulate in f32) or bfloat16.
-      impl, config: as ``blockwise_fp8_matmul``.
+      impl: as ``blockwise_fp8_matmul``.
+      config: as ``blockwise_fp8_matmul``.
 
     Returns:
       ``dW``, ``[N, K]`` of ``out_dtype``.

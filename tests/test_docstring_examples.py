@@ -1,8 +1,14 @@
-"""The ``Example:`` sections of the FP8, FP4, scaling and optax modules run and print what they
-say (doctest), under the test suite's strict dtype promotion."""
+"""The ``Example:`` sections of every module that has them run and print what they say
+(doctest), under the test suite's strict dtype promotion.
+
+The modules are found, not listed: every module of ``fmtkit`` and ``pallas_kernels`` whose
+source holds a ``>>>`` line (the studies' own are run by tests/studies). A module moved or
+split keeps its examples tested.
+"""
 
 import doctest
 import importlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +18,30 @@ import pytest
 
 from fmtkit import optim
 
-# A package's examples sit in the module that defines each function (doctest reads a
-# module's own functions): fmtkit.fp8's in its private modules.
-MODULES = ["fmtkit.fp8._dot", "fmtkit.fp8._fp4_quant", "fmtkit.fp4", "fmtkit.scaling",
-           "fmtkit.optim._adam", "fmtkit.optim._loss_scale", "fmtkit.optim._common",
-           "fmtkit.optim._accumulate", "fmtkit.optim._master"]
-# optax.apply_updates (used by _master's examples) is not strict-promotion clean.
-STANDARD_PROMOTION = {"fmtkit.optim._master"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def modules_with_examples(*packages: str) -> list[str]:
+    """Dotted names of the modules under ``packages`` whose source has a ``>>>`` line."""
+    names = []
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if ">>>" in path.read_text():
+                parts = path.relative_to(ROOT).with_suffix("").parts
+                names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+MODULES = modules_with_examples("fmtkit", "pallas_kernels")
+# optax.apply_updates (used by _master's examples) and Flax's layers (the policy examples
+# build linen and NNX models) are not strict-promotion clean.
+STANDARD_PROMOTION = {"fmtkit.optim._master"} | {m for m in MODULES
+                                                 if m.startswith("fmtkit.policy")}
+
+
+def test_the_examples_are_found():
+    assert {"fmtkit.scaling", "fmtkit.formats", "fmtkit.optim._adam"} <= set(MODULES)
+    assert len(MODULES) >= 15
 
 
 @pytest.mark.parametrize("name", MODULES)

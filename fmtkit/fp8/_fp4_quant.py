@@ -165,7 +165,8 @@ def mxfp4_quantize(x: jax.typing.ArrayLike, block: int = 32, *,
       x: floating array whose last dim ``block`` divides.
       block: elements per scale (32 in the spec).
       scale_rounding: the E8M0 scale rule.
-      rounding, key: the element rounding ("nearest" or "stochastic" with ``key``).
+      rounding: the element rounding, "nearest" or "stochastic" (which needs ``key``).
+      key: the PRNG key of stochastic rounding.
 
     Returns:
       An ``Fp4Array`` (``tensor_scale`` 1).

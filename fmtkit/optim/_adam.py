@@ -206,19 +206,23 @@ def scale_by_adam(
     """Adam's scaling (optax ``scale_by_adam`` arithmetic in f32) with chosen moment storage.
 
     Args:
-      b1, b2: moment decay rates, in [0, 1) (Kingma & Ba 2015 defaults 0.9, 0.999).
-      eps, eps_root: as in ``optax.scale_by_adam``. Numeric hyperparameters may be scalar
+      b1: the first moment's decay rate, in [0, 1) (Kingma & Ba 2015 default 0.9).
+      b2: the second moment's decay rate, in [0, 1) (Kingma & Ba 2015 default 0.999).
+      eps: as in ``optax.scale_by_adam``. Numeric hyperparameters may be scalar
         arrays (``optax.inject_hyperparams``); traced ones are not validated.
-      mu_dtype, nu_dtype: storage formats of the first and second moments (any
+      eps_root: as in ``optax.scale_by_adam``.
+      mu_dtype: storage format of the first moment (any
         ``fmtkit.get_format`` name or dtype: "f32", "bf16", "fp16", "e4m3", "e5m2", ...);
         ``None`` stores each moment in its parameter's dtype (optax's default).
-      mu_scaling, nu_scaling: ``TensorScaling()``, ``AxisScaling(...)`` or
+      nu_dtype: storage format of the second moment, as ``mu_dtype``.
+      mu_scaling: ``TensorScaling()``, ``AxisScaling(...)`` or
         ``BlockScaling(...)`` to store ``values`` + f32 scales (``fmtkit.quantize``), or
         "none" for plain storage. ``None`` (default): ``TensorScaling()`` for ``mu``
         formats of 8 bits or fewer and for ``nu`` formats with less exponent range than
         f32 (fp16, FP8: squared gradients underflow them, see the module docstring),
         plain storage otherwise; with ``*_dtype=None`` the rule applies to each
         parameter's dtype (fp16 parameters get a scaled ``nu``).
+      nu_scaling: the second moment's scaling, as ``mu_scaling``.
       rounding: ``"nearest"`` or ``"stochastic"`` rounding of the stored moments.
       seed: seed of the stochastic rounding (with the step count: reproducible).
 

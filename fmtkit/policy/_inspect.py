@@ -434,10 +434,12 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
         params = {"/".join(_key_str(k) for k in path): x
                   for (path, x), dd in zip(with_path, diff) if dd}
         rest = [x for x, d, dd in zip(in_leaves, dynamic, diff) if d and not dd]
+        # JAX rebuilds a dict with its keys sorted: read the leaves back in flattening order.
+        order = list(params)
 
         def f(params, rest, arrs):
             del arrs
-            it_p, it_r = iter(params.values()), iter(rest)
+            it_p, it_r = iter([params[k] for k in order]), iter(rest)
             full = [(next(it_p) if dd else next(it_r)) if d else x
                     for x, d, dd in zip(in_leaves, dynamic, diff)]
             out = wrapped(*jax.tree.unflatten(in_tree, full), **kwargs)

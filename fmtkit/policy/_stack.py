@@ -65,7 +65,8 @@ def keep_blocks(rules: Any, paths: Iterable[str] | Mapping[str, Any], *, first: 
     Args:
       rules: what ``with_policy`` accepts (a preset name such as "nvfp4", ``Rules``, ...).
       paths: the model's module paths (``fmtkit.module_paths(model, *inputs)``).
-      first, last: how many blocks to keep at the start and at the end of the stack.
+      first: how many blocks to keep at the start of the stack.
+      last: how many blocks to keep at the end of the stack.
       policy: the kept blocks' policy; default: the rules' default without its FP8/FP4
         recipe (for the FP8/FP4 presets, bf16-mixed's "p=f32,c=bf16,o=bf16").
 

@@ -59,7 +59,7 @@ def _train(dtype_name, opt_name):
     def loss_fn(p):  # forward in the model dtype, loss in f32 (as AMP does)
         return LOSS_FACTOR * jnp.mean((model.apply(p, x).astype(jnp.float32) - y) ** 2)
 
-    def train_step(carry, _):  # the README's train step
+    def train_step(carry, _):  # the optax guide's train step (docs/guides/optim.md)
         p, s = carry
         (_, loss), grads = jax.value_and_grad(
             lambda q: (optim.scale_loss(loss_fn(q), s, default=1.0), loss_fn(q)),

@@ -42,8 +42,8 @@ def _matmul_args(m, n, k, b_rows=False):
 
 
 def _report(name, dtype, shape, config, b_rows=False):
-    """The shared memory a lowering uses (shown with ``pytest -s``; the table is in the
-    README)."""
+    """The shared memory a lowering uses (shown with ``pytest -s``; the table is in
+    docs/guides/kernels.md)."""
     stages, persistent = pipeline_stages(config, shape[2] // BLOCK_K)
     print(f"{name} {np.dtype(dtype).name} {'x'.join(map(str, shape))}"
           f"{' b-rows' if b_rows else ''}: {stages} stages "

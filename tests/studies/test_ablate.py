@@ -75,7 +75,8 @@ REDUCED = (
 )
 # The outlier-features group is left out: at this reduced size (micro model, 12 steps, 3
 # seeds) fp8-current's gap to bf16-mixed was not significant by the rule (2026-12-01), so
-# there is no flag to assert; the default run reports it with its numbers (README).
+# there is no flag to assert; the default run reports it with its numbers
+# (docs/results/main-job.md).
 
 
 @pytest.mark.slow  # 7 vmapped runs of the micro model (one compile each)

@@ -1,0 +1,40 @@
+"""``make docs``'s build command fails on a broken link anchor (a negative control for the
+strict build CI runs: a flag such as ``--quiet`` drops warnings before strict mode counts
+them, and the site would then build with broken links)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = shutil.ignore_patterns(".git", ".venv", "runs", "site", "build", "dist", "*.egg-info",
+                              "__pycache__", ".pytest_cache", ".hypothesis", "tests", "studies")
+
+
+def _docs_command() -> list[str]:
+    """The Makefile's docs recipe, with the venv's mkdocs replaced by this Python's."""
+    recipe = re.search(r"^docs: .*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    words = [w for w in shlex.split(recipe) if "=" not in w or w.startswith("-")]
+    assert words[0].endswith("/bin/mkdocs"), recipe
+    return [sys.executable, "-m", "mkdocs", *words[1:]]
+
+
+@pytest.mark.slow  # two site builds: about 20 s
+def test_the_docs_build_fails_on_a_broken_anchor(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=SKIP)
+    ok = subprocess.run(_docs_command(), cwd=src, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    page = src / "docs" / "guides" / "fp8.md"
+    page.write_text(page.read_text() + "\nSee [nothing](scaling.md#no-such-section).\n")
+    broken = subprocess.run(_docs_command(), cwd=src, capture_output=True, text=True,
+                            timeout=300)
+    assert broken.returncode != 0
+    assert "no-such-section" in broken.stderr
