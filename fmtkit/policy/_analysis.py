@@ -98,6 +98,7 @@ class Analysis:
         # round-trip cast (a widening back to the dtype before the author's narrowing) ->
         # idpath of that narrowing cast
         self.round_trips: dict[tuple, tuple] = {}
+        self._fwd_rule = 0  # depth of custom_vjp forward rules being walked
         ins = [_Facts(param=bool(p), const=not floating_dtype(v.aval.dtype),
                       data=floating_dtype(v.aval.dtype) and not p)
                for v, p in zip(jaxpr.invars, param_inputs)]
@@ -167,9 +168,12 @@ class Analysis:
         n_out = len(eqn.outvars)
         data = any(a.data for a in args)
         narrowed = next((a.narrowed for a in args if a.narrowed is not None), None)
-        if name_stack_scopes(eqn.source_info.name_stack)[1]:
+        _, marks_head, nested = name_stack_scopes(eqn.source_info.name_stack)
+        if marks_head:
             self.marked = True
             self._marked.update(*(a.head for a in args))
+        if nested:  # an inner policied function's op: its own policy decided it
+            return [_Facts(dep=dep, const=const, data=data)] * n_out
         if name in _ops.INLINE_CALLS:
             return self._walk(eqn.params["jaxpr"].jaxpr, args, chain, idp, dims)
         if name == "custom_jvp_call":
@@ -290,10 +294,17 @@ class Analysis:
         return self._walk(open_jaxpr(eqn.params["jaxpr"])[0], args, chain, idp, dims)
 
     def _custom_vjp_facts(self, eqn, args, chain, idp, dims):
+        if self._fwd_rule:  # inside a forward rule: its primal (see Interpreter._custom_vjp)
+            body, _ = open_jaxpr(eqn.params["call_jaxpr"])
+            return self._walk(body, args, chain, idp, dims)
         parts = self._modules.vjp_parts(eqn)
         if parts is None:
             return None
-        outs = self._walk(parts.fwd, args[parts.num_consts:], chain, idp, dims)
+        self._fwd_rule += 1
+        try:
+            outs = self._walk(parts.fwd, args[parts.num_consts:], chain, idp, dims)
+        finally:
+            self._fwd_rule -= 1
         return outs[parts.num_res:]
 
 

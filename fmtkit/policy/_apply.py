@@ -11,7 +11,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from fmtkit.policy import _eager, _trace, _trace_cache
+from fmtkit.policy import _eager, _scopes, _trace, _trace_cache
 from fmtkit.policy._policy import Policy, Rules, as_rules
 
 __all__ = ["module_paths", "with_policy"]
@@ -278,6 +278,13 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
             out, _ = _trace.run(*traced_call(a, k),
                                 fp8_state=dict(state) if state is not None else None)
             return out
+
+        if _scopes.is_tracing():
+            # Called inside another policied model's trace: this policy decides the ops it
+            # binds (their scope tells the outer policy to keep them as traced), and only the
+            # outer call is recorded for inspect_policy.
+            with jax.named_scope(_scopes.NESTED_SCOPE), _scopes.not_recording():
+                return call((args, kwargs, fp8_state))
 
         # Eager calls: compiled once per input signature (fmtkit.policy._eager).
         cached, out = eager_calls(call, (args, kwargs, fp8_state))

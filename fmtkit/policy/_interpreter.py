@@ -7,12 +7,15 @@ rounded through ``grad_dtype`` (``_cotangent``). The interpretation is ordinary 
 ``jit``, ``grad`` and ``vmap`` around it work and the backward pass is JAX's own transpose
 of the policied forward pass. Every primitive that holds a body is interpreted and rebuilt:
 ``jit`` (kept as a ``jit`` with its shardings), ``scan``, ``remat``, ``custom_jvp`` (the
-tangent is the original rule's), ``cond``/``switch`` (outputs in the widest dtype the
-branches give), ``while`` (the carry in its traced dtypes), ``shard_map`` (same mesh and
-specs), ``custom_vjp`` (the user's forward rule interpreted; the user's backward rule on
-residuals and cotangents in their traced dtypes). Any other body (``pallas_call``, a
-primitive this module does not know) runs as traced, inputs cast back, with one warning per
-module and primitive. Equations are bound through ``_binding``'s shared jits.
+tangent is the original rule's; a rule around a matmul is traced and interpreted too),
+``cond``/``switch`` (outputs in the widest dtype the branches give), ``while`` (the carry in
+its traced dtypes), ``shard_map`` (same mesh and specs), ``custom_vjp`` (the user's forward
+rule interpreted, a ``custom_vjp`` it calls running its primal body; the user's backward
+rule traced on residuals and cotangents in their traced dtypes and interpreted). Any other
+body (``pallas_call``, a primitive this module does not know) runs as traced, inputs cast
+back, with one warning per module and primitive. The ops of a policied function called
+inside the trace (``_scopes.NESTED_SCOPE``) are bound as traced: the inner policy wins.
+Equations are bound through ``_binding``'s shared jits.
 """
 
 from __future__ import annotations
@@ -43,7 +46,15 @@ from fmtkit.policy._binding import F32, bind, cast, floating_dtype, is_float_val
 from fmtkit.policy._cotangent import round_on_exit
 from fmtkit.policy._plan import Plan
 from fmtkit.policy._policy import Policy
-from fmtkit.policy._scopes import OP_SCOPE, ModuleInfo, OpRecord, Recorder, Registry, scope_chain
+from fmtkit.policy._scopes import (
+    OP_SCOPE,
+    ModuleInfo,
+    OpRecord,
+    Recorder,
+    Registry,
+    name_stack_scopes,
+    scope_chain,
+)
 
 
 def _mixed_matmul(eqn, lhs, rhs, out_dtype):
@@ -70,6 +81,11 @@ def _mixed_matmul(eqn, lhs, rhs, out_dtype):
     return matmul(lhs, rhs)
 
 
+def _float0(x):
+    """The tangent of a non-differentiable (integer, boolean) value."""
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
 class Interpreter:
     """Evaluates a traced jaxpr under a plan's rules (see the module docstring)."""
 
@@ -84,6 +100,8 @@ class Interpreter:
         self._warned: set[str] = set()
         self._vjp: dict[int, tuple[Any, VjpParts | None]] = {}
         self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
+        self._fwd_rule = 0  # depth of custom_vjp forward rules being evaluated
+        self._rules_traced: dict[tuple, Any] = {}  # (kind, id(eqn)) -> (eqn, traced rule)
         self.analysis: Analysis | None = None
 
     # -- rules ----------------------------------------------------------------------------
@@ -185,6 +203,9 @@ class Interpreter:
         scope = (self._record(eqn, chain, idp) if self.record is not None
                  else contextlib.nullcontext())
         with scope:
+            if name_stack_scopes(eqn.source_info.name_stack)[2]:
+                # An inner policied function's op (NESTED_SCOPE): its policy decided it.
+                return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if name in _ops.INLINE_CALLS:
                 return self._jit(eqn, invals, chain, idp, fp8_local)
             if name == "custom_jvp_call":
@@ -335,11 +356,18 @@ class Interpreter:
             warnings.warn(msg, UserWarning, stacklevel=2)
 
     def _custom_jvp(self, eqn, invals, chain, idp, fp8_local):
+        """A ``jax.custom_jvp``: the primal body interpreted. Its JVP rule: where the body
+        holds a matmul, the rule too (traced once by ``jax.jvp`` on the traced types, then
+        interpreted: its matmuls on the compute dtype; a rule that cannot be traced on its
+        own runs as written, with a warning); otherwise (``jax.nn.relu``, ``softplus``)
+        the original rule on the primals cast back to their traced dtypes."""
         traced = [v.aval.dtype for v in eqn.invars]
+        with_matmul = holds_matmul(eqn.params["call_jaxpr"].jaxpr)
         if (all(not is_float_value(x) or x.dtype == d for x, d in zip(invals, traced))
-                and not holds_matmul(eqn.params["call_jaxpr"].jaxpr)):
+                and not with_matmul):
             return bind(eqn, invals)  # dtypes as traced: the original, custom rule and all
         body = eqn.params["call_jaxpr"]
+        rule = self._jvp_rule(eqn, chain) if with_matmul else None
 
         def original(*xs):
             return bind(eqn, list(xs))
@@ -352,12 +380,49 @@ class Interpreter:
         @policied.defjvp
         def policied_jvp(primals, tangents):
             out = policied(*primals)
-            p0 = [cast(p, d) for p, d in zip(primals, traced)]
-            t0 = [cast(t, d) for t, d in zip(tangents, traced)]
-            _, t_out = jax.jvp(original, p0, t0)
+            if rule is not None:
+                closed, floats = rule
+                args = [*primals, *(t for t, f in zip(tangents, floats) if f)]
+                t_iter = iter(self._walk(closed.jaxpr, closed.consts, args,
+                                         [chain] * len(args), chain, (*idp, "jvp"), fp8_local))
+                t_out = [next(t_iter) if is_float_value(o) else _float0(o) for o in out]
+            else:
+                p0 = [cast(p, d) for p, d in zip(primals, traced)]
+                t0 = [cast(t, d) for t, d in zip(tangents, traced)]
+                _, t_out = jax.jvp(original, p0, t0)
             return out, [cast(t, o.dtype) for t, o in zip(t_out, out)]
 
         return policied(*invals)
+
+    def _jvp_rule(self, eqn, chain):
+        """(jaxpr of (primals, floating tangents) -> floating output tangents, which inputs
+        are floating) of a ``custom_jvp_call``'s own rule, or None (with a warning) where it
+        cannot be traced."""
+        key = ("jvp", id(eqn))
+        if key not in self._rules_traced:
+            floats = [floating_dtype(v.aval.dtype) for v in eqn.invars]
+            out_floats = [floating_dtype(v.aval.dtype) for v in eqn.outvars]
+
+            def tangent(*xs):
+                primals, it = xs[:len(floats)], iter(xs[len(floats):])
+                tans = [next(it) if f else np.zeros(np.shape(p), jax.dtypes.float0)
+                        for p, f in zip(primals, floats)]
+                _, t_out = jax.jvp(lambda *a: bind(eqn, list(a)), list(primals), tans)
+                return [t for t, f in zip(t_out, out_floats) if f]
+
+            avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+            try:
+                closed = jax.make_jaxpr(tangent)(*avals, *(a for a, f in zip(avals, floats) if f))
+                self._rules_traced[key] = (eqn, (closed, floats))
+            except Exception:  # a rule that only runs on concrete values, or JAX's internals
+                self._rules_traced[key] = (eqn, None)
+        rule = self._rules_traced[key][1]
+        if rule is None:
+            path = self.path(chain[-1] if chain else None)
+            self._warn(f"jvp:{path}", f"The JVP rule of a jax.custom_jvp around a matmul in "
+                       f"module {path or '<root>'!r} could not be traced on its own: it runs "
+                       "as written (its matmuls in their traced dtypes).")
+        return rule
 
     # -- bodies of control flow ------------------------------------------------------------
     def vjp_parts(self, eqn) -> VjpParts | None:
@@ -468,8 +533,18 @@ class Interpreter:
 
     def _custom_vjp(self, eqn, invals, chain, idp, fp8_local):
         """A user's ``jax.custom_vjp``: the forward rule interpreted under the policy (it also
-        gives the primal outputs); the user's backward rule runs on the residuals and
-        cotangents in their traced dtypes, its results cast to the inputs' dtypes."""
+        gives the primal outputs); the user's backward rule traced on the residuals and
+        cotangents in their traced dtypes and interpreted under the policy too (its matmuls on
+        the compute dtype; ``None`` gradients as JAX's zeros), its results cast to the inputs'
+        dtypes.
+
+        A forward rule written as JAX's documentation writes it calls the function itself
+        (``f_fwd(x) = f(x), res``): inside a forward rule a ``custom_vjp`` runs its primal
+        body (the rule is not differentiated there), which ends the recursion."""
+        if self._fwd_rule:
+            body, consts = open_jaxpr(eqn.params["call_jaxpr"])
+            return self._walk(body, consts, list(invals), [chain] * len(invals), chain, idp,
+                              fp8_local)
         traced_in = [v.aval.dtype for v in eqn.invars]
         if (all(not is_float_value(x) or x.dtype == d for x, d in zip(invals, traced_in))
                 and not holds_matmul(open_jaxpr(eqn.params["call_jaxpr"])[0])):
@@ -478,13 +553,18 @@ class Interpreter:
         if parts is None:
             return None
         traced_out = [v.aval.dtype for v in eqn.outvars]
-        res_dtypes = [v.aval.dtype for v in parts.fwd.outvars[:parts.num_res]]
+        res_avals = [v.aval for v in parts.fwd.outvars[:parts.num_res]]
+        res_dtypes = [a.dtype for a in res_avals]
         consts = invals[:parts.num_consts]
         n = len(invals) - parts.num_consts
 
         def forward(xs):
-            outs = self._walk(parts.fwd, parts.fwd_consts, list(xs), [chain] * n, chain, idp,
-                              fp8_local)
+            self._fwd_rule += 1
+            try:
+                outs = self._walk(parts.fwd, parts.fwd_consts, list(xs), [chain] * n, chain,
+                                  idp, fp8_local)
+            finally:
+                self._fwd_rule -= 1
             computed = iter(cast(r, d) for r, d in zip(outs[:parts.num_res], res_dtypes))
             full = [*consts, *xs]
             res = [next(computed) if f is None else cast(full[f], traced_in[f])
@@ -503,7 +583,7 @@ class Interpreter:
 
         def bwd(res, cts):
             cts = [cast(g, d) for g, d in zip(cts, traced_out)]
-            grads, _logs = parts.bwd.call_wrapped(*res, *cts)
+            grads = self._vjp_backward(eqn, parts, res, cts, chain, idp, fp8_local)
             out = []
             for g, d in zip(grads, in_dtypes):
                 if d is None or not floating_dtype(d):
@@ -516,6 +596,39 @@ class Interpreter:
 
         policied.defvjp(fwd, bwd)
         return list(policied(*invals[parts.num_consts:]))
+
+    def _vjp_backward(self, eqn, parts, res, cts, chain, idp, fp8_local) -> list[Any]:
+        """The user's backward rule on (residuals, cotangents), interpreted: traced once on
+        their traced types, its matmuls then on the compute dtype. A rule that cannot be
+        traced on its own runs as written, with a warning."""
+        key = ("bwd", id(eqn))
+        if key not in self._rules_traced:
+            zeros: dict[int, Any] = {}  # gradient index -> JAX's symbolic zero (or None)
+
+            def flat(*a):
+                grads, _logs = parts.bwd.call_wrapped(*a)
+                zeros.update((j, g) for j, g in enumerate(grads) if not hasattr(g, "dtype"))
+                return [g for g in grads if hasattr(g, "dtype")]
+
+            avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*res, *cts)]
+            try:
+                closed = jax.make_jaxpr(flat)(*avals)
+                traced = (closed, zeros, len(zeros) + len(closed.jaxpr.outvars))
+            except Exception:  # a rule that only runs on concrete values, or JAX's internals
+                traced = None
+            self._rules_traced[key] = (eqn, traced)
+        traced = self._rules_traced[key][1]
+        if traced is None:
+            path = self.path(chain[-1] if chain else None)
+            self._warn(f"vjp:{path}", f"The backward rule of a jax.custom_vjp in module "
+                       f"{path or '<root>'!r} could not be traced on its own: it runs as "
+                       "written (its matmuls in their traced dtypes).")
+            return list(parts.bwd.call_wrapped(*res, *cts)[0])
+        closed, zeros, n_grads = traced
+        args = [*res, *cts]
+        computed = iter(self._walk(closed.jaxpr, closed.consts, args, [chain] * len(args),
+                                   chain, (*idp, "bwd"), fp8_local))
+        return [zeros[j] if j in zeros else next(computed) for j in range(n_grads)]
 
     def _checkpoint(self, eqn, invals, chain, idp, fp8_local):
         body = eqn.params["jaxpr"]

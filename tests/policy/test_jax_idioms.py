@@ -1,0 +1,180 @@
+"""The programs JAX users write, under the policy: no crash, no silent change.
+
+Each construct is a short program as a user would write it. Matmul dtypes are read from the
+jaxpr of the gradient with ``jaxpr_utils`` (a walker that knows nothing of the policy);
+``fp32`` is compared bit for bit with the unwrapped program; each handling has a negative
+control, a mutation of it (the new rule patched away) under which the same check fails.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxpr_utils import iter_eqns, operand_dtypes
+
+from fmtkit.policy import _interpreter, _scopes, with_policy
+
+BF16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
+MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+RNG = np.random.default_rng(0)
+X = jnp.asarray(RNG.standard_normal((4, 8)), jnp.float32)
+PARAMS = {"w": jnp.asarray(RNG.standard_normal((8, 8)) / 3, jnp.float32),
+          "o": jnp.asarray(RNG.standard_normal((8, 3)), jnp.float32)}
+
+
+def _matmuls(closed, skip_head: bool = True):
+    """(primitive, lhs dtype, rhs dtype) of every matmul-like equation, sub-jaxprs
+    included; ``skip_head``: without the [8, 3] head's matmuls (its 3 outputs appear in no
+    other matmul)."""
+    return [(e.primitive.name, *operand_dtypes(e)) for e in iter_eqns(closed)
+            if e.primitive.name in MATMULS
+            and not (skip_head and any(3 in v.aval.shape for v in e.invars[:2]))]
+
+
+def _grad_jaxpr(fn, *args):
+    return jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a))))(*args)
+
+
+def _assert_fp32_identity(model, *args):
+    """The "fp32" policied program computes bit for bit what the unwrapped one computes,
+    values and gradients, jitted and eager."""
+    policied = with_policy(model, "fp32")
+
+    def vg(f):
+        return jax.value_and_grad(lambda *a: jnp.sum(f(*a)))
+
+    for run in (jax.jit, lambda f: f):
+        got, want = run(vg(policied))(*args), run(vg(model))(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp written the documented way, custom_jvp around a matmul, nested policies.
+
+@jax.custom_vjp
+def sin_mul(x, y):
+    return jnp.sin(x) * y
+
+
+def _sin_mul_fwd(x, y):  # JAX's documentation: the forward rule calls the function itself
+    return sin_mul(x, y), (jnp.cos(x), jnp.sin(x), y)
+
+
+def _sin_mul_bwd(res, g):
+    cos_x, sin_x, y = res
+    return cos_x * g * y, sin_x * g
+
+
+sin_mul.defvjp(_sin_mul_fwd, _sin_mul_bwd)
+
+
+@jax.custom_vjp
+def dense(x, w):
+    return x @ w
+
+
+def _dense_fwd(x, w):
+    return dense(x, w), (x, w)
+
+
+def _dense_bwd(res, g):
+    x, w = res
+    return g @ w.T, x.T @ g
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def vjp_model(params, x):
+    h = dense(x, params["w"])
+    return sin_mul(h, jnp.ones_like(h)) @ params["o"]
+
+
+@jax.custom_jvp
+def jvp_dense(x, w):
+    return x @ w
+
+
+@jvp_dense.defjvp
+def _jvp_dense_rule(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    return x @ w, dx @ w + x @ dw
+
+
+def jvp_model(params, x):
+    return jnp.tanh(jvp_dense(x, params["w"])) @ params["o"]
+
+
+def test_custom_vjp_written_the_documented_way_runs_under_every_policy():
+    _assert_fp32_identity(vjp_model, PARAMS, X)
+    closed = _grad_jaxpr(with_policy(vjp_model, "bf16-mixed"), PARAMS, X)
+    # The forward matmul (the forward rule's), the user's dgrad and wgrad: all bf16.
+    assert _matmuls(closed) == [("dot_general", BF16, BF16)] * 3
+
+
+def test_custom_vjp_backward_rule_runs_on_the_compute_dtype_negative_control(monkeypatch):
+    """Mutation: the user's backward rule run as written (the previous handling)."""
+    def as_written(self, eqn, parts, res, cts, chain, idp, fp8_local):
+        return list(parts.bwd.call_wrapped(*res, *cts)[0])
+
+    monkeypatch.setattr(_interpreter.Interpreter, "_vjp_backward", as_written)
+    closed = _grad_jaxpr(with_policy(vjp_model, "bf16-mixed"), PARAMS, X)
+    assert _matmuls(closed) != [("dot_general", BF16, BF16)] * 3
+
+
+def test_custom_jvp_rule_matmuls_follow_the_policy():
+    _assert_fp32_identity(jvp_model, PARAMS, X)
+    closed = _grad_jaxpr(with_policy(jvp_model, "bf16-mixed"), PARAMS, X)
+    found = _matmuls(closed)
+    assert len(found) >= 3 and set(found) == {("dot_general", BF16, BF16)}, found
+
+
+def test_custom_jvp_rule_negative_control(monkeypatch):
+    """Mutation: no traced rule, so the rule runs as written (f32 matmuls), with a warning
+    naming the construct and the module."""
+    class Untraceable(dict):
+        def __contains__(self, key):
+            return True
+
+        def __getitem__(self, key):
+            return None, None
+
+    orig = _interpreter.Interpreter.__init__
+
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        self._rules_traced = Untraceable()
+
+    monkeypatch.setattr(_interpreter.Interpreter, "__init__", init)
+    with pytest.warns(UserWarning, match="custom_jvp around a matmul in module '<root>'"):
+        closed = _grad_jaxpr(with_policy(jvp_model, "bf16-mixed"), PARAMS, X)
+    assert ("dot_general", F32, F32) in _matmuls(closed)
+
+
+def _inner(params, x):
+    return x @ params["w"]
+
+
+def nested_model(params, x):
+    inner = with_policy(_inner, "fp32")
+    return jnp.tanh(inner(params, x)) @ params["w"] @ params["o"]
+
+
+def test_nested_policied_function_keeps_its_own_policy():
+    """An inner ``with_policy(fn, "fp32")`` inside an outer bf16 policy: the inner matmul
+    runs f32, forward and backward; the outer one bf16."""
+    closed = _grad_jaxpr(with_policy(nested_model, "bf16-mixed"), PARAMS, X)
+    found = _matmuls(closed)
+    # inner: forward and wgrad (x is data: no dgrad)
+    assert found.count(("dot_general", F32, F32)) == 2, found
+    assert found.count(("dot_general", BF16, BF16)) == 3, found  # outer: fwd, dgrad, wgrad
+    _assert_fp32_identity(nested_model, PARAMS, X)
+
+
+def test_nested_policied_function_negative_control(monkeypatch):
+    """Mutation: the inner call not told it runs inside an outer trace: the outer policy
+    then overrides it (every matmul bf16)."""
+    monkeypatch.setattr(_scopes, "is_tracing", lambda: False)
+    closed = _grad_jaxpr(with_policy(nested_model, "bf16-mixed"), PARAMS, X)
+    assert ("dot_general", F32, F32) not in _matmuls(closed)
