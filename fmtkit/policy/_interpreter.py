@@ -220,7 +220,8 @@ class Interpreter:
                                                                   fp8_local)
                 if outs is not None:
                     return outs
-            if name in _ops.DTYPE_EXACT:  # bit patterns: on the traced dtypes
+            if name in _ops.DTYPE_EXACT or name in _ops.WIDE_OPS:
+                # bit patterns, FFT, linear algebra, callbacks: on the traced dtypes
                 return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if list(jex.jaxprs_in_params(eqn.params)):
                 return self._opaque(eqn, invals, chain)

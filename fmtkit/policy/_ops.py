@@ -24,6 +24,8 @@ follow         everything else (add, mul, div, tanh, select_n,       inputs of o
                                                                      "promote" class); a
                                                                      weakly typed constant takes
                                                                      its partner's dtype
+wide           fft, eigh, svd, qr, lu, cholesky, triangular_solve,   inputs in their traced
+               custom_linear_solve, callbacks (``WIDE_OPS``)         dtypes (f32), outputs too
 =============  ====================================================  ==========================
 
 Why these: autocast's float32 list holds the ops whose error grows with the input's
@@ -68,6 +70,17 @@ VIEW_OPS = frozenset({
 # the dtypes they were traced with.
 DTYPE_EXACT = frozenset({"bitcast_convert_type", "nextafter"})
 
+# Operations with no low-precision kernel (XLA's FFT and LAPACK-style factorizations and solves
+# take f32/f64 and complex only) and host callbacks (whose Python code checks the dtypes it was
+# traced with): they run on their inputs in their traced dtypes, so their outputs have the
+# traced dtypes too. ``custom_linear_solve`` (``jnp.linalg.solve``, ``inv``) is a solve: its
+# body runs as traced, without a warning.
+WIDE_OPS = frozenset({
+    "fft", "eigh", "eig", "svd", "qr", "geqrf", "geqp3", "householder_product", "lu",
+    "lu_pivots_to_permutation", "cholesky", "triangular_solve", "schur", "hessenberg",
+    "tridiagonal", "tridiagonal_solve", "custom_linear_solve", "pure_callback", "io_callback",
+})
+
 # Call primitives whose bodies the interpreter enters (``_interpreter`` handles the other
 # bodies: scan, remat, cond, while, shard_map, custom_jvp/vjp; any primitive with a body it
 # does not know runs as written, inputs cast back, with a warning).
@@ -77,9 +90,11 @@ REMAT = frozenset({"checkpoint", "remat2", "remat"})
 
 
 def op_class(name: str) -> str:
-    """``"matmul"``, ``"f32"`` or ``"follow"`` for a primitive name."""
+    """``"matmul"``, ``"f32"``, ``"wide"`` or ``"follow"`` for a primitive name."""
     if name in MATMUL:
         return "matmul"
+    if name in WIDE_OPS:
+        return "wide"
     if name in F32_OPS:
         return "f32"
     return "follow"

@@ -178,3 +178,76 @@ def test_nested_policied_function_negative_control(monkeypatch):
     monkeypatch.setattr(_scopes, "is_tracing", lambda: False)
     closed = _grad_jaxpr(with_policy(nested_model, "bf16-mixed"), PARAMS, X)
     assert ("dot_general", F32, F32) not in _matmuls(closed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wide-only operations: FFT, linear algebra, host callbacks get their traced dtypes.
+
+def fft_model(params, x):
+    h = x @ params["w"]
+    return jnp.abs(jnp.fft.rfft(h, axis=0)) @ params["o"]
+
+
+def eigh_model(params, x):
+    h = x @ params["w"]
+    evals, evecs = jnp.linalg.eigh(h.T @ h)
+    return (evecs * evals[None, :]) @ params["o"]
+
+
+def linalg_model(params, x):
+    h = x @ params["w"]
+    g = h.T @ h + 8 * jnp.eye(8, dtype=h.dtype)
+    c = jnp.linalg.cholesky(g)
+    q, r = jnp.linalg.qr(g)
+    u, s, vt = jnp.linalg.svd(g)
+    t = jax.scipy.linalg.solve_triangular(c, q, lower=True)
+    lu = jax.scipy.linalg.lu_factor(g)[0]
+    return (t + r + u * s[None, :] + vt + lu + jnp.linalg.solve(g, c)) @ params["o"]
+
+
+def _host_tanh(a):
+    assert a.dtype == np.float32, a.dtype  # the dtype it was traced with
+    return np.tanh(a)
+
+
+def callback_model(params, x):
+    h = x @ params["w"]
+    t = jax.pure_callback(_host_tanh, jax.ShapeDtypeStruct(h.shape, h.dtype),
+                          jax.lax.stop_gradient(h))
+    return (h + t) @ params["o"]
+
+
+WIDE = {"fft": (fft_model, "fft"), "eigh": (eigh_model, "eigh"),
+        "linalg": (linalg_model, "cholesky"), "callback": (callback_model, "pure_callback")}
+
+
+def _wide_inputs(closed, name):
+    return {v.aval.dtype for e in iter_eqns(closed) if e.primitive.name == name
+            for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
+
+
+@pytest.mark.parametrize("case", sorted(WIDE))
+def test_wide_ops_get_their_traced_dtype(case):
+    model, prim = WIDE[case]
+    _assert_fp32_identity(model, PARAMS, X)
+    policied = with_policy(model, "bf16-mixed")
+    forward = jax.make_jaxpr(policied)(PARAMS, X)
+    assert _wide_inputs(forward, prim) == {F32}
+    # The model's own matmuls on bf16 (the derivatives of eigh, svd, ... that JAX writes, and
+    # the body of jnp.linalg.solve's custom_linear_solve, run in the traced dtype).
+    found = _matmuls(forward)
+    projections = 1 if case in ("fft", "callback") else 2
+    assert found.count(("dot_general", BF16, BF16)) == projections, found
+    if case != "linalg":
+        assert set(found) == {("dot_general", BF16, BF16)}
+    if case != "callback":
+        assert _wide_inputs(_grad_jaxpr(policied, PARAMS, X), prim) == {F32}
+    out = policied(PARAMS, X)
+    assert out.dtype == F32 and bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_wide_ops_negative_control(monkeypatch):
+    """Mutation: the wide class emptied: rfft receives bf16, which JAX refuses."""
+    monkeypatch.setattr(_interpreter._ops, "WIDE_OPS", frozenset())
+    with pytest.raises(ValueError, match="bfloat16"):
+        jax.make_jaxpr(with_policy(fft_model, "bf16-mixed"))(PARAMS, X)
