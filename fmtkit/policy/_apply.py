@@ -208,7 +208,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                        cache_traces: bool = True) -> Any:
     from fmtkit.policy import _linen
     from fmtkit.policy._plan import Plan
-    from fmtkit.policy._policy import has_delayed_fp8
+    from fmtkit.policy._policy import has_delayed_fp8, is_identity
 
     if getattr(fn, "_fmtkit_rules", None) is not None:
         raise ValueError("This function already has a policy (with_policy was applied to it); "
@@ -220,6 +220,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
     eager_calls = _eager.EagerCache()
     traces = _trace_cache.TraceCache() if cache_traces else None
     delayed = has_delayed_fp8(rules)
+    identity = is_identity(rules)
     has_fp8 = any(p is not None and p.fp8 is not None
                   for p in (rules.default, *(p for _, p in rules.rules)))
 
@@ -286,7 +287,10 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
             with jax.named_scope(_scopes.NESTED_SCOPE), _scopes.not_recording():
                 return call((args, kwargs, fp8_state))
 
-        # Eager calls: compiled once per input signature (fmtkit.policy._eager).
+        # Eager calls: compiled once per input signature (fmtkit.policy._eager); under rules
+        # that change nothing ("fp32"), op by op, as the unwrapped function runs.
+        if identity:
+            return call((args, kwargs, fp8_state))
         cached, out = eager_calls(call, (args, kwargs, fp8_state))
         return out if cached else call((args, kwargs, fp8_state))
 

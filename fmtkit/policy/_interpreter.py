@@ -45,7 +45,7 @@ from fmtkit.policy._analysis import (
 from fmtkit.policy._binding import F32, bind, cast, floating_dtype, is_float_value, wider
 from fmtkit.policy._cotangent import round_on_exit
 from fmtkit.policy._plan import Plan
-from fmtkit.policy._policy import Policy
+from fmtkit.policy._policy import Policy, is_identity
 from fmtkit.policy._scopes import (
     OP_SCOPE,
     ModuleInfo,
@@ -81,6 +81,47 @@ def _mixed_matmul(eqn, lhs, rhs, out_dtype):
     return matmul(lhs, rhs)
 
 
+# The logits einsum of ``jax.nn.dot_product_attention(implementation="xla")`` (its name stack
+# holds the einsum's spec): JAX computes it with f32 results for bf16/f16 inputs, with the
+# dot algorithm below.
+_DPA_LOGITS = "BTNH,BSNH->BNTS"
+_DPA_ALGORITHMS = {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
+                   np.dtype(np.float16): lax.DotAlgorithmPreset.F16_F16_F32}
+
+
+def _asked_output(eqn, traced: list[np.dtype], target: np.dtype
+                  ) -> tuple[np.dtype | None, Any]:
+    """(the result dtype the author asked for, wider than the traced operands, or None; the
+    dot algorithm to bind with it, or None)."""
+    if eqn.primitive.name != "dot_general":
+        return None, None
+    pet = eqn.params.get("preferred_element_type")
+    if (pet is not None and floating_dtype(pet) and all(floating_dtype(d) for d in traced)
+            and np.dtype(pet).itemsize > max(d.itemsize for d in traced)):
+        return np.dtype(pet), None
+    if _DPA_LOGITS in str(eqn.source_info.name_stack) and target.itemsize < 4:
+        algorithm = eqn.params.get("precision")
+        if algorithm is None:
+            algorithm = _DPA_ALGORITHMS.get(target)
+        return F32, algorithm
+    return None, None
+
+
+def _asked_precision(eqn, cdt: np.dtype) -> str | None:
+    """The precision the author asked for (``precision=HIGHEST``/``HIGH``, a dot algorithm
+    whose operand types exclude the compute dtype), as words for a warning; None if none."""
+    precision = eqn.params.get("precision")
+    if precision is None:
+        return None
+    if isinstance(precision, tuple):
+        asked = [p for p in precision if p in (lax.Precision.HIGHEST, lax.Precision.HIGH)]
+        return f"precision={asked[0].name}" if asked else None
+    types = getattr(precision, "supported_lhs_types", None)
+    if types is None or any(np.dtype(t) == cdt for t in types):
+        return None
+    return f"the dot algorithm {getattr(precision, 'name', precision)}"
+
+
 def _float0(x):
     """The tangent of a non-differentiable (integer, boolean) value."""
     return np.zeros(np.shape(x), jax.dtypes.float0)
@@ -103,6 +144,8 @@ class Interpreter:
         self._fwd_rule = 0  # depth of custom_vjp forward rules being evaluated
         self._rules_traced: dict[tuple, Any] = {}  # (kind, id(eqn)) -> (eqn, traced rule)
         self.analysis: Analysis | None = None
+        # Rules that change nothing ("fp32"): every op as traced, no exit casts.
+        self.identity = is_identity(plan.rules)
 
     # -- rules ----------------------------------------------------------------------------
     def path(self, module: int | None) -> str:
@@ -189,7 +232,8 @@ class Interpreter:
             policy, explicit = self.resolve(m)
             path = self.registry.modules[m].path
             root_by_rule = path == "" and not explicit and self.rules.output_dtype is not None
-            if policy is not None and not root_by_rule:  # else: Rules.output_dtype decides
+            if policy is not None and not root_by_rule and not self.identity:
+                # (else: Rules.output_dtype decides, or nothing changes)
                 odt = np.dtype(policy.output_dtype)
                 if not (head_value and odt.itemsize < x.dtype.itemsize):
                     x = cast(x, odt)
@@ -220,8 +264,9 @@ class Interpreter:
                                                                   fp8_local)
                 if outs is not None:
                     return outs
-            if name in _ops.DTYPE_EXACT or name in _ops.WIDE_OPS:
-                # bit patterns, FFT, linear algebra, callbacks: on the traced dtypes
+            if (name in _ops.DTYPE_EXACT or name in _ops.WIDE_OPS
+                    or (self.identity and not list(jex.jaxprs_in_params(eqn.params)))):
+                # bit patterns, FFT, linear algebra, callbacks, every op of "fp32": as traced
                 return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if list(jex.jaxprs_in_params(eqn.params)):
                 return self._opaque(eqn, invals, chain)
@@ -292,6 +337,21 @@ class Interpreter:
         if head:
             policy = self.rules.head
         cdt = np.dtype(policy.compute_dtype)
+        traced = [np.dtype(v.aval.dtype) for v in eqn.invars[:2]]
+        asked = _asked_precision(eqn, cdt)
+        if asked is not None and (policy.fp8 is not None
+                                  or any(d.itemsize > cdt.itemsize for d in traced)):
+            # The author asked for this matmul's precision: honoured, on the traced dtypes.
+            path = self.path(module)
+            self._warn(f"precision:{path}", (
+                f"A matmul in module {path or '<root>'!r} asks for {asked}: honoured, it runs "
+                f"on its traced operand dtypes ({traced[0].name}), not the policy's "
+                f"{cdt.name}{' or FP8' if policy.fp8 is not None else ''}. Drop the request "
+                "to let the policy choose; to silence this for the module: "
+                "warnings.filterwarnings('ignore', message=\".*module "
+                f"{path or '<root>'!r}\").")
+            )
+            return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])[0]
         lhs, rhs = invals[0], invals[1]
         targets = []
         for x, v in zip((lhs, rhs), eqn.invars[:2]):
@@ -301,14 +361,27 @@ class Interpreter:
         target = wider(*targets)
         lhs, rhs = cast(lhs, target), cast(rhs, target)
         out_dt = np.dtype(policy.output_dtype) if head else target
+        # A result wider than the operands that the author asked for (an einsum's
+        # preferred_element_type=f32 on bf16 operands; the f32 logits of
+        # jax.nn.dot_product_attention, which JAX computes so for bf16 inputs) is kept.
+        wide_out, algorithm = _asked_output(eqn, traced, target)
+        if wide_out is not None and wide_out.itemsize > out_dt.itemsize and not head:
+            out_dt = wide_out
+        else:
+            wide_out = None
         recipe = policy.fp8
         if (recipe is not None and not head and target == cdt and info is not None
                 and info.projection and eqn.primitive.name == "dot_general"):
-            out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt)
+            out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local,
+                                   cdt if wide_out is None else wide_out)
             if out is not None:
                 return out
         if not (is_float_value(lhs) and is_float_value(rhs)):
             return bind(eqn, [lhs, rhs, *invals[2:]])[0]
+        if wide_out is not None:
+            extra = {} if algorithm is None else {"precision": algorithm}
+            return bind(eqn, [lhs, rhs, *invals[2:]], preferred_element_type=out_dt,
+                        **extra)[0]
         if out_dt.itemsize > target.itemsize:
             return _mixed_matmul(eqn, lhs, rhs, out_dt)
         return bind(eqn, [lhs, rhs, *invals[2:]], preferred_element_type=out_dt)[0]

@@ -6,6 +6,9 @@ jaxpr of the gradient with ``jaxpr_utils`` (a walker that knows nothing of the p
 control, a mutation of it (the new rule patched away) under which the same check fails.
 """
 
+import warnings
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -251,3 +254,127 @@ def test_wide_ops_negative_control(monkeypatch):
     monkeypatch.setattr(_interpreter._ops, "WIDE_OPS", frozenset())
     with pytest.raises(ValueError, match="bfloat16"):
         jax.make_jaxpr(with_policy(fft_model, "bf16-mixed"))(PARAMS, X)
+
+
+# ---------------------------------------------------------------------------------------------
+# The author's explicit precision requests.
+
+def _dots(closed):
+    """(lhs dtype, rhs dtype, result dtype, precision) of every dot_general."""
+    return [(*(v.aval.dtype for v in e.invars[:2]), e.outvars[0].aval.dtype,
+             e.params["precision"]) for e in iter_eqns(closed)
+            if e.primitive.name == "dot_general"]
+
+
+def wide_result_model(params, x):
+    h = (x @ params["w"]).astype(jnp.bfloat16)
+    return jnp.einsum("ij,kj->ik", h, h, preferred_element_type=jnp.float32)
+
+
+def test_wider_preferred_element_type_is_kept():
+    _assert_fp32_identity(wide_result_model, PARAMS, X)
+    closed = jax.make_jaxpr(with_policy(wide_result_model, "bf16-mixed"))(PARAMS, X)
+    assert _dots(closed) == [(BF16, BF16, BF16, None), (BF16, BF16, F32, None)]
+
+
+def test_wider_preferred_element_type_negative_control(monkeypatch):
+    monkeypatch.setattr(_interpreter, "_asked_output", lambda eqn, traced, target: (None, None))
+    closed = jax.make_jaxpr(with_policy(wide_result_model, "bf16-mixed"))(PARAMS, X)
+    assert _dots(closed)[1] == (BF16, BF16, BF16, None)
+
+
+def _highest_model(params, x):
+    return jnp.dot(jnp.tanh(x @ params["w"]), params["w"],
+                   precision=jax.lax.Precision.HIGHEST) @ params["o"]
+
+
+def _algorithm_model(params, x):
+    return jnp.dot(jnp.tanh(x @ params["w"]), params["w"], precision="F32_F32_F32") @ params["o"]
+
+
+@pytest.mark.parametrize("model", [_highest_model, _algorithm_model])
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current"])
+def test_requested_precision_is_honoured_with_a_warning(model, preset):
+    _assert_fp32_identity(model, PARAMS, X)
+    with pytest.warns(UserWarning, match="module '<root>' asks for .*honoured"):
+        closed = _grad_jaxpr(with_policy(model, preset), PARAMS, X)
+    found = _matmuls(closed)
+    # the requested matmul (forward, dgrad, wgrad) in f32; the first projection (forward,
+    # wgrad) is not
+    assert found.count(("dot_general", F32, F32)) == 3, found
+    assert ("dot_general", F32, F32) != found[0], found
+
+
+def test_requested_precision_warning_is_silenced_per_module():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=".*module '<root>'")
+        jax.make_jaxpr(with_policy(_highest_model, "bf16-mixed"))(PARAMS, X)
+
+
+def test_requested_precision_negative_control(monkeypatch):
+    monkeypatch.setattr(_interpreter, "_asked_precision", lambda eqn, cdt: None)
+    closed = _grad_jaxpr(with_policy(_highest_model, "bf16-mixed"), PARAMS, X)
+    assert ("dot_general", F32, F32) not in _matmuls(closed)
+
+
+def _attention(params, q):
+    return jax.nn.dot_product_attention(q, q, q, implementation="xla")
+
+
+Q = jnp.asarray(RNG.standard_normal((2, 6, 2, 8)), jnp.float32)
+
+
+def _jax_bf16_attention(q):
+    qb = q.astype(BF16)
+    with jax.numpy_dtype_promotion("standard"):  # JAX's bf16 path promotes bf16 with f32
+        return jax.nn.dot_product_attention(qb, qb, qb, implementation="xla")
+
+
+def test_dot_product_attention_computes_what_jax_computes_for_bf16():
+    _assert_fp32_identity(_attention, PARAMS, Q)
+    got = with_policy(_attention, "bf16-mixed")(PARAMS, Q)
+    want = _jax_bf16_attention(Q)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    closed = jax.make_jaxpr(with_policy(_attention, "bf16-mixed"))(PARAMS, Q)
+    logits, out = _dots(closed)
+    assert logits == (BF16, BF16, F32, jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
+    assert out[:3] == (BF16, BF16, BF16)
+
+
+def test_dot_product_attention_negative_control(monkeypatch):
+    monkeypatch.setattr(_interpreter, "_DPA_LOGITS", "not an einsum spec")
+    got = with_policy(_attention, "bf16-mixed")(PARAMS, Q)
+    want = _jax_bf16_attention(Q)
+    assert not np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+class _OwnCasts(nn.Module):
+    """A model with its own bf16 matmul, a LayerNorm, a softmax: what "fp32" must not
+    change, eager or jitted."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jax.nn.gelu(nn.LayerNorm()(nn.Dense(16)(x)))
+        w = self.param("wb", nn.initializers.normal(), (16, 16))
+        h = (h.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32) + h
+        return nn.Dense(3)(jax.nn.softmax(nn.Dense(16)(h)))
+
+
+def test_fp32_is_an_exact_identity_eager_and_jitted():
+    model = _OwnCasts()
+    variables = model.init(jax.random.key(0), X)
+    policied = with_policy(model, "fp32")
+    for run in (lambda f: f, jax.jit):
+        np.testing.assert_array_equal(np.asarray(run(policied.apply)(variables, X)),
+                                      np.asarray(run(model.apply)(variables, X)))
+    _assert_fp32_identity(lambda v, x: model.apply(v, x), variables, X)
+
+
+def test_fp32_identity_negative_control(monkeypatch):
+    """Mutation: "fp32" interpreted like any other rules (the model's bf16 matmul widened)."""
+    monkeypatch.setattr(_interpreter, "is_identity", lambda rules: False)
+    model = _OwnCasts()
+    variables = model.init(jax.random.key(0), X)
+    got = jax.jit(with_policy(model, "fp32").apply)(variables, X)
+    assert not np.array_equal(np.asarray(got), np.asarray(jax.jit(model.apply)(variables, X)))
