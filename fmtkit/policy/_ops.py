@@ -10,7 +10,7 @@ reduce_sum / div; a hand-written RMSNorm is mean / rsqrt / mul):
 =============  ====================================================  ==========================
 class          primitives                                            what the policy does
 =============  ====================================================  ==========================
-matmul         dot_general, conv_general_dilated                     operands in the module's
+matmul         dot_general, conv_general_dilated, ragged_dot_general operands in the module's
                                                                      compute dtype, or its FP8
                                                                      recipe (projections only)
 f32            exp, exp2, log, log1p, expm1, rsqrt, pow, tan, sinh,  floating inputs below f32
@@ -43,7 +43,11 @@ is applied as written, and a matmul operand the author upcast to f32 is not cast
 
 from __future__ import annotations
 
-MATMUL = frozenset({"dot_general", "conv_general_dilated"})
+MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+# Every primitive with matmul FLOPs, which ``inspect_policy`` counts: the policy's matmuls and
+# ``scaled_dot`` (a block-scaled GEMM on operands the author already quantized; it runs as
+# written, its operands' formats being the author's choice).
+MATMUL_LIKE = MATMUL | frozenset({"scaled_dot"})
 
 F32_ELEMENTWISE = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "rsqrt", "pow", "tan", "sinh", "cosh", "asin",
@@ -68,7 +72,7 @@ VIEW_OPS = frozenset({
 # pattern (``bitcast_convert_type``, which fmtkit.cast's stochastic rounding and bf16 bit
 # tricks use) or the next representable number (``nextafter``). They run on their inputs in
 # the dtypes they were traced with.
-DTYPE_EXACT = frozenset({"bitcast_convert_type", "nextafter"})
+DTYPE_EXACT = frozenset({"bitcast_convert_type", "nextafter", "scaled_dot"})
 
 # Operations with no low-precision kernel (XLA's FFT and LAPACK-style factorizations and solves
 # take f32/f64 and complex only) and host callbacks (whose Python code checks the dtypes it was

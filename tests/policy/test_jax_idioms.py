@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_utils import iter_eqns, operand_dtypes
+from jaxpr_utils import iter_eqns, matmul_flops, operand_dtypes
 
-from fmtkit.policy import _interpreter, _scopes, with_policy
+from fmtkit.policy import _interpreter, _scopes, inspect_policy, with_policy
 
 BF16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
 MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
@@ -378,3 +378,119 @@ def test_fp32_identity_negative_control(monkeypatch):
     variables = model.init(jax.random.key(0), X)
     got = jax.jit(with_policy(model, "fp32").apply)(variables, X)
     assert not np.array_equal(np.asarray(got), np.asarray(jax.jit(model.apply)(variables, X)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs (lax.ragged_dot) and every matmul-like primitive counted.
+
+EXPERTS = {"e": jnp.asarray(RNG.standard_normal((2, 8, 8)) / 3, jnp.float32),
+           "o": PARAMS["o"]}
+GROUPS = jnp.array([1, 3], jnp.int32)
+
+
+def moe_model(params, x):
+    """Megablox-style: rows sorted by expert, one grouped GEMM."""
+    return jnp.tanh(jax.lax.ragged_dot(x, params["e"], GROUPS)) @ params["o"]
+
+
+def _ragged(closed):
+    return [operand_dtypes(e) for e in iter_eqns(closed)
+            if e.primitive.name == "ragged_dot_general"]
+
+
+def test_ragged_dot_runs_on_the_compute_dtype_and_is_counted():
+    _assert_fp32_identity(moe_model, EXPERTS, X)
+    policied = with_policy(moe_model, "bf16-mixed")
+    closed = _grad_jaxpr(policied, EXPERTS, X)
+    assert _ragged(closed) == [(BF16, BF16)] * 2  # forward, wgrad (x is data)
+    report = inspect_policy(policied, EXPERTS, X, argnums=0)
+    grouped = [m for m in report.matmul_ops if m.primitive == "ragged_dot_general"]
+    # 4 rows x 8 x 8, each row with its group's weights, forward and wgrad
+    assert [(m.kind, m.flops, m.groups, m.policied) for m in grouped] == [
+        ("forward", 2 * 4 * 8 * 8, 2, True), ("wgrad", 2 * 4 * 8 * 8, 2, True)]
+    assert sum(m.flops for m in report.matmul_ops) == sum(
+        matmul_flops(e) for e in iter_eqns(closed) if e.primitive.name in MATMULS)
+
+
+def test_ragged_dot_under_fp8_runs_on_the_compute_dtype_with_a_warning():
+    policied = with_policy(moe_model, "fp8-current")
+    with pytest.warns(UserWarning, match="ragged_dot .*module '<root>' runs on bfloat16, "
+                                         "not with the FP8 recipe"):
+        closed = _grad_jaxpr(policied, EXPERTS, X)
+    assert _ragged(closed) == [(BF16, BF16)] * 2
+    with pytest.warns(UserWarning, match="ragged_dot"):
+        report = inspect_policy(policied, EXPERTS, X, argnums=0)
+    assert all(not m.low_precision for m in report.matmul_ops
+               if m.primitive == "ragged_dot_general")
+    assert report.fp8_fraction() < 1
+
+
+def test_ragged_dot_negative_control(monkeypatch):
+    """Mutation: ragged_dot_general not a matmul of the policy: it stays f32 and uncounted."""
+    monkeypatch.setattr(_interpreter._ops, "MATMUL", frozenset({"dot_general"}))
+    closed = _grad_jaxpr(with_policy(moe_model, "bf16-mixed"), EXPERTS, X)
+    assert _ragged(closed) != [(BF16, BF16)] * 2
+
+
+def _lax_matmul_calls():
+    """A call of every jax.lax function that binds a primitive with matmul FLOPs."""
+    lhs, rhs = X, PARAMS["w"]
+    img, ker = X.reshape(1, 1, 4, 8), PARAMS["w"][:3, :3].reshape(1, 1, 3, 3)
+    dn = (((1,), (0,)), ((), ()))
+    return {
+        "dot": lambda: jax.lax.dot(lhs, rhs),
+        "dot_general": lambda: jax.lax.dot_general(lhs, rhs, dn),
+        "batch_matmul": lambda: jax.lax.batch_matmul(lhs[None], rhs[None]),
+        "ragged_dot": lambda: jax.lax.ragged_dot(lhs, EXPERTS["e"], GROUPS),
+        "ragged_dot_general": lambda: jax.lax.ragged_dot_general(
+            lhs, EXPERTS["e"], GROUPS, jax.lax.RaggedDotDimensionNumbers(
+                (((1,), (1,)), ((), ())), (0,), (0,))),
+        "conv": lambda: jax.lax.conv(img, ker, (1, 1), "SAME"),
+        "conv_general_dilated": lambda: jax.lax.conv_general_dilated(img, ker, (1, 1), "SAME"),
+        "conv_general_dilated_local": lambda: jax.lax.conv_general_dilated_local(
+            img, jnp.ones((1, 9, 4, 8), jnp.float32), (1, 1), "SAME", (3, 3)),
+        "conv_general_dilated_patches": lambda: jax.lax.conv_general_dilated_patches(
+            img, (3, 3), (1, 1), "SAME"),
+        "conv_with_general_padding": lambda: jax.lax.conv_with_general_padding(
+            img, ker, (1, 1), ((1, 1), (1, 1)), None, None),
+        "conv_transpose": lambda: jax.lax.conv_transpose(img, ker, (1, 1), "SAME",
+                                                         dimension_numbers=("NCHW", "OIHW",
+                                                                            "NCHW")),
+        "scaled_dot": lambda: jax.lax.scaled_dot(
+            lhs.astype(jnp.float8_e4m3fn), rhs.T.astype(jnp.float8_e4m3fn),
+            lhs_scale=jnp.ones((4, 1), jnp.float8_e8m0fnu),
+            rhs_scale=jnp.ones((8, 1), jnp.float8_e8m0fnu),
+            dimension_numbers=(((1,), (1,)), ((), ())), preferred_element_type=jnp.float32),
+    }
+
+
+# jax.lax names that say dot/matmul/conv but compute no matmul (types, shapes, casts).
+_NOT_MATMULS = {
+    "ConvDimensionNumbers", "ConvGeneralDilatedDimensionNumbers", "DotAlgorithm",
+    "DotAlgorithmPreset", "DotDimensionNumbers", "RaggedDotDimensionNumbers",
+    "bitcast_convert_type", "bitcast_convert_type_p", "conv_dimension_numbers",
+    "conv_general_dilated_p", "conv_general_permutations", "conv_general_shape_tuple",
+    "conv_shape_tuple", "conv_transpose_shape_tuple", "convert_element_type",
+    "convert_element_type_p", "dot_general_p",
+}
+# Primitives that move or cast data around a matmul (no FLOPs of their own worth counting).
+_PLUMBING = {"convert_element_type", "broadcast_in_dim", "reshape", "transpose", "squeeze",
+             "expand_dims", "pjit", "jit", "iota", "eq", "concatenate", "pad", "rev", "mul",
+             "select_n", "slice", "copy", "add", "gather", "lt", "ge", "le", "gt", "and",
+             "dynamic_slice", "sub", "clamp"}
+
+
+def test_every_lax_matmul_primitive_is_counted_by_inspect_policy():
+    """Every jax.lax function named like a matmul or convolution is known here (a new one
+    fails the first assertion), and every primitive with FLOPs that one binds is a matmul
+    the policy and inspect_policy count."""
+    import re
+
+    from fmtkit.policy import _ops
+
+    names = {n for n in dir(jax.lax) if re.search("dot|matmul|conv|gemm|einsum", n, re.I)}
+    calls = _lax_matmul_calls()
+    assert names - _NOT_MATMULS == set(calls), names - _NOT_MATMULS ^ set(calls)
+    for name, call in calls.items():
+        prims = {e.primitive.name for e in iter_eqns(jax.make_jaxpr(call)())}
+        assert prims - _PLUMBING and prims - _PLUMBING <= _ops.MATMUL_LIKE, (name, prims)
