@@ -371,14 +371,12 @@ class Interpreter:
             wide_out = None
         recipe = policy.fp8
         if (recipe is not None and not head and info is not None and info.projection
-                and eqn.primitive.name != "dot_general"):
+                and eqn.primitive.name == "ragged_dot_general"):
             path = self.path(module)
-            what = ("lax.ragged_dot (a grouped GEMM)" if eqn.primitive.name.startswith("ragged")
-                    else "A convolution")
             self._warn(f"no-fp8:{path}:{eqn.primitive.name}", (
-                f"{what} in module {path or '<root>'!r} runs on {cdt.name}, not with the FP8 "
-                f"recipe {recipe.name}: fmtkit's FP8 GEMMs are dot_general only. "
-                "inspect_policy counts it as not FP8."))
+                f"lax.ragged_dot (a grouped GEMM) in module {path or '<root>'!r} runs on "
+                f"{cdt.name}, not with the FP8 recipe {recipe.name}: fmtkit's FP8 GEMMs are "
+                "dot_general only. inspect_policy counts it as not FP8."))
         if (recipe is not None and not head and target == cdt and info is not None
                 and info.projection and eqn.primitive.name == "dot_general"):
             out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local,
