@@ -31,6 +31,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from fmtkit import fp8
 from fmtkit.policy import _analysis, _ops
@@ -60,24 +61,31 @@ from fmtkit.policy._scopes import (
 def _mixed_matmul(eqn, lhs, rhs, out_dtype):
     """A matmul on narrow operands with a wider result (the head's f32 logits), whose two
     backward GEMMs also run on the narrow dtype (the cotangent is cast down first), as a
-    bf16 head matmul does in frameworks that keep f32 logits."""
+    bf16 head matmul does in frameworks that keep f32 logits.
+
+    A ``custom_jvp`` (not a ``custom_vjp``), so forward-mode AD (``jax.jvp``, ``jacfwd``,
+    Hessian-vector products) goes through it: the tangent is the sum of the two narrow
+    matmuls, cast to the result dtype, and JAX's transpose of it is the backward above (the
+    cast becomes the cotangent's cast down, each narrow matmul its dgrad or wgrad)."""
     narrow = lhs.dtype
 
     def low(a, b):
         return bind(eqn, [a, b], preferred_element_type=narrow)[0]
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def matmul(a, b):
         return bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
 
-    def fwd(a, b):
-        return matmul(a, b), (a, b)
+    def matmul_jvp(primals, tangents):
+        (a, b), (da, db) = primals, tangents
+        terms = [low(t, b) if j == 0 else low(a, t) for j, t in enumerate((da, db))
+                 if not isinstance(t, SymbolicZero)]
+        out = matmul(a, b)
+        if not terms:  # JAX calls the rule only when a tangent is nonzero
+            return out, jnp.zeros(out.shape, out.dtype)
+        return out, cast(functools.reduce(lambda x, y: x + y, terms), out_dtype)
 
-    def bwd(res, g):
-        _, vjp = jax.vjp(low, *res)
-        return vjp(g.astype(narrow))
-
-    matmul.defvjp(fwd, bwd)
+    matmul.defjvp(matmul_jvp, symbolic_zeros=True)
     return matmul(lhs, rhs)
 
 
@@ -411,6 +419,15 @@ class Interpreter:
         except ValueError as err:
             raise ValueError(f"FP8 matmul in module {path or '<root>'!r} (recipe "
                              f"{recipe}): {err}") from None
+        except TypeError as err:
+            if "forward-mode" not in str(err):
+                raise
+            raise TypeError(
+                f"FP8 matmul in module {path or '<root>'!r} (recipe {recipe}): forward-mode "
+                "autodiff (jax.jvp, jax.jacfwd, Hessian-vector products) does not go through "
+                "fmtkit's FP8 GEMMs, which define their backward pass only (a custom_vjp). "
+                "Differentiate in reverse mode, or run forward-mode AD under a mixed preset "
+                "(bf16-mixed).") from err
 
     def _record(self, eqn, chain, idp):
         module = chain[-1] if chain else None

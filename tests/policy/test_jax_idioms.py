@@ -494,3 +494,71 @@ def test_every_lax_matmul_primitive_is_counted_by_inspect_policy():
     for name, call in calls.items():
         prims = {e.primitive.name for e in iter_eqns(jax.make_jaxpr(call)())}
         assert prims - _PLUMBING and prims - _PLUMBING <= _ops.MATMUL_LIKE, (name, prims)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward-mode AD through a model with an output layer.
+
+class _Classifier(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="head")(jnp.tanh(nn.Dense(8, name="hidden")(x)))
+
+
+def _forward_mode(policied, variables):
+    """jax.jvp, jax.jacfwd and a Hessian-vector product of the policied model."""
+    def f(x):
+        return policied.apply(variables, x)
+
+    def loss(p):
+        return jnp.sum(policied.apply({"params": p}, X) ** 2)
+
+    out, tangent = jax.jvp(f, (X,), (jnp.ones_like(X),))
+    jac = jax.jacfwd(lambda x: jnp.sum(f(x)))(X)
+    hvp = jax.jvp(jax.grad(loss), (variables["params"],), (variables["params"],))[1]
+    return out, tangent, jac, hvp
+
+
+def test_forward_mode_ad_through_a_policied_model_with_an_output_layer():
+    model = _Classifier()
+    variables = model.init(jax.random.key(0), X)
+    exact = _forward_mode(with_policy(model, "fp32"), variables)
+    want = _forward_mode(model, variables)
+    for a, b in zip(jax.tree.leaves(exact), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    policied = with_policy(model, "bf16-mixed")
+    got = _forward_mode(policied, variables)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # bf16 matmuls: 2**-6
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 2.0**-6 * np.linalg.norm(b)
+    # The tangent's matmuls run on bf16 too: the head's (its tangent rule) and the hidden's.
+    closed = jax.make_jaxpr(lambda x: jax.jvp(lambda y: policied.apply(variables, y), (x,),
+                                              (x,)))(X)
+    found = {(e.primitive.name, *operand_dtypes(e)) for e in iter_eqns(closed)
+             if e.primitive.name in MATMULS}
+    assert found == {("dot_general", BF16, BF16)}, found
+
+
+def test_forward_mode_ad_negative_control(monkeypatch):
+    """Mutation: the head's matmul a custom_vjp again (the previous handling)."""
+    def mixed_vjp(eqn, lhs, rhs, out_dtype):
+        @jax.custom_vjp
+        def matmul(a, b):
+            return _interpreter.bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
+
+        matmul.defvjp(lambda a, b: (matmul(a, b), (a, b)), lambda res, g: res)
+        return matmul(lhs, rhs)
+
+    monkeypatch.setattr(_interpreter, "_mixed_matmul", mixed_vjp)
+    model = _Classifier()
+    variables = model.init(jax.random.key(0), X)
+    with pytest.raises(TypeError, match="forward-mode"):
+        _forward_mode(with_policy(model, "bf16-mixed"), variables)
+
+
+def test_forward_mode_ad_under_fp8_names_what_blocks_it():
+    model = _Classifier()
+    variables = model.init(jax.random.key(0), X)
+    with pytest.raises(TypeError, match=r"FP8 matmul in module 'hidden' .*forward-mode "
+                                        r"autodiff .*custom_vjp"):
+        _forward_mode(with_policy(model, "fp8-current"), variables)
