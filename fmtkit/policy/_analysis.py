@@ -22,7 +22,10 @@ only (an auxiliary output, a dict of MoE metrics, never makes a second head), or
 values passed to ``mark_head`` where the model calls it; a sum keeps the head's chain through
 anything computed from parameters alone (an L2 penalty), and a sum of scalar loss terms takes
 the head of its first term that has one (the main loss, written first; an aux loss from a
-router or a probe adds no head).
+router or a probe adds no head). A value through ``stop_gradient`` (a frozen teacher's
+logits in a distillation loss) derives from no head, so the KL term may come first; terms
+from the output layers of two separate networks (no matmul feeds both: two trained models)
+warn, naming ``mark_head``.
 
 **Round trips.** ``x.astype(bf16)``, a dispatch, ``.astype(x.dtype)`` (MoE code saving
 bandwidth) is not the author asking for f32: a widening cast back to the dtype a value had
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +55,9 @@ if TYPE_CHECKING:
 
 # Sums through which the head's chain passes scalar terms (``loss + aux_weight * aux_loss``).
 _LOSS_SUMS = frozenset({"add", "sub", "add_any"})
+# Ops after which a value derives from no head: a frozen teacher's logits
+# (``jax.lax.stop_gradient``) are not the output of the model being trained.
+_NO_HEAD = frozenset({"stop_gradient"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +106,10 @@ class Analysis:
         # idpath of that narrowing cast
         self.round_trips: dict[tuple, tuple] = {}
         self._fwd_rule = 0  # depth of custom_vjp forward rules being walked
+        # (head taken, heads of the later terms) of each sum of loss terms whose terms came
+        # from different output layers
+        self.ambiguous: list[tuple[frozenset, list[frozenset]]] = []
+        self._upstream: dict[tuple, frozenset] = {}  # matmul -> the matmuls feeding it
         ins = [_Facts(param=bool(p), const=not floating_dtype(v.aval.dtype),
                       data=floating_dtype(v.aval.dtype) and not p)
                for v, p in zip(jaxpr.invars, param_inputs)]
@@ -109,6 +120,7 @@ class Analysis:
             first = next((f for f, h in zip(outs, head_outputs) if h), _NO_FACTS)
             heads = first.head
         heads = {d for d in heads if self.dots[d].projection}
+        self._warn_ambiguous(heads)
         for d in heads:
             self.dots[d] = dataclasses.replace(self.dots[d], head=True)
             if modules.head_applies(self.dots[d].module):  # the head stays out of FP8
@@ -116,6 +128,37 @@ class Analysis:
                 if key is not None:
                     self.site_shapes.pop(key)
         self.heads = frozenset(heads)
+
+    def _warn_ambiguous(self, heads: set) -> None:
+        """Warns when the head was chosen among loss terms from the output layers of two
+        separate networks (no matmul feeds both: two trained models, a distillation teacher
+        not under ``stop_gradient``). A probe or a router on the model's own features (an
+        aux loss) shares the trunk: the first term's head is then the intended one."""
+        if self.marked:
+            return
+
+        def upstream(ds):
+            return frozenset().union(*(self._upstream.get(d, frozenset()) for d in ds))
+
+        for taken, others in self.ambiguous:
+            rest = frozenset().union(*others) - taken
+            if not taken & heads or not upstream(taken) or not upstream(rest) \
+                    or upstream(taken) & upstream(rest):
+                continue
+
+            def where(ds):
+                return sorted({self._modules.path(self.dots[d].module) or "<root>"
+                               for d in ds if d in self.dots})
+
+            other = where(rest)
+            warnings.warn(
+                "with_policy: the loss adds terms computed from different output layers (the "
+                f"matmuls in modules {where(taken)} and {other}); the first term's, in "
+                f"{where(taken)}, is taken as the model's output head (f32 logits, never "
+                "FP8). If that is not the trained model's output, call "
+                "fmtkit.policy.mark_head(logits) on its logits; a frozen teacher's logits "
+                "under jax.lax.stop_gradient never count.", UserWarning, stacklevel=2)
+            return
 
     def is_head_value(self, idprefix: tuple, var) -> bool:
         facts = self.facts.get((idprefix, var))
@@ -196,6 +239,7 @@ class Analysis:
             module = chain[-1] if chain else None
             info = DotInfo(module, any(a.param for a in args[:2]), bool(lb))
             self.dots[idp] = info
+            self._upstream[idp] = dep
             policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
                     and name == "dot_general" and info.projection):
@@ -214,6 +258,8 @@ class Analysis:
         if list(jex.jaxprs_in_params(eqn.params)):  # pallas_call, unknown bodies: opaque
             return [_Facts(dep=dep, const=const, data=data)] * n_out
         heads = frozenset().union(*(a.head for a in args))
+        if name in _NO_HEAD:
+            heads = frozenset()
         if heads:
             # A value stays on the head's chain when combined with constants, parameters or
             # anything computed from parameters alone (an L2 penalty), values downstream of
@@ -222,7 +268,12 @@ class Analysis:
             if term and all(a.scalar for a in args):
                 # A sum of loss terms: the head comes from the first term that has one (the
                 # main loss written first; an aux loss from another projection adds none).
-                heads = next((a.head for a in args if a.head), frozenset())
+                # Terms with different heads (a second trained model's loss) make the choice
+                # ambiguous: reported once the analysis is done.
+                found = [a.head for a in args if a.head]
+                heads = found[0] if found else frozenset()
+                if any(h != heads for h in found[1:]):
+                    self.ambiguous.append((heads, found[1:]))
             else:
                 heads = frozenset(d for d in heads
                                   if all(a.const or a.param or not a.data or d in a.dep

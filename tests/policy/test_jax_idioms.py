@@ -562,3 +562,116 @@ def test_forward_mode_ad_under_fp8_names_what_blocks_it():
     with pytest.raises(TypeError, match=r"FP8 matmul in module 'hidden' .*forward-mode "
                                         r"autodiff .*custom_vjp"):
         _forward_mode(with_policy(model, "fp8-current"), variables)
+
+
+# ---------------------------------------------------------------------------------------------
+# The output layer found whatever order the loss terms are written in.
+
+TEACHER = {"w": jnp.asarray(RNG.standard_normal((8, 16)) / 3, jnp.float32),
+           "o": jnp.asarray(RNG.standard_normal((16, 3)) / 4, jnp.float32)}
+LABELS = jnp.array([0, 1, 2, 0], jnp.int32)
+
+
+def _mlp(p, x):
+    return jnp.tanh(x @ p["w"]) @ p["o"]
+
+
+def _kl(s, t):
+    pt = jax.nn.softmax(t)
+    return (jnp.mean(jnp.sum(pt * jax.nn.log_softmax(t), -1))
+            - jnp.mean(jnp.sum(pt * jax.nn.log_softmax(s), -1)))
+
+
+def _ce(s, y):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(s), y[:, None], 1))
+
+
+def distill_kl_first(params, x, y):
+    s = _mlp(params["student"], x)
+    t = jax.lax.stop_gradient(_mlp(params["teacher"], x))
+    return 0.5 * _kl(s, t) + _ce(s, y)
+
+
+def distill_ce_first(params, x, y):
+    s = _mlp(params["student"], x)
+    t = jax.lax.stop_gradient(_mlp(params["teacher"], x))
+    return _ce(s, y) + 0.5 * _kl(s, t)
+
+
+DISTILL_PARAMS = {"student": PARAMS, "teacher": TEACHER}
+
+
+def _head_results(closed):
+    """Result dtype of the student's head matmul (rhs [8, 3]) and the teacher's ([16, 3])."""
+    return {e.invars[1].aval.shape: e.outvars[0].aval.dtype for e in iter_eqns(closed)
+            if e.primitive.name == "dot_general" and e.invars[1].aval.shape[-1:] == (3,)}
+
+
+@pytest.mark.parametrize("loss", [distill_kl_first, distill_ce_first])
+def test_distillation_finds_the_student_head_in_either_order(loss):
+    _assert_fp32_identity(loss, DISTILL_PARAMS, X, LABELS)
+    closed = jax.make_jaxpr(with_policy(loss, "bf16-mixed"))(DISTILL_PARAMS, X, LABELS)
+    assert _head_results(closed) == {(8, 3): F32, (16, 3): BF16}
+
+
+def test_distillation_negative_control(monkeypatch):
+    """Mutation: stop_gradient keeps the teacher's head: the KL term, first, wins."""
+    from fmtkit.policy import _analysis
+
+    monkeypatch.setattr(_analysis, "_NO_HEAD", frozenset())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the two heads are then ambiguous
+        closed = jax.make_jaxpr(with_policy(distill_kl_first, "bf16-mixed"))(
+            DISTILL_PARAMS, X, LABELS)
+    assert _head_results(closed)[(8, 3)] == BF16
+
+
+def _two_trained_heads(params, x, y):
+    s, t = _mlp(params["student"], x), _mlp(params["teacher"], x)
+    return _kl(s, t) + _ce(s, y)
+
+
+def test_ambiguous_heads_warn_naming_mark_head():
+    with pytest.warns(UserWarning, match="different output layers.*mark_head"):
+        jax.make_jaxpr(with_policy(_two_trained_heads, "bf16-mixed"))(
+            DISTILL_PARAMS, X, LABELS)
+
+    def marked(params, x, y):
+        from fmtkit.policy import mark_head
+
+        s = mark_head(_mlp(params["student"], x))
+        return _kl(s, _mlp(params["teacher"], x)) + _ce(s, y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        closed = jax.make_jaxpr(with_policy(marked, "bf16-mixed"))(DISTILL_PARAMS, X, LABELS)
+    assert _head_results(closed) == {(8, 3): F32, (16, 3): BF16}
+
+
+# ---------------------------------------------------------------------------------------------
+# No crash on any construct, under one preset of each family.
+
+NO_CRASH = {
+    "custom_vjp": (vjp_model, (PARAMS, X)), "custom_jvp": (jvp_model, (PARAMS, X)),
+    "nested_policy": (nested_model, (PARAMS, X)), "fft": (fft_model, (PARAMS, X)),
+    "eigh": (eigh_model, (PARAMS, X)), "linalg": (linalg_model, (PARAMS, X)),
+    "callback": (callback_model, (PARAMS, X)),
+    "preferred_element_type": (wide_result_model, (PARAMS, X)),
+    "precision_highest": (_highest_model, (PARAMS, X)),
+    "dot_algorithm": (_algorithm_model, (PARAMS, X)),
+    "dot_product_attention": (_attention, (PARAMS, Q)), "ragged_dot": (moe_model, (EXPERTS, X)),
+    "distillation": (distill_kl_first, (DISTILL_PARAMS, X, LABELS)),
+}
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current", "nvfp4"])
+@pytest.mark.parametrize("name", sorted(NO_CRASH))
+def test_no_crash_on_any_construct(name, preset):
+    model, args = NO_CRASH[name]
+    policied = with_policy(model, preset)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value, grads = jax.value_and_grad(lambda *a: jnp.sum(policied(*a)))(*args)
+    assert all(issubclass(w.category, UserWarning) for w in caught), caught
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    assert bool(jnp.isfinite(value))
