@@ -35,6 +35,8 @@ _FP4_RX = re.compile(re.escape(fp4.GEMM_SCOPE) + r"_(\d+x\d+)_(\d+x\d+)")
 _E2M1 = "float4_e2m1fn"
 _FP8_KINDS = ("float8", "float6", "float4")
 MATMUL_KINDS = ("forward", "dgrad", "wgrad")
+# The name JAX gives the forward computation a checkpoint (remat) replays on the backward pass.
+_REMAT_SCOPE = "rematted_computation"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,10 +487,11 @@ def _argnums(argnums, n: int) -> frozenset[int]:
 
 
 def _matmul_kind(eqn, rec: _scopes.OpRecord, backward: bool, stack: str) -> str:
-    """forward; or, on the backward pass, what an FP8 / FP4 dot's backward scope says, else
-    wgrad when the result has as many elements as a parameter operand (the weight's gradient,
-    in whatever layout), else dgrad."""
-    if not backward:
+    """forward (a forward matmul that ``jax.checkpoint`` recomputes on the backward pass
+    too: JAX names that recomputation ``_REMAT_SCOPE``); or, on the backward pass, what an
+    FP8 / FP4 dot's backward scope says, else wgrad when the result has as many elements as a
+    parameter operand (the weight's gradient, in whatever layout), else dgrad."""
+    if not backward or _REMAT_SCOPE in stack:
         return "forward"
     if fp8.WGRAD_SCOPE in stack:
         return "wgrad"

@@ -675,3 +675,54 @@ def test_no_crash_on_any_construct(name, preset):
     assert all(issubclass(w.category, UserWarning) for w in caught), caught
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
     assert bool(jnp.isfinite(value))
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect_policy counts what the program runs, labelled as it runs.
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(8, name="dense")(x))
+
+
+class _Remat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="head")(nn.remat(_Block)(name="block")(x))
+
+
+def test_rematerialized_forward_matmuls_are_labelled_forward():
+    model = _Remat()
+    variables = model.init(jax.random.key(0), X)
+    report = inspect_policy(with_policy(model, "bf16-mixed"), X, variables=variables)
+    block = sorted(m.kind for m in report.matmul_ops if m.path == "block/dense")
+    # forward, its recomputation on the backward pass, wgrad (x is data: no dgrad)
+    assert block == ["forward", "forward", "wgrad"], block
+
+
+def test_rematerialized_forward_negative_control(monkeypatch):
+    from fmtkit.policy import _inspect
+
+    monkeypatch.setattr(_inspect, "_REMAT_SCOPE", "not a scope")
+    model = _Remat()
+    variables = model.init(jax.random.key(0), X)
+    report = inspect_policy(with_policy(model, "bf16-mixed"), X, variables=variables)
+    assert sorted(m.kind for m in report.matmul_ops if m.path == "block/dense") != [
+        "forward", "forward", "wgrad"]
+
+
+def test_the_head_runs_one_forward_one_dgrad_one_wgrad():
+    """No dead copy of the head's matmuls in the gradient's jaxpr (what inspect_policy
+    counts): the hidden layer's forward and wgrad (x is data), the head's three."""
+    model = _Classifier()
+    variables = model.init(jax.random.key(0), X)
+    policied = with_policy(model, "bf16-mixed")
+    closed = jax.make_jaxpr(jax.grad(lambda v: jnp.sum(policied.apply(v, X))))(variables)
+    shapes = [tuple(v.aval.shape for v in e.invars[:2]) for e in iter_eqns(closed)
+              if e.primitive.name == "dot_general"]
+    assert len(shapes) == 5, shapes
+    report = inspect_policy(policied, X, variables=variables)
+    assert sorted((m.path, m.kind) for m in report.matmul_ops) == [
+        ("head", "dgrad"), ("head", "forward"), ("head", "wgrad"),
+        ("hidden", "forward"), ("hidden", "wgrad")]
