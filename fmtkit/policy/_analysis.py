@@ -6,8 +6,10 @@ DenseGeneral, Einsum, Linear, LinearGeneral, ``x @ w`` with a parameter), whethe
 model's *output head* (by role, below), and the delayed-FP8 amax-history slots it needs (one
 per projection per layer: inside a ``scan`` the slot gets a leading layer axis; a batched
 projection, per-expert GEMMs ``"egcd,edf->egcf"``, one history per expert). It also marks
-the author's round trips (below). The facts are kept per equation position (``idpath``) for
-the interpreter, which walks the same jaxpr in the same order.
+the author's round trips (below). A matmul with a one-hot operand (a comparison cast to
+float: ``jax.nn.one_hot``) is an embedding lookup, not a projection. The facts are kept per
+equation position (``idpath``) for the interpreter, which walks the same jaxpr in the same
+order.
 
 **The output head, by role.** A value "derives transparently" from a matmul when every op on
 the way combines it only with constants, parameters (a bias) or values computed from the same
@@ -72,6 +74,7 @@ class _Facts:
     # (traced dtype, idpath, module chain) of the author's narrowing cast this value has been
     # through since (``x.astype(bf16)`` before a dispatch), None if it has not
     narrowed: tuple | None = None
+    onehot: bool = False  # a one-hot encoding (a comparison cast to float), seen through views
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +240,11 @@ class Analysis:
             (_lc, _rc), (lb, _) = (eqn.params["dimension_numbers"] if name == "dot_general"
                                  else (((), ()), ((), ())))
             module = chain[-1] if chain else None
-            info = DotInfo(module, any(a.param for a in args[:2]), bool(lb))
+            # A one-hot operand makes the matmul an embedding lookup (T5X's
+            # ``Embed(one_hot=True)``, a relative-position bias table), not a projection: it
+            # stays out of FP8, as a gather would.
+            info = DotInfo(module, any(a.param for a in args[:2])
+                           and not any(a.onehot for a in args[:2]), bool(lb))
             self.dots[idp] = info
             self._upstream[idp] = dep
             policy = self._modules.policy_of(module)
@@ -299,6 +306,7 @@ class Analysis:
                     self.round_trips[idp] = narrowed[1]
                     upcast = False
                 narrowed = None
+        onehot = (view and args[0].onehot) or _is_onehot_cast(eqn)
         outs = []
         for v in eqn.outvars:
             floating = floating_dtype(v.aval.dtype)
@@ -306,7 +314,8 @@ class Analysis:
             outs.append(_Facts(param=param, const=const, dep=dep,
                                head=heads if floating else frozenset(), upcast=upcast,
                                data=data, scalar=scalar,
-                               narrowed=narrowed if floating else None))
+                               narrowed=narrowed if floating else None,
+                               onehot=onehot and floating))
         return outs
 
     # -- bodies of control flow (see ``BODIES``); each walks what the Interpreter runs ------
@@ -367,6 +376,13 @@ BODIES = {
     "cond": "_cond_facts", "while": "_while_facts", "shard_map": "_shard_map_facts",
     "custom_vjp_call": "_custom_vjp_facts",
 }
+
+
+def _is_onehot_cast(eqn) -> bool:
+    """A comparison's booleans cast to float: a one-hot encoding (``jax.nn.one_hot``)."""
+    return (eqn.primitive.name == "convert_element_type"
+            and eqn.invars[0].aval.dtype == np.bool_
+            and floating_dtype(eqn.params["new_dtype"]))
 
 
 def open_jaxpr(jaxpr) -> tuple[Any, Sequence[Any]]:

@@ -726,3 +726,43 @@ def test_the_head_runs_one_forward_one_dgrad_one_wgrad():
     assert sorted((m.path, m.kind) for m in report.matmul_ops) == [
         ("head", "dgrad"), ("head", "forward"), ("head", "wgrad"),
         ("hidden", "forward"), ("hidden", "wgrad")]
+
+
+# ---------------------------------------------------------------------------------------------
+# One-hot embedding lookups (T5X's Embed(one_hot=True)) stay out of FP8.
+
+VOCAB = 16
+EMBED = {"emb": jnp.asarray(RNG.standard_normal((VOCAB, 8)), jnp.float32),
+         "w": PARAMS["w"], "o": PARAMS["o"]}
+IDS = jnp.array([1, 2, 3, 15], jnp.int32)
+
+
+def onehot_model(params, ids):
+    x = jax.nn.one_hot(ids, VOCAB) @ params["emb"]
+    return jnp.tanh(x @ params["w"]) @ params["o"]
+
+
+def _lookup_dtypes(closed):
+    return [operand_dtypes(e) for e in iter_eqns(closed) if e.primitive.name == "dot_general"
+            and e.invars[0].aval.shape[-1:] == (VOCAB,)]
+
+
+def test_one_hot_embedding_lookup_stays_out_of_fp8():
+    _assert_fp32_identity(onehot_model, EMBED, IDS)
+    closed = jax.make_jaxpr(with_policy(onehot_model, "fp8-current"))(EMBED, IDS)
+    assert _lookup_dtypes(closed) == [(BF16, BF16)]
+    found = [operand_dtypes(e) for e in iter_eqns(closed) if e.primitive.name == "dot_general"]
+    assert (jnp.dtype(jnp.float8_e4m3fn),) * 2 in found  # x @ w is still FP8
+    # the looked-up rows are the bf16 rows, exactly
+    rows = with_policy(lambda p, i: jax.nn.one_hot(i, VOCAB) @ p["emb"], "fp8-current")(
+        EMBED, IDS)
+    np.testing.assert_array_equal(np.asarray(rows, np.float32),
+                                  np.asarray(EMBED["emb"][IDS].astype(BF16), np.float32))
+
+
+def test_one_hot_embedding_negative_control(monkeypatch):
+    from fmtkit.policy import _analysis
+
+    monkeypatch.setattr(_analysis, "_is_onehot_cast", lambda eqn: False)
+    closed = jax.make_jaxpr(with_policy(onehot_model, "fp8-current"))(EMBED, IDS)
+    assert _lookup_dtypes(closed) != [(BF16, BF16)]
