@@ -766,3 +766,63 @@ def test_one_hot_embedding_negative_control(monkeypatch):
     monkeypatch.setattr(_analysis, "_is_onehot_cast", lambda eqn: False)
     closed = jax.make_jaxpr(with_policy(onehot_model, "fp8-current"))(EMBED, IDS)
     assert _lookup_dtypes(closed) != [(BF16, BF16)]
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX's explicit-sharding meshes (4 simulated devices, in a subprocess).
+
+_EXPLICIT_MESH_SCRIPT = r'''
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from fmtkit.policy import with_policy
+
+mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+
+def model(p, x):
+    return jnp.tanh(x @ p["w"]) @ p["o"]
+
+out = {}
+with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8) / 64, NamedSharding(mesh, P("data")))
+    p = jax.device_put({"w": jnp.eye(8) / 2, "o": jnp.ones((8, 3)) / 3},
+                       NamedSharding(mesh, P()))
+    for preset in ("fp32", "bf16-mixed"):
+        f = with_policy(model, preset)
+        vg = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(f(p, x))))
+        closed = jax.make_jaxpr(vg)(p, x)
+        dots = []
+        def walk(j):
+            for e in j.eqns:
+                if e.primitive.name == "dot_general":
+                    dots.append(str(e.invars[0].aval.dtype))
+                for sub in jax.extend.core.jaxprs_in_params(e.params):
+                    walk(getattr(sub, "jaxpr", sub))
+        walk(closed.jaxpr)
+        value, grads = vg(p, x)
+        ref = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(model(p, x))))(p, x)
+        out[preset] = {
+            "spec": str(jax.jit(f)(p, x).sharding.spec), "dots": sorted(set(dots)),
+            "exact": bool(np.array_equal(np.asarray(value), np.asarray(ref[0])) and all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref[1]))))}
+print(json.dumps(out))
+'''
+
+
+def test_explicit_sharding_mesh_under_mixed_presets():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", _EXPLICIT_MESH_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["fp32"] == {"spec": "P('data', None)", "dots": ["float32"],
+                           "exact": True}, out
+    assert out["bf16-mixed"]["spec"] == "P('data', None)", out
+    assert out["bf16-mixed"]["dots"] == ["bfloat16"], out
