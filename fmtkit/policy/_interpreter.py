@@ -130,6 +130,10 @@ def _asked_precision(eqn, cdt: np.dtype) -> str | None:
     return f"the dot algorithm {getattr(precision, 'name', precision)}"
 
 
+def _is_complex(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.complexfloating))
+
+
 def _float0(x):
     """The tangent of a non-differentiable (integer, boolean) value."""
     return np.zeros(np.shape(x), jax.dtypes.float0)
@@ -346,6 +350,16 @@ class Interpreter:
             policy = self.rules.head
         cdt = np.dtype(policy.compute_dtype)
         traced = [np.dtype(v.aval.dtype) for v in eqn.invars[:2]]
+        if any(_is_complex(d) for d in traced):
+            # No complex bf16 or FP8: the matmul runs as traced, and says so when the policy
+            # would narrow it.
+            path = self.path(module)
+            if policy.fp8 is not None or cdt.itemsize < 4:
+                self._warn(f"complex:{path}", (
+                    f"A complex matmul in module {path or '<root>'!r} runs in its traced "
+                    f"dtype ({wider(*traced).name}): the policy's compute dtype "
+                    f"({cdt.name}) and FP8 recipes apply to real matmuls only."))
+            return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])[0]
         asked = _asked_precision(eqn, cdt)
         if asked is not None and (policy.fp8 is not None
                                   or any(d.itemsize > cdt.itemsize for d in traced)):

@@ -826,3 +826,30 @@ def test_explicit_sharding_mesh_under_mixed_presets():
                            "exact": True}, out
     assert out["bf16-mixed"]["spec"] == "P('data', None)", out
     assert out["bf16-mixed"]["dots"] == ["bfloat16"], out
+
+
+# ---------------------------------------------------------------------------------------------
+# Complex matmuls (S5-style state-space models) run as traced, and say so.
+
+COMPLEX = {"w": jnp.asarray(RNG.standard_normal((8, 8)) + 1j * RNG.standard_normal((8, 8)),
+                            jnp.complex64) / 8, "o": PARAMS["o"]}
+
+
+def complex_model(params, x):
+    return jnp.real(x.astype(jnp.complex64) @ params["w"]) @ params["o"]
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current", "nvfp4"])
+def test_complex_matmuls_run_as_traced_with_a_warning(preset):
+    _assert_fp32_identity(complex_model, COMPLEX, X)
+    with pytest.warns(UserWarning, match="complex matmul in module '<root>' runs in its "
+                                         "traced dtype"):
+        closed = _grad_jaxpr(with_policy(complex_model, preset), COMPLEX, X)
+    c64 = jnp.dtype(jnp.complex64)
+    assert [m for m in _matmuls(closed) if c64 in m] == [("dot_general", c64, c64)] * 2
+
+
+def test_complex_matmuls_negative_control(monkeypatch):
+    monkeypatch.setattr(_interpreter, "_is_complex", lambda dtype: False)
+    with pytest.raises(TypeError, match="complex64"):
+        _grad_jaxpr(with_policy(complex_model, "fp8-current"), COMPLEX, X)
