@@ -54,6 +54,14 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
       their outputs stay f32 until the next matmul casts its own inputs;
     * an upcast the author wrote is kept (a matmul fed an f32 value made by the author's
       ``astype`` is not cast down); everything else follows its inputs;
+    * what the author asked for explicitly is kept: a ``preferred_element_type`` wider than
+      the operands, ``jax.nn.dot_product_attention``'s f32 logits, ``precision=HIGHEST`` or a
+      dot algorithm that excludes the compute dtype (honoured, with a warning naming the
+      module); FFT, linear algebra (``eigh``, ``svd``, solves) and host callbacks run in
+      their traced dtypes; complex matmuls as traced; ``lax.ragged_dot`` (grouped GEMMs) on
+      the compute dtype; a one-hot embedding lookup is not a projection (never FP8);
+    * ``custom_vjp``/``custom_jvp`` rules are interpreted too (their matmuls on the compute
+      dtype), and a policied function called inside another keeps its own policy;
     * the output head (the matmul that produces the model's outputs: lm1b's ``logitdense``, a
       tied-embedding ``attend``) is found by its role and gets ``Rules.head`` (presets: half
       operands, f32 logits, never FP8);
