@@ -58,7 +58,7 @@ from fmtkit.policy._scopes import (
 )
 
 
-def _mixed_matmul(eqn, lhs, rhs, out_dtype):
+def _mixed_matmul(eqn, lhs, rhs, out_dtype, forward: dict | None = None):
     """A matmul on narrow operands with a wider result (the head's f32 logits), whose two
     backward GEMMs also run on the narrow dtype (the cotangent is cast down first), as a
     bf16 head matmul does in frameworks that keep f32 logits.
@@ -66,7 +66,9 @@ def _mixed_matmul(eqn, lhs, rhs, out_dtype):
     A ``custom_jvp`` (not a ``custom_vjp``), so forward-mode AD (``jax.jvp``, ``jacfwd``,
     Hessian-vector products) goes through it: the tangent is the sum of the two narrow
     matmuls, cast to the result dtype, and JAX's transpose of it is the backward above (the
-    cast becomes the cotangent's cast down, each narrow matmul its dgrad or wgrad)."""
+    cast becomes the cotangent's cast down, each narrow matmul its dgrad or wgrad).
+    ``forward``: parameters of the forward matmul only (``jax.nn.dot_product_attention``'s
+    dot algorithm)."""
     narrow = lhs.dtype
 
     def low(a, b):
@@ -74,7 +76,7 @@ def _mixed_matmul(eqn, lhs, rhs, out_dtype):
 
     @jax.custom_jvp
     def matmul(a, b):
-        return bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
+        return bind(eqn, [a, b], preferred_element_type=out_dtype, **(forward or {}))[0]
 
     def matmul_jvp(primals, tangents):
         (a, b), (da, db) = primals, tangents
@@ -407,10 +409,9 @@ class Interpreter:
                 return out
         if not (is_float_value(lhs) and is_float_value(rhs)):
             return bind(eqn, [lhs, rhs, *invals[2:]])[0]
-        if wide_out is not None:
-            extra = {} if algorithm is None else {"precision": algorithm}
-            return bind(eqn, [lhs, rhs, *invals[2:]], preferred_element_type=out_dt,
-                        **extra)[0]
+        if wide_out is not None:  # the backward as the head's: on the operands' dtype
+            return _mixed_matmul(eqn, lhs, rhs, out_dt,
+                                 {} if algorithm is None else {"precision": algorithm})
         if out_dt.itemsize > target.itemsize:
             return _mixed_matmul(eqn, lhs, rhs, out_dt)
         return bind(eqn, [lhs, rhs, *invals[2:]], preferred_element_type=out_dt)[0]

@@ -342,6 +342,36 @@ def test_dot_product_attention_computes_what_jax_computes_for_bf16():
     assert out[:3] == (BF16, BF16, BF16)
 
 
+def _projected_attention(params, q):
+    q = q @ params["w"]
+    return jax.nn.dot_product_attention(q, q, q, implementation="xla")
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current"])
+def test_dot_product_attention_gradient(preset):
+    """The f32 logits' backward runs on the operands' dtype (JAX's own transpose of a bf16 x
+    bf16 -> f32 dot with the BF16_BF16_F32 algorithm fails under strict promotion)."""
+    _assert_fp32_identity(_projected_attention, PARAMS, Q)
+    policied = with_policy(_projected_attention, preset)
+    grads = jax.grad(lambda p: jnp.sum(policied(p, Q)))(PARAMS)
+    assert bool(jnp.all(jnp.isfinite(grads["w"])))
+    closed = _grad_jaxpr(policied, PARAMS, Q)
+    assert all(dt in (BF16, jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+               for m in _matmuls(closed) for dt in m[1:]), _matmuls(closed)
+
+
+def test_dot_product_attention_gradient_negative_control(monkeypatch):
+    """Mutation: the f32 logits bound as a plain dot (JAX's own transpose): it fails."""
+    def plain(eqn, lhs, rhs, out_dtype, forward=None):
+        return _interpreter.bind(eqn, [lhs, rhs], preferred_element_type=out_dtype,
+                                 **(forward or {}))[0]
+
+    monkeypatch.setattr(_interpreter, "_mixed_matmul", plain)
+    policied = with_policy(_projected_attention, "bf16-mixed")
+    with pytest.raises(Exception, match="promotion"):
+        jax.grad(lambda p: jnp.sum(policied(p, Q)))(PARAMS)
+
+
 def test_dot_product_attention_negative_control(monkeypatch):
     monkeypatch.setattr(_interpreter, "_DPA_LOGITS", "not an einsum spec")
     got = with_policy(_attention, "bf16-mixed")(PARAMS, Q)
