@@ -75,7 +75,7 @@ def operand_dtypes(eqn) -> tuple:
 
 PARAM, DATA, COTANGENT = "param", "data", "cotangent"
 _WIDENED_RX = re.compile(re.escape(WIDENED_SCOPE) + r"-(\w+)-(\w+)")
-MATMULS = ("dot_general", "conv_general_dilated")
+MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 _EMPTY = frozenset()
 
 
@@ -195,11 +195,22 @@ def label_eqns(closed_jaxpr, in_labels) -> tuple[list[Labeled], list[frozenset]]
 
 
 def matmul_flops(eqn) -> int:
-    """2 x (output elements) x (contraction size) of a dot_general or convolution."""
+    """2 x (output elements) x (contraction size) of a dot_general or convolution (a
+    ragged_dot_general: its rows once, each with its group)."""
     out = eqn.outvars[0].aval
-    if eqn.primitive.name == "dot_general":
+    lhs = eqn.invars[0].aval
+    if eqn.primitive.name == "ragged_dot_general":
+        # Ragged rows (each in one group): out [m, n] = 2 m n k; ragged contraction (the
+        # weight gradient, out [g, k, n]): each group sums its own rows, 2 k n m in all.
+        rd = eqn.params["ragged_dot_dimension_numbers"]
+        (lhs_contract, _), _ = rd.dot_dimension_numbers
+        contract = math.prod(lhs.shape[i] for i in lhs_contract)
+        if set(rd.lhs_ragged_dimensions) & set(lhs_contract):
+            groups = eqn.invars[2].aval.shape[-1]
+            return 2 * math.prod(out.shape) // groups * contract
+        return 2 * math.prod(out.shape) * contract
+    if eqn.primitive.name in ("dot_general", "scaled_dot"):
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
         return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in lhs_contract)
     rhs = eqn.invars[1].aval
     out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]

@@ -6,8 +6,10 @@ DenseGeneral, Einsum, Linear, LinearGeneral, ``x @ w`` with a parameter), whethe
 model's *output head* (by role, below), and the delayed-FP8 amax-history slots it needs (one
 per projection per layer: inside a ``scan`` the slot gets a leading layer axis; a batched
 projection, per-expert GEMMs ``"egcd,edf->egcf"``, one history per expert). It also marks
-the author's round trips (below). The facts are kept per equation position (``idpath``) for
-the interpreter, which walks the same jaxpr in the same order.
+the author's round trips (below). A matmul with a one-hot operand (a comparison cast to
+float: ``jax.nn.one_hot``) is an embedding lookup, not a projection. The facts are kept per
+equation position (``idpath``) for the interpreter, which walks the same jaxpr in the same
+order.
 
 **The output head, by role.** A value "derives transparently" from a matmul when every op on
 the way combines it only with constants, parameters (a bias) or values computed from the same
@@ -22,7 +24,10 @@ only (an auxiliary output, a dict of MoE metrics, never makes a second head), or
 values passed to ``mark_head`` where the model calls it; a sum keeps the head's chain through
 anything computed from parameters alone (an L2 penalty), and a sum of scalar loss terms takes
 the head of its first term that has one (the main loss, written first; an aux loss from a
-router or a probe adds no head).
+router or a probe adds no head). A value through ``stop_gradient`` (a frozen teacher's
+logits in a distillation loss) derives from no head, so the KL term may come first; terms
+from the output layers of two separate networks (no matmul feeds both: two trained models)
+warn, naming ``mark_head``.
 
 **Round trips.** ``x.astype(bf16)``, a dispatch, ``.astype(x.dtype)`` (MoE code saving
 bandwidth) is not the author asking for f32: a widening cast back to the dtype a value had
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +57,9 @@ if TYPE_CHECKING:
 
 # Sums through which the head's chain passes scalar terms (``loss + aux_weight * aux_loss``).
 _LOSS_SUMS = frozenset({"add", "sub", "add_any"})
+# Ops after which a value derives from no head: a frozen teacher's logits
+# (``jax.lax.stop_gradient``) are not the output of the model being trained.
+_NO_HEAD = frozenset({"stop_gradient"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,7 @@ class _Facts:
     # (traced dtype, idpath, module chain) of the author's narrowing cast this value has been
     # through since (``x.astype(bf16)`` before a dispatch), None if it has not
     narrowed: tuple | None = None
+    onehot: bool = False  # a one-hot encoding (a comparison cast to float), seen through views
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +108,11 @@ class Analysis:
         # round-trip cast (a widening back to the dtype before the author's narrowing) ->
         # idpath of that narrowing cast
         self.round_trips: dict[tuple, tuple] = {}
+        self._fwd_rule = 0  # depth of custom_vjp forward rules being walked
+        # (head taken, heads of the later terms) of each sum of loss terms whose terms came
+        # from different output layers
+        self.ambiguous: list[tuple[frozenset, list[frozenset]]] = []
+        self._upstream: dict[tuple, frozenset] = {}  # matmul -> the matmuls feeding it
         ins = [_Facts(param=bool(p), const=not floating_dtype(v.aval.dtype),
                       data=floating_dtype(v.aval.dtype) and not p)
                for v, p in zip(jaxpr.invars, param_inputs)]
@@ -108,6 +123,7 @@ class Analysis:
             first = next((f for f, h in zip(outs, head_outputs) if h), _NO_FACTS)
             heads = first.head
         heads = {d for d in heads if self.dots[d].projection}
+        self._warn_ambiguous(heads)
         for d in heads:
             self.dots[d] = dataclasses.replace(self.dots[d], head=True)
             if modules.head_applies(self.dots[d].module):  # the head stays out of FP8
@@ -115,6 +131,37 @@ class Analysis:
                 if key is not None:
                     self.site_shapes.pop(key)
         self.heads = frozenset(heads)
+
+    def _warn_ambiguous(self, heads: set) -> None:
+        """Warns when the head was chosen among loss terms from the output layers of two
+        separate networks (no matmul feeds both: two trained models, a distillation teacher
+        not under ``stop_gradient``). A probe or a router on the model's own features (an
+        aux loss) shares the trunk: the first term's head is then the intended one."""
+        if self.marked:
+            return
+
+        def upstream(ds):
+            return frozenset().union(*(self._upstream.get(d, frozenset()) for d in ds))
+
+        for taken, others in self.ambiguous:
+            rest = frozenset().union(*others) - taken
+            if not taken & heads or not upstream(taken) or not upstream(rest) \
+                    or upstream(taken) & upstream(rest):
+                continue
+
+            def where(ds):
+                return sorted({self._modules.path(self.dots[d].module) or "<root>"
+                               for d in ds if d in self.dots})
+
+            other = where(rest)
+            warnings.warn(
+                "with_policy: the loss adds terms computed from different output layers (the "
+                f"matmuls in modules {where(taken)} and {other}); the first term's, in "
+                f"{where(taken)}, is taken as the model's output head (f32 logits, never "
+                "FP8). If that is not the trained model's output, call "
+                "fmtkit.policy.mark_head(logits) on its logits; a frozen teacher's logits "
+                "under jax.lax.stop_gradient never count.", UserWarning, stacklevel=2)
+            return
 
     def is_head_value(self, idprefix: tuple, var) -> bool:
         facts = self.facts.get((idprefix, var))
@@ -167,9 +214,12 @@ class Analysis:
         n_out = len(eqn.outvars)
         data = any(a.data for a in args)
         narrowed = next((a.narrowed for a in args if a.narrowed is not None), None)
-        if name_stack_scopes(eqn.source_info.name_stack)[1]:
+        _, marks_head, nested = name_stack_scopes(eqn.source_info.name_stack)
+        if marks_head:
             self.marked = True
             self._marked.update(*(a.head for a in args))
+        if nested:  # an inner policied function's op: its own policy decided it
+            return [_Facts(dep=dep, const=const, data=data)] * n_out
         if name in _ops.INLINE_CALLS:
             return self._walk(eqn.params["jaxpr"].jaxpr, args, chain, idp, dims)
         if name == "custom_jvp_call":
@@ -190,8 +240,13 @@ class Analysis:
             (_lc, _rc), (lb, _) = (eqn.params["dimension_numbers"] if name == "dot_general"
                                  else (((), ()), ((), ())))
             module = chain[-1] if chain else None
-            info = DotInfo(module, any(a.param for a in args[:2]), bool(lb))
+            # A one-hot operand makes the matmul an embedding lookup (T5X's
+            # ``Embed(one_hot=True)``, a relative-position bias table), not a projection: it
+            # stays out of FP8, as a gather would.
+            info = DotInfo(module, any(a.param for a in args[:2])
+                           and not any(a.onehot for a in args[:2]), bool(lb))
             self.dots[idp] = info
+            self._upstream[idp] = dep
             policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
                     and name == "dot_general" and info.projection):
@@ -210,6 +265,8 @@ class Analysis:
         if list(jex.jaxprs_in_params(eqn.params)):  # pallas_call, unknown bodies: opaque
             return [_Facts(dep=dep, const=const, data=data)] * n_out
         heads = frozenset().union(*(a.head for a in args))
+        if name in _NO_HEAD:
+            heads = frozenset()
         if heads:
             # A value stays on the head's chain when combined with constants, parameters or
             # anything computed from parameters alone (an L2 penalty), values downstream of
@@ -218,7 +275,12 @@ class Analysis:
             if term and all(a.scalar for a in args):
                 # A sum of loss terms: the head comes from the first term that has one (the
                 # main loss written first; an aux loss from another projection adds none).
-                heads = next((a.head for a in args if a.head), frozenset())
+                # Terms with different heads (a second trained model's loss) make the choice
+                # ambiguous: reported once the analysis is done.
+                found = [a.head for a in args if a.head]
+                heads = found[0] if found else frozenset()
+                if any(h != heads for h in found[1:]):
+                    self.ambiguous.append((heads, found[1:]))
             else:
                 heads = frozenset(d for d in heads
                                   if all(a.const or a.param or not a.data or d in a.dep
@@ -244,6 +306,7 @@ class Analysis:
                     self.round_trips[idp] = narrowed[1]
                     upcast = False
                 narrowed = None
+        onehot = (view and args[0].onehot) or _is_onehot_cast(eqn)
         outs = []
         for v in eqn.outvars:
             floating = floating_dtype(v.aval.dtype)
@@ -251,7 +314,8 @@ class Analysis:
             outs.append(_Facts(param=param, const=const, dep=dep,
                                head=heads if floating else frozenset(), upcast=upcast,
                                data=data, scalar=scalar,
-                               narrowed=narrowed if floating else None))
+                               narrowed=narrowed if floating else None,
+                               onehot=onehot and floating))
         return outs
 
     # -- bodies of control flow (see ``BODIES``); each walks what the Interpreter runs ------
@@ -290,10 +354,17 @@ class Analysis:
         return self._walk(open_jaxpr(eqn.params["jaxpr"])[0], args, chain, idp, dims)
 
     def _custom_vjp_facts(self, eqn, args, chain, idp, dims):
+        if self._fwd_rule:  # inside a forward rule: its primal (see Interpreter._custom_vjp)
+            body, _ = open_jaxpr(eqn.params["call_jaxpr"])
+            return self._walk(body, args, chain, idp, dims)
         parts = self._modules.vjp_parts(eqn)
         if parts is None:
             return None
-        outs = self._walk(parts.fwd, args[parts.num_consts:], chain, idp, dims)
+        self._fwd_rule += 1
+        try:
+            outs = self._walk(parts.fwd, args[parts.num_consts:], chain, idp, dims)
+        finally:
+            self._fwd_rule -= 1
         return outs[parts.num_res:]
 
 
@@ -305,6 +376,13 @@ BODIES = {
     "cond": "_cond_facts", "while": "_while_facts", "shard_map": "_shard_map_facts",
     "custom_vjp_call": "_custom_vjp_facts",
 }
+
+
+def _is_onehot_cast(eqn) -> bool:
+    """A comparison's booleans cast to float: a one-hot encoding (``jax.nn.one_hot``)."""
+    return (eqn.primitive.name == "convert_element_type"
+            and eqn.invars[0].aval.dtype == np.bool_
+            and floating_dtype(eqn.params["new_dtype"]))
 
 
 def open_jaxpr(jaxpr) -> tuple[Any, Sequence[Any]]:

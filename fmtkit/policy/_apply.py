@@ -11,7 +11,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from fmtkit.policy import _eager, _trace, _trace_cache
+from fmtkit.policy import _eager, _scopes, _trace, _trace_cache
 from fmtkit.policy._policy import Policy, Rules, as_rules
 
 __all__ = ["module_paths", "with_policy"]
@@ -54,6 +54,14 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
       their outputs stay f32 until the next matmul casts its own inputs;
     * an upcast the author wrote is kept (a matmul fed an f32 value made by the author's
       ``astype`` is not cast down); everything else follows its inputs;
+    * what the author asked for explicitly is kept: a ``preferred_element_type`` wider than
+      the operands, ``jax.nn.dot_product_attention``'s f32 logits, ``precision=HIGHEST`` or a
+      dot algorithm that excludes the compute dtype (honoured, with a warning naming the
+      module); FFT, linear algebra (``eigh``, ``svd``, solves) and host callbacks run in
+      their traced dtypes; complex matmuls as traced; ``lax.ragged_dot`` (grouped GEMMs) on
+      the compute dtype; a one-hot embedding lookup is not a projection (never FP8);
+    * ``custom_vjp``/``custom_jvp`` rules are interpreted too (their matmuls on the compute
+      dtype), and a policied function called inside another keeps its own policy;
     * the output head (the matmul that produces the model's outputs: lm1b's ``logitdense``, a
       tied-embedding ``attend``) is found by its role and gets ``Rules.head`` (presets: half
       operands, f32 logits, never FP8);
@@ -207,7 +215,7 @@ def _has_matmul(traced: Any) -> bool:
 def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                        cache_traces: bool = True) -> Any:
     from fmtkit.policy import _linen
-    from fmtkit.policy._policy import has_delayed_fp8
+    from fmtkit.policy._policy import has_delayed_fp8, is_identity
 
     if getattr(fn, "_fmtkit_rules", None) is not None:
         raise ValueError("This function already has a policy (with_policy was applied to it); "
@@ -219,6 +227,7 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
     eager_calls = _eager.EagerCache()
     traces = _trace_cache.TraceCache() if cache_traces else None
     delayed = has_delayed_fp8(rules)
+    identity = is_identity(rules)
     has_fp8 = any(p is not None and p.fp8 is not None
                   for p in (rules.default, *(p for _, p in rules.rules)))
 
@@ -277,7 +286,17 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                                 fp8_state=dict(state) if state is not None else None)
             return out
 
-        # Eager calls: compiled once per input signature (fmtkit.policy._eager).
+        if _scopes.is_tracing():
+            # Called inside another policied model's trace: this policy decides the ops it
+            # binds (their scope tells the outer policy to keep them as traced), and only the
+            # outer call is recorded for inspect_policy.
+            with jax.named_scope(_scopes.NESTED_SCOPE), _scopes.not_recording():
+                return call((args, kwargs, fp8_state))
+
+        # Eager calls: compiled once per input signature (fmtkit.policy._eager); under rules
+        # that change nothing ("fp32"), op by op, as the unwrapped function runs.
+        if identity:
+            return call((args, kwargs, fp8_state))
         cached, out = eager_calls(call, (args, kwargs, fp8_state))
         return out if cached else call((args, kwargs, fp8_state))
 

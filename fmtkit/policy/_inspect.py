@@ -35,6 +35,8 @@ _FP4_RX = re.compile(re.escape(fp4.GEMM_SCOPE) + r"_(\d+x\d+)_(\d+x\d+)")
 _E2M1 = "float4_e2m1fn"
 _FP8_KINDS = ("float8", "float6", "float4")
 MATMUL_KINDS = ("forward", "dgrad", "wgrad")
+# The name JAX gives the forward computation a checkpoint (remat) replays on the backward pass.
+_REMAT_SCOPE = "rematted_computation"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +97,15 @@ class MatmulOp:
 
     Attributes:
       path: the module it was written in (``""``: the model itself or no module).
-      primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+      primitive: ``"dot_general"``, ``"conv_general_dilated"``, ``"ragged_dot_general"``
+        (``lax.ragged_dot``) or ``"scaled_dot"``.
       kind: ``"forward"``, ``"dgrad"`` or ``"wgrad"`` (a backward matmul outside a policied op
         is ``"dgrad"`` or ``"wgrad"`` by the same shape test, or ``"backward"``).
       dtypes: ``"lhs x rhs -> out"``.
       flops: 2 x output elements x contraction size, times the length of enclosing scans and
         the grid of an enclosing ``pallas_call`` (a ``while`` body counts once: its trip count
-        is not known from the jaxpr).
+        is not known from the jaxpr). A grouped GEMM (``ragged_dot``) counts each row once,
+        with the weights of its group.
       policied: it ran as an op the policy interpreted, under a Policy (or ``Rules.head``).
       reason: why not, when not: ``"no rule"`` (a module the rules leave untouched),
         ``"opaque <primitive>"`` (inside a body the policy cannot interpret, e.g.
@@ -115,6 +119,7 @@ class MatmulOp:
         2D weight blocks); ``""`` for other matmuls. Its ``dtypes`` name the operands E2M1
         (``float4_e2m1fn``), the format the GEMM computes in, though the emulated dot reads
         them widened exactly to E4M3 (``fmtkit.fp4``).
+      groups: a grouped GEMM's (``lax.ragged_dot``) number of groups; 0 for other matmuls.
     """
 
     path: str
@@ -127,6 +132,7 @@ class MatmulOp:
     head: bool = False
     projection: bool = False
     blocks: str = ""
+    groups: int = 0
 
     @property
     def low_precision(self) -> bool:
@@ -243,9 +249,18 @@ def _walk(jaxpr, prefix: str, visit: Callable, times: int = 1) -> None:
 
 
 def matmul_flops(eqn) -> int:
-    """2 x (output elements) x (contraction size) of a ``dot_general`` or convolution."""
+    """2 x (output elements) x (contraction size) of a ``dot_general``, ``scaled_dot`` or
+    convolution; of a ``ragged_dot_general``, 2 x (lhs elements) x (rhs elements that are
+    neither contracted, batched nor a group): each lhs row meets one group's weights."""
     out = eqn.outvars[0].aval
-    if eqn.primitive.name == "dot_general":
+    if eqn.primitive.name == "ragged_dot_general":
+        rd = eqn.params["ragged_dot_dimension_numbers"]
+        (_, rhs_contract), (_, rhs_batch) = rd.dot_dimension_numbers
+        rhs = eqn.invars[1].aval
+        skip = {*rhs_contract, *rhs_batch, *rd.rhs_group_dimensions}
+        free = math.prod(n for i, n in enumerate(rhs.shape) if i not in skip)
+        return 2 * math.prod(eqn.invars[0].aval.shape) * free
+    if eqn.primitive.name in ("dot_general", "scaled_dot"):
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval
         return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in lhs_contract)
@@ -474,10 +489,11 @@ def _argnums(argnums, n: int) -> frozenset[int]:
 
 
 def _matmul_kind(eqn, rec: _scopes.OpRecord, backward: bool, stack: str) -> str:
-    """forward; or, on the backward pass, what an FP8 / FP4 dot's backward scope says, else
-    wgrad when the result has as many elements as a parameter operand (the weight's gradient,
-    in whatever layout), else dgrad."""
-    if not backward:
+    """forward (a forward matmul that ``jax.checkpoint`` recomputes on the backward pass
+    too: JAX names that recomputation ``_REMAT_SCOPE``); or, on the backward pass, what an
+    FP8 / FP4 dot's backward scope says, else wgrad when the result has as many elements as a
+    parameter operand (the weight's gradient, in whatever layout), else dgrad."""
+    if not backward or _REMAT_SCOPE in stack:
         return "forward"
     if fp8.WGRAD_SCOPE in stack:
         return "wgrad"
@@ -508,17 +524,17 @@ def _assemble(closed, rec: _scopes.Recorder, param_table, out_shapes, loss_shape
         name = eqn.primitive.name
         backward = "transpose(" in stack
         op = rec.ops[int(found[-1])] if found else None
-        if name in _ops.MATMUL and (op is None or op.primitive not in _ops.MATMUL):
+        if name in _ops.MATMUL_LIKE and (op is None or op.primitive not in _ops.MATMUL_LIKE):
             found_ops.append(MatmulOp(
                 path=op.path if op else "", primitive=name,
                 kind="backward" if backward else "forward", dtypes=_matmul_dtypes(eqn),
                 flops=matmul_flops(eqn) * times, policied=False,
-                reason=_not_policied(op)))
+                reason=_not_policied(op), groups=_groups(eqn)))
             return
         if op is None:
             return
         a = entry(op.path)
-        if name in _ops.MATMUL:
+        if name in _ops.MATMUL_LIKE:
             d = _matmul_dtypes(eqn)
             widened = _WIDENED_RX.findall(stack)
             if widened:  # off GPUs an FP8 GEMM's dot reads its operands widened to bf16
@@ -537,7 +553,8 @@ def _assemble(closed, rec: _scopes.Recorder, param_table, out_shapes, loss_shape
                 flops=matmul_flops(eqn) * times, policied=op.policy is not None,
                 reason="" if op.policy is not None else "no rule", head=op.head,
                 projection=op.projection,
-                blocks=" x ".join(fp4_gemm[-1]) if fp4_gemm else ""))
+                blocks=" x ".join(fp4_gemm[-1]) if fp4_gemm else "",
+                groups=_groups(eqn)))
         elif not list(jex.jaxprs_in_params(eqn.params)):
             ops = a["grad_ops" if backward else "ops"]
             ops.setdefault(name, set()).update(_dtype(v) for v in eqn.outvars)
@@ -566,6 +583,13 @@ def _assemble(closed, rec: _scopes.Recorder, param_table, out_shapes, loss_shape
     return PolicyReport(modules=MappingProxyType(modules), params=MappingProxyType(param_table),
                         output_dtypes=out_dtypes, loss_dtype=str(loss_shape.dtype),
                         matmul_ops=tuple(found_ops), opaque=tuple(dict.fromkeys(rec.opaque)))
+
+
+def _groups(eqn) -> int:
+    """A grouped GEMM's number of groups (its group sizes' last axis), else 0."""
+    if eqn.primitive.name != "ragged_dot_general":
+        return 0
+    return int(eqn.invars[2].aval.shape[-1])
 
 
 def _matmul_dtypes(eqn) -> str:

@@ -7,12 +7,15 @@ rounded through ``grad_dtype`` (``_cotangent``). The interpretation is ordinary 
 ``jit``, ``grad`` and ``vmap`` around it work and the backward pass is JAX's own transpose
 of the policied forward pass. Every primitive that holds a body is interpreted and rebuilt:
 ``jit`` (kept as a ``jit`` with its shardings), ``scan``, ``remat``, ``custom_jvp`` (the
-tangent is the original rule's), ``cond``/``switch`` (outputs in the widest dtype the
-branches give), ``while`` (the carry in its traced dtypes), ``shard_map`` (same mesh and
-specs), ``custom_vjp`` (the user's forward rule interpreted; the user's backward rule on
-residuals and cotangents in their traced dtypes). Any other body (``pallas_call``, a
-primitive this module does not know) runs as traced, inputs cast back, with one warning per
-module and primitive. Equations are bound through ``_binding``'s shared jits.
+tangent is the original rule's; a rule around a matmul is traced and interpreted too),
+``cond``/``switch`` (outputs in the widest dtype the branches give), ``while`` (the carry in
+its traced dtypes), ``shard_map`` (same mesh and specs), ``custom_vjp`` (the user's forward
+rule interpreted, a ``custom_vjp`` it calls running its primal body; the user's backward
+rule traced on residuals and cotangents in their traced dtypes and interpreted). Any other
+body (``pallas_call``, a primitive this module does not know) runs as traced, inputs cast
+back, with one warning per module and primitive. The ops of a policied function called
+inside the trace (``_scopes.NESTED_SCOPE``) are bound as traced: the inner policy wins.
+Equations are bound through ``_binding``'s shared jits.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from fmtkit import fp8
 from fmtkit.policy import _analysis, _ops
@@ -42,33 +46,100 @@ from fmtkit.policy._analysis import (
 from fmtkit.policy._binding import F32, bind, cast, floating_dtype, is_float_value, wider
 from fmtkit.policy._cotangent import round_on_exit
 from fmtkit.policy._plan import Plan
-from fmtkit.policy._policy import Policy
-from fmtkit.policy._scopes import OP_SCOPE, ModuleInfo, OpRecord, Recorder, Registry, scope_chain
+from fmtkit.policy._policy import Policy, is_identity
+from fmtkit.policy._scopes import (
+    OP_SCOPE,
+    ModuleInfo,
+    OpRecord,
+    Recorder,
+    Registry,
+    name_stack_scopes,
+    scope_chain,
+)
 from fmtkit.scaling import DelayedScalingState
 
 
-def _mixed_matmul(eqn, lhs, rhs, out_dtype):
+def _mixed_matmul(eqn, lhs, rhs, out_dtype, forward: dict | None = None):
     """A matmul on narrow operands with a wider result (the head's f32 logits), whose two
     backward GEMMs also run on the narrow dtype (the cotangent is cast down first), as a
-    bf16 head matmul does in frameworks that keep f32 logits."""
+    bf16 head matmul does in frameworks that keep f32 logits.
+
+    A ``custom_jvp`` (not a ``custom_vjp``), so forward-mode AD (``jax.jvp``, ``jacfwd``,
+    Hessian-vector products) goes through it: the tangent is the sum of the two narrow
+    matmuls, cast to the result dtype, and JAX's transpose of it is the backward above (the
+    cast becomes the cotangent's cast down, each narrow matmul its dgrad or wgrad).
+    ``forward``: parameters of the forward matmul only (``jax.nn.dot_product_attention``'s
+    dot algorithm)."""
     narrow = lhs.dtype
 
     def low(a, b):
         return bind(eqn, [a, b], preferred_element_type=narrow)[0]
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def matmul(a, b):
-        return bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
+        return bind(eqn, [a, b], preferred_element_type=out_dtype, **(forward or {}))[0]
 
-    def fwd(a, b):
-        return matmul(a, b), (a, b)
+    def matmul_jvp(primals, tangents):
+        (a, b), (da, db) = primals, tangents
+        terms = [low(t, b) if j == 0 else low(a, t) for j, t in enumerate((da, db))
+                 if not isinstance(t, SymbolicZero)]
+        out = matmul(a, b)
+        if not terms:  # JAX calls the rule only when a tangent is nonzero
+            return out, jnp.zeros(out.shape, out.dtype)
+        return out, cast(functools.reduce(lambda x, y: x + y, terms), out_dtype)
 
-    def bwd(res, g):
-        _, vjp = jax.vjp(low, *res)
-        return vjp(g.astype(narrow))
-
-    matmul.defvjp(fwd, bwd)
+    matmul.defjvp(matmul_jvp, symbolic_zeros=True)
     return matmul(lhs, rhs)
+
+
+# The logits einsum of ``jax.nn.dot_product_attention(implementation="xla")`` (its name stack
+# holds the einsum's spec): JAX computes it with f32 results for bf16/f16 inputs, with the
+# dot algorithm below.
+_DPA_LOGITS = "BTNH,BSNH->BNTS"
+_DPA_ALGORITHMS = {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
+                   np.dtype(np.float16): lax.DotAlgorithmPreset.F16_F16_F32}
+
+
+def _asked_output(eqn, traced: list[np.dtype], target: np.dtype
+                  ) -> tuple[np.dtype | None, Any]:
+    """(the result dtype the author asked for, wider than the traced operands, or None; the
+    dot algorithm to bind with it, or None)."""
+    if eqn.primitive.name != "dot_general":
+        return None, None
+    pet = eqn.params.get("preferred_element_type")
+    if (pet is not None and floating_dtype(pet) and all(floating_dtype(d) for d in traced)
+            and np.dtype(pet).itemsize > max(d.itemsize for d in traced)):
+        return np.dtype(pet), None
+    if _DPA_LOGITS in str(eqn.source_info.name_stack) and target.itemsize < 4:
+        algorithm = eqn.params.get("precision")
+        if algorithm is None:
+            algorithm = _DPA_ALGORITHMS.get(target)
+        return F32, algorithm
+    return None, None
+
+
+def _asked_precision(eqn, cdt: np.dtype) -> str | None:
+    """The precision the author asked for (``precision=HIGHEST``/``HIGH``, a dot algorithm
+    whose operand types exclude the compute dtype), as words for a warning; None if none."""
+    precision = eqn.params.get("precision")
+    if precision is None:
+        return None
+    if isinstance(precision, tuple):
+        asked = [p for p in precision if p in (lax.Precision.HIGHEST, lax.Precision.HIGH)]
+        return f"precision={asked[0].name}" if asked else None
+    types = getattr(precision, "supported_lhs_types", None)
+    if types is None or any(np.dtype(t) == cdt for t in types):
+        return None
+    return f"the dot algorithm {getattr(precision, 'name', precision)}"
+
+
+def _is_complex(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.complexfloating))
+
+
+def _float0(x):
+    """The tangent of a non-differentiable (integer, boolean) value."""
+    return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 class Interpreter:
@@ -85,7 +156,11 @@ class Interpreter:
         self._warned: set[str] = set()
         self._vjp: dict[int, tuple[Any, VjpParts | None]] = {}
         self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
+        self._fwd_rule = 0  # depth of custom_vjp forward rules being evaluated
+        self._rules_traced: dict[tuple, Any] = {}  # (kind, id(eqn)) -> (eqn, traced rule)
         self.analysis: Analysis | None = None
+        # Rules that change nothing ("fp32"): every op as traced, no exit casts.
+        self.identity = is_identity(plan.rules)
 
     # -- rules ----------------------------------------------------------------------------
     def path(self, module: int | None) -> str:
@@ -172,7 +247,8 @@ class Interpreter:
             policy, explicit = self.resolve(m)
             path = self.registry.modules[m].path
             root_by_rule = path == "" and not explicit and self.rules.output_dtype is not None
-            if policy is not None and not root_by_rule:  # else: Rules.output_dtype decides
+            if policy is not None and not root_by_rule and not self.identity:
+                # (else: Rules.output_dtype decides, or nothing changes)
                 odt = np.dtype(policy.output_dtype)
                 if not (head_value and odt.itemsize < x.dtype.itemsize):
                     x = cast(x, odt)
@@ -186,6 +262,9 @@ class Interpreter:
         scope = (self._record(eqn, chain, idp) if self.record is not None
                  else contextlib.nullcontext())
         with scope:
+            if name_stack_scopes(eqn.source_info.name_stack)[2]:
+                # An inner policied function's op (NESTED_SCOPE): its policy decided it.
+                return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if name in _ops.INLINE_CALLS:
                 return self._jit(eqn, invals, chain, idp, fp8_local)
             if name == "custom_jvp_call":
@@ -200,7 +279,9 @@ class Interpreter:
                                                                   fp8_local)
                 if outs is not None:
                     return outs
-            if name in _ops.DTYPE_EXACT:  # bit patterns: on the traced dtypes
+            if (name in _ops.DTYPE_EXACT or name in _ops.WIDE_OPS
+                    or (self.identity and not list(jex.jaxprs_in_params(eqn.params)))):
+                # bit patterns, FFT, linear algebra, callbacks, every op of "fp32": as traced
                 return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if list(jex.jaxprs_in_params(eqn.params)):
                 return self._opaque(eqn, invals, chain)
@@ -271,6 +352,31 @@ class Interpreter:
         if head:
             policy = self.rules.head
         cdt = np.dtype(policy.compute_dtype)
+        traced = [np.dtype(v.aval.dtype) for v in eqn.invars[:2]]
+        if any(_is_complex(d) for d in traced):
+            # No complex bf16 or FP8: the matmul runs as traced, and says so when the policy
+            # would narrow it.
+            path = self.path(module)
+            if policy.fp8 is not None or cdt.itemsize < 4:
+                self._warn(f"complex:{path}", (
+                    f"A complex matmul in module {path or '<root>'!r} runs in its traced "
+                    f"dtype ({wider(*traced).name}): the policy's compute dtype "
+                    f"({cdt.name}) and FP8 recipes apply to real matmuls only."))
+            return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])[0]
+        asked = _asked_precision(eqn, cdt)
+        if asked is not None and (policy.fp8 is not None
+                                  or any(d.itemsize > cdt.itemsize for d in traced)):
+            # The author asked for this matmul's precision: honoured, on the traced dtypes.
+            path = self.path(module)
+            self._warn(f"precision:{path}", (
+                f"A matmul in module {path or '<root>'!r} asks for {asked}: honoured, it runs "
+                f"on its traced operand dtypes ({traced[0].name}), not the policy's "
+                f"{cdt.name}{' or FP8' if policy.fp8 is not None else ''}. Drop the request "
+                "to let the policy choose; to silence this for the module: "
+                "warnings.filterwarnings('ignore', message=\".*module "
+                f"{path or '<root>'!r}\").")
+            )
+            return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])[0]
         lhs, rhs = invals[0], invals[1]
         targets = []
         for x, v in zip((lhs, rhs), eqn.invars[:2]):
@@ -280,14 +386,33 @@ class Interpreter:
         target = wider(*targets)
         lhs, rhs = cast(lhs, target), cast(rhs, target)
         out_dt = np.dtype(policy.output_dtype) if head else target
+        # A result wider than the operands that the author asked for (an einsum's
+        # preferred_element_type=f32 on bf16 operands; the f32 logits of
+        # jax.nn.dot_product_attention, which JAX computes so for bf16 inputs) is kept.
+        wide_out, algorithm = _asked_output(eqn, traced, target)
+        if wide_out is not None and wide_out.itemsize > out_dt.itemsize and not head:
+            out_dt = wide_out
+        else:
+            wide_out = None
         recipe = policy.fp8
+        if (recipe is not None and not head and info is not None and info.projection
+                and eqn.primitive.name == "ragged_dot_general"):
+            path = self.path(module)
+            self._warn(f"no-fp8:{path}:{eqn.primitive.name}", (
+                f"lax.ragged_dot (a grouped GEMM) in module {path or '<root>'!r} runs on "
+                f"{cdt.name}, not with the FP8 recipe {recipe.name}: fmtkit's FP8 GEMMs are "
+                "dot_general only. inspect_policy counts it as not FP8."))
         if (recipe is not None and not head and target == cdt and info is not None
                 and info.projection and eqn.primitive.name == "dot_general"):
-            out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt)
+            out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local,
+                                   cdt if wide_out is None else wide_out)
             if out is not None:
                 return out
         if not (is_float_value(lhs) and is_float_value(rhs)):
             return bind(eqn, [lhs, rhs, *invals[2:]])[0]
+        if wide_out is not None:  # the backward as the head's: on the operands' dtype
+            return _mixed_matmul(eqn, lhs, rhs, out_dt,
+                                 {} if algorithm is None else {"precision": algorithm})
         if out_dt.itemsize > target.itemsize:
             return _mixed_matmul(eqn, lhs, rhs, out_dt)
         return bind(eqn, [lhs, rhs, *invals[2:]], preferred_element_type=out_dt)[0]
@@ -310,6 +435,15 @@ class Interpreter:
         except ValueError as err:
             raise ValueError(f"FP8 matmul in module {path or '<root>'!r} (recipe "
                              f"{recipe}): {err}") from None
+        except TypeError as err:
+            if "forward-mode" not in str(err):
+                raise
+            raise TypeError(
+                f"FP8 matmul in module {path or '<root>'!r} (recipe {recipe}): forward-mode "
+                "autodiff (jax.jvp, jax.jacfwd, Hessian-vector products) does not go through "
+                "fmtkit's FP8 GEMMs, which define their backward pass only (a custom_vjp). "
+                "Differentiate in reverse mode, or run forward-mode AD under a mixed preset "
+                "(bf16-mixed).") from err
 
     def _record(self, eqn, chain, idp):
         module = chain[-1] if chain else None
@@ -336,11 +470,18 @@ class Interpreter:
             warnings.warn(msg, UserWarning, stacklevel=2)
 
     def _custom_jvp(self, eqn, invals, chain, idp, fp8_local):
+        """A ``jax.custom_jvp``: the primal body interpreted. Its JVP rule: where the body
+        holds a matmul, the rule too (traced once by ``jax.jvp`` on the traced types, then
+        interpreted: its matmuls on the compute dtype; a rule that cannot be traced on its
+        own runs as written, with a warning); otherwise (``jax.nn.relu``, ``softplus``)
+        the original rule on the primals cast back to their traced dtypes."""
         traced = [v.aval.dtype for v in eqn.invars]
+        with_matmul = holds_matmul(eqn.params["call_jaxpr"].jaxpr)
         if (all(not is_float_value(x) or x.dtype == d for x, d in zip(invals, traced))
-                and not holds_matmul(eqn.params["call_jaxpr"].jaxpr)):
+                and not with_matmul):
             return bind(eqn, invals)  # dtypes as traced: the original, custom rule and all
         body = eqn.params["call_jaxpr"]
+        rule = self._jvp_rule(eqn, chain) if with_matmul else None
 
         def original(*xs):
             return bind(eqn, list(xs))
@@ -353,12 +494,49 @@ class Interpreter:
         @policied.defjvp
         def policied_jvp(primals, tangents):
             out = policied(*primals)
-            p0 = [cast(p, d) for p, d in zip(primals, traced)]
-            t0 = [cast(t, d) for t, d in zip(tangents, traced)]
-            _, t_out = jax.jvp(original, p0, t0)
+            if rule is not None:
+                closed, floats = rule
+                args = [*primals, *(t for t, f in zip(tangents, floats) if f)]
+                t_iter = iter(self._walk(closed.jaxpr, closed.consts, args,
+                                         [chain] * len(args), chain, (*idp, "jvp"), fp8_local))
+                t_out = [next(t_iter) if is_float_value(o) else _float0(o) for o in out]
+            else:
+                p0 = [cast(p, d) for p, d in zip(primals, traced)]
+                t0 = [cast(t, d) for t, d in zip(tangents, traced)]
+                _, t_out = jax.jvp(original, p0, t0)
             return out, [cast(t, o.dtype) for t, o in zip(t_out, out)]
 
         return policied(*invals)
+
+    def _jvp_rule(self, eqn, chain):
+        """(jaxpr of (primals, floating tangents) -> floating output tangents, which inputs
+        are floating) of a ``custom_jvp_call``'s own rule, or None (with a warning) where it
+        cannot be traced."""
+        key = ("jvp", id(eqn))
+        if key not in self._rules_traced:
+            floats = [floating_dtype(v.aval.dtype) for v in eqn.invars]
+            out_floats = [floating_dtype(v.aval.dtype) for v in eqn.outvars]
+
+            def tangent(*xs):
+                primals, it = xs[:len(floats)], iter(xs[len(floats):])
+                tans = [next(it) if f else np.zeros(np.shape(p), jax.dtypes.float0)
+                        for p, f in zip(primals, floats)]
+                _, t_out = jax.jvp(lambda *a: bind(eqn, list(a)), list(primals), tans)
+                return [t for t, f in zip(t_out, out_floats) if f]
+
+            avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+            try:
+                closed = jax.make_jaxpr(tangent)(*avals, *(a for a, f in zip(avals, floats) if f))
+                self._rules_traced[key] = (eqn, (closed, floats))
+            except Exception:  # a rule that only runs on concrete values, or JAX's internals
+                self._rules_traced[key] = (eqn, None)
+        rule = self._rules_traced[key][1]
+        if rule is None:
+            path = self.path(chain[-1] if chain else None)
+            self._warn(f"jvp:{path}", f"The JVP rule of a jax.custom_jvp around a matmul in "
+                       f"module {path or '<root>'!r} could not be traced on its own: it runs "
+                       "as written (its matmuls in their traced dtypes).")
+        return rule
 
     # -- bodies of control flow ------------------------------------------------------------
     def vjp_parts(self, eqn) -> VjpParts | None:
@@ -469,8 +647,18 @@ class Interpreter:
 
     def _custom_vjp(self, eqn, invals, chain, idp, fp8_local):
         """A user's ``jax.custom_vjp``: the forward rule interpreted under the policy (it also
-        gives the primal outputs); the user's backward rule runs on the residuals and
-        cotangents in their traced dtypes, its results cast to the inputs' dtypes."""
+        gives the primal outputs); the user's backward rule traced on the residuals and
+        cotangents in their traced dtypes and interpreted under the policy too (its matmuls on
+        the compute dtype; ``None`` gradients as JAX's zeros), its results cast to the inputs'
+        dtypes.
+
+        A forward rule written as JAX's documentation writes it calls the function itself
+        (``f_fwd(x) = f(x), res``): inside a forward rule a ``custom_vjp`` runs its primal
+        body (the rule is not differentiated there), which ends the recursion."""
+        if self._fwd_rule:
+            body, consts = open_jaxpr(eqn.params["call_jaxpr"])
+            return self._walk(body, consts, list(invals), [chain] * len(invals), chain, idp,
+                              fp8_local)
         traced_in = [v.aval.dtype for v in eqn.invars]
         if (all(not is_float_value(x) or x.dtype == d for x, d in zip(invals, traced_in))
                 and not holds_matmul(open_jaxpr(eqn.params["call_jaxpr"])[0])):
@@ -479,13 +667,18 @@ class Interpreter:
         if parts is None:
             return None
         traced_out = [v.aval.dtype for v in eqn.outvars]
-        res_dtypes = [v.aval.dtype for v in parts.fwd.outvars[:parts.num_res]]
+        res_avals = [v.aval for v in parts.fwd.outvars[:parts.num_res]]
+        res_dtypes = [a.dtype for a in res_avals]
         consts = invals[:parts.num_consts]
         n = len(invals) - parts.num_consts
 
         def forward(xs):
-            outs = self._walk(parts.fwd, parts.fwd_consts, list(xs), [chain] * n, chain, idp,
-                              fp8_local)
+            self._fwd_rule += 1
+            try:
+                outs = self._walk(parts.fwd, parts.fwd_consts, list(xs), [chain] * n, chain,
+                                  idp, fp8_local)
+            finally:
+                self._fwd_rule -= 1
             computed = iter(cast(r, d) for r, d in zip(outs[:parts.num_res], res_dtypes))
             full = [*consts, *xs]
             res = [next(computed) if f is None else cast(full[f], traced_in[f])
@@ -504,7 +697,7 @@ class Interpreter:
 
         def bwd(res, cts):
             cts = [cast(g, d) for g, d in zip(cts, traced_out)]
-            grads, _logs = parts.bwd.call_wrapped(*res, *cts)
+            grads = self._vjp_backward(eqn, parts, res, cts, chain, idp, fp8_local)
             out = []
             for g, d in zip(grads, in_dtypes):
                 if d is None or not floating_dtype(d):
@@ -517,6 +710,39 @@ class Interpreter:
 
         policied.defvjp(fwd, bwd)
         return list(policied(*invals[parts.num_consts:]))
+
+    def _vjp_backward(self, eqn, parts, res, cts, chain, idp, fp8_local) -> list[Any]:
+        """The user's backward rule on (residuals, cotangents), interpreted: traced once on
+        their traced types, its matmuls then on the compute dtype. A rule that cannot be
+        traced on its own runs as written, with a warning."""
+        key = ("bwd", id(eqn))
+        if key not in self._rules_traced:
+            zeros: dict[int, Any] = {}  # gradient index -> JAX's symbolic zero (or None)
+
+            def flat(*a):
+                grads, _logs = parts.bwd.call_wrapped(*a)
+                zeros.update((j, g) for j, g in enumerate(grads) if not hasattr(g, "dtype"))
+                return [g for g in grads if hasattr(g, "dtype")]
+
+            avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*res, *cts)]
+            try:
+                closed = jax.make_jaxpr(flat)(*avals)
+                traced = (closed, zeros, len(zeros) + len(closed.jaxpr.outvars))
+            except Exception:  # a rule that only runs on concrete values, or JAX's internals
+                traced = None
+            self._rules_traced[key] = (eqn, traced)
+        traced = self._rules_traced[key][1]
+        if traced is None:
+            path = self.path(chain[-1] if chain else None)
+            self._warn(f"vjp:{path}", f"The backward rule of a jax.custom_vjp in module "
+                       f"{path or '<root>'!r} could not be traced on its own: it runs as "
+                       "written (its matmuls in their traced dtypes).")
+            return list(parts.bwd.call_wrapped(*res, *cts)[0])
+        closed, zeros, n_grads = traced
+        args = [*res, *cts]
+        computed = iter(self._walk(closed.jaxpr, closed.consts, args, [chain] * len(args),
+                                   chain, (*idp, "bwd"), fp8_local))
+        return [zeros[j] if j in zeros else next(computed) for j in range(n_grads)]
 
     def _checkpoint(self, eqn, invals, chain, idp, fp8_local):
         body = eqn.params["jaxpr"]

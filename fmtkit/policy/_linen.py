@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from fmtkit.policy import _eager, _scopes, _trace, _trace_cache
 from fmtkit.policy._plan import Plan
-from fmtkit.policy._policy import Rules, cast_floating
+from fmtkit.policy._policy import Rules, cast_floating, is_identity
 
 FP8_COLLECTION = "fp8_state"
 
@@ -167,6 +167,8 @@ class PolicyModel:
             v, r, a, k = tree
             return self._apply(v, *a, rngs=r, method=method, mutable=mutable, **k)
 
+        if is_identity(self.rules):  # "fp32": op by op, as the unwrapped apply runs
+            return call((variables, rngs, args, kwargs))
         mutable_key = tuple(mutable) if isinstance(mutable, list) else mutable
         cached, out = self._eager_calls(call, (variables, rngs, args, kwargs),
                                         (method, mutable_key))

@@ -43,7 +43,7 @@ from flax import nnx
 
 from fmtkit.policy import _eager, _scopes, _trace, _trace_cache
 from fmtkit.policy._plan import Plan
-from fmtkit.policy._policy import Rules, is_floating
+from fmtkit.policy._policy import Rules, is_floating, is_identity
 
 
 class DelayedScalingVariable(nnx.Variable):
@@ -203,7 +203,7 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
     # method are part of the key). Not under a delayed FP8 recipe: its histories are read
     # from the model itself.
     delayed = plan.delayed or isinstance(vars(model).get("fp8_state"), DelayedScalingVariable)
-    cached, result = ((False, None) if delayed else
+    cached, result = ((False, None) if delayed or is_identity(plan.rules) else
                       _EAGER_CALLS(changes, tree, (graphdef, fn), static_types=(_Slot,),
                                    aux=True))
     if not cached:

@@ -10,7 +10,7 @@ reduce_sum / div; a hand-written RMSNorm is mean / rsqrt / mul):
 =============  ====================================================  ==========================
 class          primitives                                            what the policy does
 =============  ====================================================  ==========================
-matmul         dot_general, conv_general_dilated                     operands in the module's
+matmul         dot_general, conv_general_dilated, ragged_dot_general operands in the module's
                                                                      compute dtype, or its FP8
                                                                      recipe (projections only)
 f32            exp, exp2, log, log1p, expm1, rsqrt, pow, tan, sinh,  floating inputs below f32
@@ -24,6 +24,8 @@ follow         everything else (add, mul, div, tanh, select_n,       inputs of o
                                                                      "promote" class); a
                                                                      weakly typed constant takes
                                                                      its partner's dtype
+wide           fft, eigh, svd, qr, lu, cholesky, triangular_solve,   inputs in their traced
+               custom_linear_solve, callbacks (``WIDE_OPS``)         dtypes (f32), outputs too
 =============  ====================================================  ==========================
 
 Why these: autocast's float32 list holds the ops whose error grows with the input's
@@ -41,7 +43,11 @@ is applied as written, and a matmul operand the author upcast to f32 is not cast
 
 from __future__ import annotations
 
-MATMUL = frozenset({"dot_general", "conv_general_dilated"})
+MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+# Every primitive with matmul FLOPs, which ``inspect_policy`` counts: the policy's matmuls and
+# ``scaled_dot`` (a block-scaled GEMM on operands the author already quantized; it runs as
+# written, its operands' formats being the author's choice).
+MATMUL_LIKE = MATMUL | frozenset({"scaled_dot"})
 
 F32_ELEMENTWISE = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "rsqrt", "pow", "tan", "sinh", "cosh", "asin",
@@ -66,7 +72,18 @@ VIEW_OPS = frozenset({
 # pattern (``bitcast_convert_type``, which fmtkit.cast's stochastic rounding and bf16 bit
 # tricks use) or the next representable number (``nextafter``). They run on their inputs in
 # the dtypes they were traced with.
-DTYPE_EXACT = frozenset({"bitcast_convert_type", "nextafter"})
+DTYPE_EXACT = frozenset({"bitcast_convert_type", "nextafter", "scaled_dot"})
+
+# Operations with no low-precision kernel (XLA's FFT and LAPACK-style factorizations and solves
+# take f32/f64 and complex only) and host callbacks (whose Python code checks the dtypes it was
+# traced with): they run on their inputs in their traced dtypes, so their outputs have the
+# traced dtypes too. ``custom_linear_solve`` (``jnp.linalg.solve``, ``inv``) is a solve: its
+# body runs as traced, without a warning.
+WIDE_OPS = frozenset({
+    "fft", "eigh", "eig", "svd", "qr", "geqrf", "geqp3", "householder_product", "lu",
+    "lu_pivots_to_permutation", "cholesky", "triangular_solve", "schur", "hessenberg",
+    "tridiagonal", "tridiagonal_solve", "custom_linear_solve", "pure_callback", "io_callback",
+})
 
 # Call primitives whose bodies the interpreter enters (``_interpreter`` handles the other
 # bodies: scan, remat, cond, while, shard_map, custom_jvp/vjp; any primitive with a body it
@@ -77,9 +94,11 @@ REMAT = frozenset({"checkpoint", "remat2", "remat"})
 
 
 def op_class(name: str) -> str:
-    """``"matmul"``, ``"f32"`` or ``"follow"`` for a primitive name."""
+    """``"matmul"``, ``"f32"``, ``"wide"`` or ``"follow"`` for a primitive name."""
     if name in MATMUL:
         return "matmul"
+    if name in WIDE_OPS:
+        return "wide"
     if name in F32_OPS:
         return "f32"
     return "follow"

@@ -591,6 +591,23 @@ def describe_presets() -> str:
     return "\n\n".join(out)
 
 
+def is_identity(rules: Rules) -> bool:
+    """Whether ``rules`` change nothing a model computes ("fp32"): every policy computes and
+    outputs float32 with no FP8 recipe and no narrower gradient rounding, and so does the
+    head. Under such rules every op runs in its traced dtypes (the model's own bf16 casts
+    and matmuls included), and an eager call runs as the unwrapped model's does, op by op
+    (not compiled as one program, which may fuse differently)."""
+    f32 = np.dtype(np.float32)
+
+    def same(p: Policy | None) -> bool:
+        return p is None or (p.fp8 is None and np.dtype(p.compute_dtype) == f32
+                             and np.dtype(p.output_dtype) == f32
+                             and (p.grad_dtype is None or np.dtype(p.grad_dtype) == f32))
+
+    return (all(same(p) for p in (rules.default, rules.head, *(p for _, p in rules.rules)))
+            and (rules.output_dtype is None or np.dtype(rules.output_dtype) == f32))
+
+
 def has_delayed_fp8(rules: Rules) -> bool:
     """Whether any policy of ``rules`` has a delayed FP8 recipe (which needs an amax state)."""
     policies = [p for _, p in rules.rules] + [rules.default]

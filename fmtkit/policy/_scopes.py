@@ -28,6 +28,9 @@ from fmtkit.policy._policy import Policy
 MODULE_SCOPE = "fmtkit_module_"
 OP_SCOPE = "fmtkit_op_"
 HEAD_SCOPE = "fmtkit_head_output"
+# The ops of a policied function called inside another policied model's trace: the inner
+# policy decided their dtypes, and the outer one binds them as traced (the inner one wins).
+NESTED_SCOPE = "fmtkit_nested_policy"
 _MODULE_RX = re.compile(MODULE_SCOPE + r"(\d+)")
 
 
@@ -125,6 +128,18 @@ def recording():
         _ACTIVE.recorder = prev
 
 
+@contextlib.contextmanager
+def not_recording():
+    """Suspends the enclosing ``recording`` (a nested policied call records nothing: the
+    outer interpreter records the ops it binds)."""
+    prev = _ACTIVE.recorder
+    _ACTIVE.recorder = None
+    try:
+        yield
+    finally:
+        _ACTIVE.recorder = prev
+
+
 def active_recorder() -> Recorder | None:
     """The recorder of the enclosing ``recording`` on this thread, or None."""
     return _ACTIVE.recorder
@@ -172,10 +187,12 @@ def scope_chain(eqn, prefix: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=8192)
-def name_stack_scopes(name_stack) -> tuple[tuple[int, ...], bool]:
-    """(module scope indices, innermost last; whether ``mark_head``'s scope is in it) of an
-    equation's name stack. Cached: equal stacks recur (every equation a module writes) and
-    hashing one is several times cheaper than printing it."""
+def name_stack_scopes(name_stack) -> tuple[tuple[int, ...], bool, bool]:
+    """(module scope indices, innermost last; whether ``mark_head``'s scope is in it; whether
+    an inner policied function wrote it, ``NESTED_SCOPE``) of an equation's name stack.
+    Cached: equal stacks recur (every equation a module writes) and hashing one is several
+    times cheaper than printing it."""
     text = str(name_stack)
-    return tuple(int(i) for i in _MODULE_RX.findall(text)), HEAD_SCOPE in text
+    return (tuple(int(i) for i in _MODULE_RX.findall(text)), HEAD_SCOPE in text,
+            NESTED_SCOPE in text)
 
