@@ -16,7 +16,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 
 from fmtkit import Rules, fp8
 from studies import stats
-from studies.train import Setup, TrainConfig
+from studies.training import Setup, TrainConfig
 from studies.training.multiseed import final_loss, train_seeds
 
 cfg = TrainConfig(steps=30, seeds=2, batch=8, seq_len=32)  # the tiny byte-level LM

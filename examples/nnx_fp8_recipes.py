@@ -22,7 +22,8 @@ from flax import nnx
 import fmtkit
 from fmtkit import fp8, with_policy
 
-Fp8State = fmtkit.policy.Fp8State  # the NNX Variable type of the delayed FP8 states
+# The NNX Variable type that holds a policied model's delayed FP8 states (amax histories).
+Delayed = fmtkit.policy.DelayedScalingVariable
 
 
 class MLP(nnx.Module):
@@ -50,15 +51,15 @@ def train(preset: str, steps: int = 150) -> str:
     if delayed:
         model(x[:1])  # creates the amax histories, outside the jitted step
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-    wrt = (nnx.Param, Fp8State) if delayed else nnx.Param
+    wrt = (nnx.Param, Delayed) if delayed else nnx.Param
 
     @nnx.jit
     def step(model, optimizer, bx, by):
         loss_fn = lambda m: jnp.mean((m(bx).astype(jnp.float32) - by) ** 2)  # noqa: E731
         loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model)
         if delayed:
-            grads, observed = nnx.split_state(grads, nnx.Param, Fp8State)
-            nnx.update(model, fp8.update_state(nnx.state(model, Fp8State), observed))
+            grads, observed = nnx.split_state(grads, nnx.Param, Delayed)
+            nnx.update(model, fp8.update_state(nnx.state(model, Delayed), observed))
         optimizer.update(model, grads)
         return loss
 
@@ -67,7 +68,7 @@ def train(preset: str, steps: int = 150) -> str:
         loss = step(model, optimizer, x[rows], y[rows])
     line = f"{preset:14s} final loss {float(loss):.5f}"
     if delayed:
-        history = jax.tree.leaves(nnx.state(model, Fp8State))[0]   # [3, history]: x, w, grad
+        history = jax.tree.leaves(nnx.state(model, Delayed))[0]   # [3, history]: x, w, grad
         line += f"  (fc1's newest amaxes x, w, grad: {[f'{v:.3g}' for v in history[:, 0]]})"
     return line
 
