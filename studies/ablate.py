@@ -7,7 +7,7 @@ five FP8 recipes), several seeds per setup (``--seeds``, default 3) trained toge
 vmapped step (``studies.training.multiseed``); seed k of every setup starts from the same
 initial parameters and sees the same batches.
 
-The default run shows the contrasts of issue 12, each in the regime (``studies.regimes``)
+The default run shows three contrasts, each in the regime (``studies.regimes``)
 where the literature finds it, against a reference setup of its group:
 
 =====================  ======================================  ==============================
@@ -110,11 +110,9 @@ FP4_BUDGET = dict(steps=60, seq_len=32)
 the main job's time. The FP4 emulation costs several times a BF16 step and each FP4 setup
 compiles its own step, so 150 steps of 64 bytes took well over it; 60 steps of 32 bytes keep
 the 4-block stack (the last block in BF16 by position), 3 seeds and the paired gaps (MXFP4 vs
-NVFP4 resolves at 60 steps; the FP4-vs-BF16 gaps keep their sign on every seed). Measured
-alternately with the main job, three pairs: 0.73-0.94x its wall time and 0.89-0.92x its CPU
-time (docs/results/main-job.md, "Time budget of the FP4 regime"). Applied to the fields
-left at the main job's defaults
-(``Config().train``); a ``--steps`` or ``--seq-len`` set to another value wins."""
+NVFP4 resolves at 60 steps; the FP4-vs-BF16 gaps keep their sign on every seed), within the
+main job's wall time (docs/results/main-job.md, "Time budget of the FP4 regime"). Applied to
+the fields left at the main job's defaults (``Config().train``); a ``--steps`` or ``--seq-len`` set to another value wins."""
 
 
 @dataclasses.dataclass(frozen=True)

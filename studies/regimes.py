@@ -352,7 +352,7 @@ class OutlierFeatures(_Regime):
     (about 6 of 4096 in a 6.7B model, in most tokens and layers) in the inputs of their
     linear layers [Dettmers22]; such channels are about 100x the typical activation
     [Xiao23], and the largest "massive" activations reach 10^4 to 10^5x [Sun24]. The
-    issue's range is 100x to 10^4x; the seeds' table uses 1e2, 1e4 and 3e4. The default
+    usual range is 100x to 10^4x; the seeds' table uses 1e2, 1e4 and 3e4. The default
     1e4 is the top of that range (a tenth of [Sun24]'s largest); ``channels=1`` because
     6/4096 of a d_model of 128..512 rounds to one channel.
 

@@ -14,15 +14,14 @@ if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
 
 # Compiling dominates this suite's time (tiny shapes, thousands of distinct jitted programs), and
 # much of a CPU compile is LLVM optimising the generated machine code. Level 0 skips that
-# (measured on this 2-core machine: tests/test_fp8.py 125 s -> 87 s, a zoo training test about
-# 1.5x faster). XLA's HLO passes (fusion, layout, algebraic simplification) run as before and
+# (on a 2-core machine about 1.3-1.5x faster for the FP8 tests and a zoo training test). XLA's HLO passes (fusion, layout, algebraic simplification) run as before and
 # LLVM does not reorder float operations at any level (no fast-math), but from level 1 up it
 # contracts a multiply feeding an add into one FMA on CPUs that have it, and at level 0 it
 # does not: a*b - c with a = 1 + 2**-12, c = 1 + 2**-11 gives 0 here and 2**-24 at the default
 # level (measured, XLA:CPU, jax 0.11.2). So a result that rounds a product before adding may
 # differ in its last bit from a user's default-level run; the suite's exactness claims hold at
 # both (tests/test_fp8.py, test_fp4.py, test_casting.py, test_scaling.py, tests/optim and
-# tests/policy pass with XLA_FLAGS=--xla_backend_optimization_level=3, 2026-12-02). A level
+# tests/policy pass with XLA_FLAGS=--xla_backend_optimization_level=3). A level
 # given in XLA_FLAGS by the caller wins.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"

@@ -528,7 +528,7 @@ def _param_sized_copies(opt, params, grads) -> int:
 
 def test_compiled_master_weights_step_has_no_parameter_sized_copy():
     # dynamic_loss_scale(master_weights(adamw)), donated: the skip branch returns the state
-    # as it is and no delta buffer, so XLA copies nothing parameter-sized (issue 22).
+    # as it is and no delta buffer, so XLA copies nothing parameter-sized.
     params = {f"w{i}": jnp.full((96, 80), 0.5, jnp.bfloat16) for i in range(3)}
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 8.0, jnp.bfloat16), params)
     mw = optim.master_weights(optim.adamw(1e-3))

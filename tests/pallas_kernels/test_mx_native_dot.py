@@ -1,4 +1,4 @@
-"""Groundwork for MXFP8 on Blackwell (issue 14, item 5): JAX's native block-scaled dot.
+"""Groundwork for MXFP8 on Blackwell: JAX's native block-scaled dot.
 
 ``jax.nn.scaled_matmul`` takes MXFP8 operands (e4m3 values, one e8m0 scale per 32 of K) in
 exactly the layout ``fmtkit.quantize(x, "e4m3", MXScaling(32))`` produces (values

@@ -180,7 +180,7 @@ def test_fp8_errors_name_the_module(monkeypatch):
 
 def test_blockwise_pads_sizes_that_are_not_multiples_of_128():
     """d_model 64 and 4 x 63 tokens for the weight gradient: zero-padded inside each GEMM
-    (fmtkit.fp8, issue 11), so the first gradient is finite instead of an error."""
+    (fmtkit.fp8), so the first gradient is finite instead of an error."""
     small = TransformerConfig(d_model=64, num_heads=2, num_layers=1, d_ff=128, max_len=64)
     model = with_policy(TransformerLM(small), "fp8-blockwise")
     tokens = jax.random.randint(jax.random.key(1), (4, 63), 0, 256, jnp.int32)

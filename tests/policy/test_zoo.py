@@ -275,8 +275,8 @@ def test_mixed_preset_op_level_dtypes(name, preset):
 @pytest.mark.slow
 def test_explicit_f32_upcast_before_the_tied_head_stays():
     # wmt with bf16 layers (use_bfloat16) writes ``attend(y.astype(jnp.float32))``: the
-    # author's upcast is kept, so the tied head's forward matmul runs on f32 operands (issue
-    # 11: the policy cast it back to bf16). Flax's bf16 LayerNorm needs standard promotion.
+    # author's upcast is kept, so the tied head's forward matmul runs on f32 operands (the
+    # policy must not cast it back to bf16). Flax's bf16 LayerNorm needs standard promotion.
     case = zoo.dataclasses.replace(zoo.CASES["linen_wmt"],
                                    build=lambda: zoo.WmtTransformer(dtype=jnp.bfloat16))
     heads = []

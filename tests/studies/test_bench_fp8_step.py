@@ -21,7 +21,7 @@ def test_bench_fp8_step_runs_every_variant(tmp_path, capsys):
                                           "flax-fp8"}
     assert set(res["transformer"]["seconds"]) == {"f32", "bf16", "current", "delayed",
                                                   "mxfp8"}
-    # issue 22's configuration: nn.Dense with each dot_general vs Flax's op, f32, no bf16
+    # the dense model: nn.Dense with each dot_general vs Flax's op, f32, no bf16
     assert set(res["dense"]["seconds"]) == {"f32", "current", "delayed", "mxfp8", "flax-fp8"}
     for model in ("dense", "mlp"):  # Flax's op wherever the model has its seam
         assert res[model]["ratio_to_flax"]["flax-fp8"] == 1.0
