@@ -112,7 +112,8 @@ compiles its own step, so 150 steps of 64 bytes took well over it; 60 steps of 3
 the 4-block stack (the last block in BF16 by position), 3 seeds and the paired gaps (MXFP4 vs
 NVFP4 resolves at 60 steps; the FP4-vs-BF16 gaps keep their sign on every seed), within the
 main job's wall time (docs/results/main-job.md, "Time budget of the FP4 regime"). Applied to
-the fields left at the main job's defaults (``Config().train``); a ``--steps`` or ``--seq-len`` set to another value wins."""
+the fields left at the main job's defaults (``Config().train``); a ``--steps`` or
+``--seq-len`` set to another value wins."""
 
 
 @dataclasses.dataclass(frozen=True)

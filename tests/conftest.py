@@ -14,8 +14,9 @@ if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
 
 # Compiling dominates this suite's time (tiny shapes, thousands of distinct jitted programs), and
 # much of a CPU compile is LLVM optimising the generated machine code. Level 0 skips that
-# (on a 2-core machine about 1.3-1.5x faster for the FP8 tests and a zoo training test). XLA's HLO passes (fusion, layout, algebraic simplification) run as before and
-# LLVM does not reorder float operations at any level (no fast-math), but from level 1 up it
+# (on a 2-core machine about 1.3-1.5x faster for the FP8 tests and a zoo training test).
+# XLA's HLO passes (fusion, layout, algebraic simplification) run as before and LLVM does not
+# reorder float operations at any level (no fast-math), but from level 1 up it
 # contracts a multiply feeding an add into one FMA on CPUs that have it, and at level 0 it
 # does not: a*b - c with a = 1 + 2**-12, c = 1 + 2**-11 gives 0 here and 2**-24 at the default
 # level (measured, XLA:CPU, jax 0.11.2). So a result that rounds a product before adding may
