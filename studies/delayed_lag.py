@@ -87,9 +87,7 @@ class Config:
         if isinstance(self.d_model, bool) or not isinstance(self.d_model, int) or \
                 self.d_model < 128 or self.d_model % 128:
             raise ValueError(f"d_model must be a multiple of 128, got {self.d_model!r}.")
-        if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or \
-                self.parallel < 1:
-            raise ValueError(f"parallel must be an int >= 1, got {self.parallel!r}.")
+        ft.check_parallel(self.parallel)
         ft.check_resume(self.resume)
 
 

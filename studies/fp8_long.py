@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from studies import corpus, stats
+from studies import fp8_training as ft
 from studies._common import format_table, no_progress
 from studies.training import multiseed
 from studies.training.config import TrainConfig
@@ -65,9 +66,7 @@ class Config:
         if self.resume is not None and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume!r}: no such folder (give the checkpoint "
                              "folder of an earlier fp8-long run).")
-        if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or \
-                self.parallel < 1:
-            raise ValueError(f"parallel must be an int >= 1, got {self.parallel!r}.")
+        ft.check_parallel(self.parallel)
 
 
 def relative_gap_curve(ref: list[list[float]], cand: list[list[float]],

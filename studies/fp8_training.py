@@ -391,6 +391,20 @@ def units_folder(resume: str | None, work_dir: str, study: str) -> Path:
     return Path(work_dir) / f"{study}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def check_magnitudes(magnitudes: tuple[float, ...]) -> None:
+    """``ValueError`` unless ``magnitudes`` is a non-empty sequence of finite numbers >= 1
+    (an outlier channel's multiplier)."""
+    if not magnitudes or not all(isinstance(m, (int, float)) and math.isfinite(m) and m >= 1
+                                 for m in magnitudes):
+        raise ValueError(f"magnitudes must be finite numbers >= 1, got {magnitudes!r}.")
+
+
+def check_parallel(parallel: int) -> None:
+    """``ValueError`` unless ``parallel`` (setups trained at a time) is an int >= 1."""
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ValueError(f"parallel must be an int >= 1, got {parallel!r}.")
+
+
 def check_resume(resume: str | None) -> None:
     """``ValueError`` when ``--resume`` names no folder."""
     if resume is not None and not Path(resume).is_dir():

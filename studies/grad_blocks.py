@@ -22,7 +22,6 @@ gradient norm.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,14 +62,8 @@ class Config:
     train: TrainConfig = TrainConfig(steps=150, seeds=3)
 
     def __post_init__(self):
-        if not self.magnitudes or not all(
-                isinstance(m, (int, float)) and math.isfinite(m) and m >= 1
-                for m in self.magnitudes):
-            raise ValueError(f"magnitudes must be finite numbers >= 1, got "
-                             f"{self.magnitudes!r}.")
-        if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or \
-                self.parallel < 1:
-            raise ValueError(f"parallel must be an int >= 1, got {self.parallel!r}.")
+        ft.check_magnitudes(self.magnitudes)
+        ft.check_parallel(self.parallel)
         ft.check_resume(self.resume)
 
 

@@ -26,7 +26,6 @@ per MX block: the SQNR (dB) of the 1x128 tile that does not hold the outlier.
 from __future__ import annotations
 
 import dataclasses
-import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -86,11 +85,7 @@ class Config:
     train: TrainConfig = TrainConfig(steps=100, seeds=3)
 
     def __post_init__(self):
-        if not self.magnitudes or not all(
-                isinstance(m, (int, float)) and math.isfinite(m) and m >= 1
-                for m in self.magnitudes):
-            raise ValueError(f"magnitudes must be finite numbers >= 1, got "
-                             f"{self.magnitudes!r}.")
+        ft.check_magnitudes(self.magnitudes)
         for s in self.setups:
             if not s.startswith("fp8-"):
                 raise ValueError(f"setups must be FP8 setups (fp8-*), got {s!r}.")
@@ -99,9 +94,7 @@ class Config:
                 self.d_model < 2 * TILE or self.d_model % TILE:
             raise ValueError(f"d_model must be a multiple of {TILE} and >= {2 * TILE}, got "
                              f"{self.d_model!r}.")
-        if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or \
-                self.parallel < 1:
-            raise ValueError(f"parallel must be an int >= 1, got {self.parallel!r}.")
+        ft.check_parallel(self.parallel)
         ft.check_resume(self.resume)
 
     def train_config(self) -> TrainConfig:
