@@ -179,12 +179,14 @@ SHIPPED_CONFIGS: dict[str, TuningConfig] = {
     "64x128": TuningConfig(64, 128, "n", 8, grid_tile_width=16),
 }
 
-# Relative cost of one output element per K block, by tile shape: bytes loaded per FLOP
-# fall with the tile's (bm + bn) / (bm * bn), and a 64x64 warpgroup tile issues twice the
-# wgmmas per FLOP of 64x128. Guesses to be replaced by H200 measurements (the tune phase of
-# tools.gpu_check times every config at 8192^3 and 4096x7168x2048).
-_TILE_COST = {"256x128": 0.95, "128x256": 0.95, "128x128": 1.0, "64x256": 1.05,
-              "64x128": 1.25}
+# Relative cost of one output element per K block, by tile shape, measured on an H200 (the tune
+# phase of tools.gpu_check, bf16 output, jax 0.11.2; docs/results/gpu.md): the throughput of
+# 128x128 over each config's, averaged over 8192^3 and 4096x7168x2048 (both shapes give every
+# config the same waves x tile area, so the ratio is the tile's own). 128x256: 0.96 and 0.91;
+# 256x128 (which spills with either output): 1.14 and 1.11; 64x256: 1.31 and 1.20; 64x128:
+# 1.52 and 1.34. Re-measure when the kernel changes.
+_TILE_COST = {"128x256": 0.93, "128x128": 1.0, "256x128": 1.13, "64x256": 1.26,
+              "64x128": 1.43}
 
 
 def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int = 132,
