@@ -1,6 +1,6 @@
 """``fmtkit debug RUNDIR``: the worst GEMMs of a run's statistics log, and plots over steps.
 
-Reads ``RUNDIR/stats.jsonl`` (written by ``fmtkit.debug.log.StatsLogger``) and prints, for
+Reads ``RUNDIR/stats.jsonl`` (written by ``fmtkit.debuglog.StatsLogger``) and prints, for
 each metric, the ``--top`` entries (module path, GEMM, tensor) whose worst value over the
 logged steps is the worst, with that value and the step it was reached at (the earliest such
 step on a tie). Worst means largest for every metric but ``sqnr_db``, where it is the
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from fmtkit.debug.log import JSONL_NAME, split_tag
+from fmtkit.debuglog import JSONL_NAME, split_tag
 
 # metric: True if larger is worse. The defaults are the figures an FP8 run goes wrong by.
 METRICS: dict[str, bool] = {
@@ -49,7 +49,7 @@ def read_log(rundir: str | Path) -> list[tuple[int, dict[str, float]]]:
     path = rundir / JSONL_NAME
     if not path.is_file():
         raise ValueError(f"RUNDIR {str(rundir)!r} has no {JSONL_NAME} (write one with "
-                         "fmtkit.debug.log.StatsLogger)")
+                         "fmtkit.debuglog.StatsLogger)")
     records = []
     size = path.stat().st_size
     with path.open(encoding="utf-8") as f, _progress(size, "reading " + JSONL_NAME) as bar:
@@ -222,6 +222,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _print_table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print(("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths))).rstrip())
     for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print(("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths))).rstrip())

@@ -1,4 +1,4 @@
-"""fmtkit.debug.log: the TensorBoard files and JSON lines hold exactly the statistics given.
+"""fmtkit.debuglog: the TensorBoard files and JSON lines hold exactly the statistics given.
 
 The event files are read back with TensorBoard's own reader (``EventAccumulator`` from the
 ``tensorboard`` package, independent of tensorboardX that writes them); the expected tags and
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmtkit.debug import log as dlog
-from fmtkit.debug.log import REDUCTIONS, StatsLogger, flatten_stats, reduce_stat, split_tag
+from fmtkit import debuglog as dlog
+from fmtkit.debuglog import REDUCTIONS, StatsLogger, flatten_stats, reduce_stat, split_tag
 
 NAN = float("nan")
 INF = float("inf")
@@ -267,7 +267,7 @@ def test_flatten_reduces_a_leading_device_axis_and_pools_std():
 _DEVICES = r'''
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from fmtkit.debug.log import StatsLogger
+from fmtkit.debuglog import StatsLogger
 
 assert jax.device_count() == 4, jax.devices()
 x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
