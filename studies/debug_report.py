@@ -4,7 +4,8 @@ Reads ``RUNDIR/stats.jsonl`` (written by ``fmtkit.debuglog.StatsLogger``) and pr
 each metric, the ``--top`` entries (module path, GEMM, tensor) whose worst value over the
 logged steps is the worst, with that value and the step it was reached at (the earliest such
 step on a tie). Worst means largest for every metric but ``sqnr_db``, where it is the
-smallest. ``--plots`` writes one PNG per module into ``RUNDIR/plots``: a panel per metric,
+smallest. The precision decisions of ``RUNDIR/decisions.jsonl``, if any, follow the
+tables. ``--plots`` writes one PNG per module into ``RUNDIR/plots``: a panel per metric,
 one line per GEMM and tensor, over the logged steps.
 """
 
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from fmtkit.debuglog import JSONL_NAME, split_tag
+from fmtkit.debuglog import DECISIONS_NAME, JSONL_NAME, split_tag
 
 # metric: True if larger is worse. The defaults are the figures an FP8 run goes wrong by.
 METRICS: dict[str, bool] = {
@@ -69,6 +70,15 @@ def read_log(rundir: str | Path) -> list[tuple[int, dict[str, float]]]:
     if not records:
         raise ValueError(f"RUNDIR {str(rundir)!r}: {JSONL_NAME} holds no logged step")
     return records
+
+
+def read_decisions(rundir: str | Path) -> list[dict]:
+    """The records of ``RUNDIR/decisions.jsonl`` (``[]`` without the file)."""
+    path = Path(rundir) / DECISIONS_NAME
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
 
 
 def _progress(total: int, desc: str):
@@ -213,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             table = [[r["module"] or "(root)", r["gemm"], r["tensor"], _fmt(r["value"]),
                       str(r["step"])] for r in rows]
             _print_table(["module", "gemm", "tensor", metric, "step"], table)
+        decisions = read_decisions(args.rundir)
+        if decisions:
+            print(f"\nprecision decisions ({DECISIONS_NAME})")
+            _print_table(["step", "module", "gemm", "setting", "stat", "value"],
+                         [[str(d["step"]), d["module"] or "(root)", d["gemm"], d["setting"],
+                           d["stat"], _fmt(float(d["value"]))] for d in decisions])
     if args.plots:
         paths = write_plots(records, metrics, Path(args.rundir) / "plots")
         print(f"\nwrote {len(paths)} plots to {Path(args.rundir) / 'plots'}",

@@ -125,6 +125,17 @@ def test_table_and_plots(rundir, capsys):
     assert all((rundir / "plots" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in pngs)
 
 
+def test_decisions_are_listed_after_the_tables(rundir, capsys):
+    with StatsLogger(rundir, tensorboard=False) as log:
+        log.log_decision(30, "Block_0/MlpBlock_0/Dense_1", "dot_general_1", "compute_dtype",
+                         "output_grad/underflow_share", 0.75)
+    assert main(["debug", str(rundir), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    tail = out.split("precision decisions (decisions.jsonl)")[1].splitlines()
+    assert tail[2].split() == ["30", "Block_0/MlpBlock_0/Dense_1", "dot_general_1",
+                               "compute_dtype", "output_grad/underflow_share", "0.75"]
+
+
 def test_bad_input_names_the_argument(tmp_path, capsys):
     assert main(["debug", str(tmp_path / "missing")]) == 2
     assert "RUNDIR" in capsys.readouterr().err
