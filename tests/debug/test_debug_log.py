@@ -71,30 +71,64 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_tensorboard_and_jsonl_hold_every_tag_and_value(tmp_path):
-    steps = [0, 10, 20]
+def mismatches(logdir: Path, steps) -> list[str]:
+    """Where the event files and stats.jsonl differ from ``synthetic`` at ``steps`` ([]: none)."""
+    problems = []
+    tb = read_tensorboard(logdir)
+    want = {s: expected_flat(synthetic(s)) for s in steps}
+    if set(tb) != set(want[steps[0]]):
+        problems.append(f"tensorboard tags {sorted(set(tb) ^ set(want[steps[0]]))}")
+    for tag, events in tb.items():
+        if [s for s, _ in events] != list(steps):
+            problems.append(f"tensorboard steps of {tag}")
+        for s, v in events:
+            # TensorBoard stores scalars as float32.
+            if tag not in want[s] or v != float(np.float32(want[s][tag])):
+                problems.append(f"tensorboard {tag} at {s}: {v}")
+    lines = read_jsonl(logdir / "stats.jsonl")
+    if [rec["step"] for rec in lines] != list(steps):
+        problems.append("jsonl steps")
+    for rec in lines:
+        if rec["stats"] != want[rec["step"]]:  # float64, exact
+            problems.append(f"jsonl at {rec['step']}")
+    return problems
+
+
+def _write_run(logdir: Path, steps) -> None:
     nan_step = {m: {g: {t: dict.fromkeys(e, NAN) for t, e in ts.items()}
                     for g, ts in gs.items()} for m, gs in synthetic(0).items()}
-    with StatsLogger(tmp_path) as log:
+    with StatsLogger(logdir) as log:
         for step in steps:
             assert log.write(step, synthetic(step)) == len(expected_flat(synthetic(step)))
             # A step that does not log holds NaN everywhere: nothing is written.
             assert log.write(step + 5, nan_step) == 0
-    tb = read_tensorboard(tmp_path)
-    want = {s: expected_flat(synthetic(s)) for s in steps}
-    assert set(tb) == set(want[0]) == set(want[10])
-    assert "Block_0/MlpBlock_0/Dense_1/dot_general_0/activation/underflow_share" in tb
-    assert "dot_general_0/activation/amax" in tb  # root module: no leading "/"
-    for tag, events in tb.items():
-        assert [s for s, _ in events] == steps, tag
-        for s, v in events:
-            # TensorBoard stores scalars as float32.
-            assert v == float(np.float32(want[s][tag])), (tag, s, v)
-    lines = read_jsonl(tmp_path / "stats.jsonl")
-    assert [rec["step"] for rec in lines] == steps
-    for rec in lines:
-        assert rec["stats"] == want[rec["step"]]  # float64, exact
-        assert rec["stats"]["Block_0/MlpBlock_0/Dense_1/dot_general_0/weight/sqnr_db"] == INF
+
+
+def test_tensorboard_and_jsonl_hold_every_tag_and_value(tmp_path):
+    steps = (0, 10, 20)
+    _write_run(tmp_path, steps)
+    assert mismatches(tmp_path, steps) == []
+    tags = read_tensorboard(tmp_path)
+    assert "Block_0/MlpBlock_0/Dense_1/dot_general_0/activation/underflow_share" in tags
+    assert "dot_general_0/activation/amax" in tags  # root module: no leading "/"
+    [rec] = [r for r in read_jsonl(tmp_path / "stats.jsonl") if r["step"] == 10]
+    assert rec["stats"]["Block_0/MlpBlock_0/Dense_1/dot_general_0/weight/sqnr_db"] == INF
+
+
+@pytest.mark.parametrize("breakage", ["tag", "value"])
+def test_the_readback_check_sees_a_broken_writer(tmp_path, monkeypatch, breakage):
+    """Negative control: a writer that swaps two tag components or shifts a value by one
+    float32 ulp is caught by ``mismatches``."""
+    if breakage == "tag":
+        monkeypatch.setattr(dlog, "_tag", lambda m, g, t, s: "/".join(p for p in (m, t, g, s)
+                                                                      if p))
+    else:
+        real = dlog.flatten_stats
+        monkeypatch.setattr(dlog, "flatten_stats", lambda st: {
+            k: float(np.nextafter(np.float32(v), np.float32(np.inf))) if k.endswith("amax")
+            else v for k, v in real(st).items()})
+    _write_run(tmp_path, (0, 10))
+    assert mismatches(tmp_path, (0, 10))
 
 
 def test_jax_scalars_and_a_single_nan_entry(tmp_path):
