@@ -26,9 +26,11 @@ a leading axis, or a list of scalars) is reduced to one number by the rule of it
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,8 @@ __all__ = [
     "reduce_stat",
     "split_tag",
 ]
+
+_EVENT_FILES = itertools.count()
 
 JSONL_NAME = "stats.jsonl"
 """File name of the statistics log in a log directory: one JSON object per logged step."""
@@ -292,9 +296,14 @@ class StatsLogger:
         if jsonl:
             self._jsonl = open(self.logdir / JSONL_NAME, "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import FileWriter
+            # tensorboardX's synchronous writer (its FileWriter queues events for a thread and
+            # its flush does not wait for the queue). The name is TensorBoard's
+            # events.out.tfevents.<time>.<host>, plus the process id and a per-process count,
+            # since a second logger opened in the same second would otherwise overwrite it.
+            from tensorboardX.event_file_writer import EventsWriter
 
-            self._tb = FileWriter(str(self.logdir))
+            suffix = f".{os.getpid()}.{next(_EVENT_FILES)}"
+            self._tb = EventsWriter(str(self.logdir / "events"), suffix)
 
     def write(self, step: int, stats: Mapping[str, Any]) -> int:
         """Logs one step's statistics.
@@ -319,11 +328,15 @@ class StatsLogger:
             self._jsonl.write(json.dumps({"step": step, "stats": flat}) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
+            from tensorboardX.proto.event_pb2 import Event
             from tensorboardX.proto.summary_pb2 import Summary
 
             summary = Summary(value=[Summary.Value(tag=t, simple_value=v)
                                      for t, v in flat.items()])
-            self._tb.add_summary(summary, step)
+            self._tb.write_event(Event(wall_time=time.time(), step=step, summary=summary))
+            # On disk at once, like the JSON lines: a killed run keeps every logged step (one
+            # small write per logged step, not per training step).
+            self._tb.flush()
         return len(flat)
 
     def log_decision(self, step: int, module: str, gemm: str, setting: str,
@@ -352,7 +365,7 @@ class StatsLogger:
         self._decisions.flush()
 
     def flush(self) -> None:
-        """Writes buffered TensorBoard events to disk (the JSON lines are never buffered)."""
+        """Writes buffered TensorBoard events to disk (``write`` already flushes both files)."""
         if self._tb is not None and not self._closed:
             self._tb.flush()
 

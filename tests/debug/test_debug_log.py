@@ -172,12 +172,22 @@ def test_decisions_jsonl(tmp_path):
          "stat": "activation/sqnr_db", "value": 12.5}]
 
 
+def test_each_write_is_on_disk_before_close(tmp_path):
+    log = StatsLogger(tmp_path)
+    log.write(0, synthetic(0))
+    log.write(10, synthetic(10))
+    assert mismatches(tmp_path, (0, 10)) == []
+    log.close()
+
+
 def test_appends_to_an_existing_log(tmp_path):
-    with StatsLogger(tmp_path, tensorboard=False) as log:
+    """A resumed run (a second logger, here within the same second) keeps both parts."""
+    with StatsLogger(tmp_path) as log:
         log.write(0, synthetic(0))
-    with StatsLogger(tmp_path, tensorboard=False) as log:
+    with StatsLogger(tmp_path) as log:
         log.write(10, synthetic(10))
-    assert [r["step"] for r in read_jsonl(tmp_path / "stats.jsonl")] == [0, 10]
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+    assert mismatches(tmp_path, (0, 10)) == []
 
 
 @pytest.mark.parametrize("tag,parts", [
