@@ -147,13 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("study", help="run a study (fmtkit study --list)", add_help=False)
     sub.add_parser("ablate", help="the main job: train the small LM under each policy",
                    add_help=False)
+    # Parses its own options (fmtkit debug --help).
+    sub.add_parser("debug", help="the worst GEMMs of a run's statistics log, plots over steps",
+                   add_help=False)
 
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "bench":
             return _cmd_bench(args, rest)
-        if args.command in ("study", "ablate"):
-            name = "runner" if args.command == "study" else "ablate"
+        if args.command in ("study", "ablate", "debug"):
+            name = {"study": "runner", "ablate": "ablate", "debug": "debug_report"}[args.command]
             module = importlib.import_module(f"studies.{name}")
             return int(module.main(rest) or 0)
         if rest:

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = ["fmtkit", "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy", "fmtkit.optim",
                   "fmtkit.scaling", "fmtkit.casting", "fmtkit.formats", "fmtkit.telemetry",
-                  "fmtkit.distributed", "fmtkit.memory", "pallas_kernels"]
+                  "fmtkit.distributed", "fmtkit.memory", "pallas_kernels", "fmtkit.debuglog"]
 ENTRY = re.compile(r"^:::\s+([\w.]+)\s*$", re.M)
 HEADING = re.compile(r"""^\s+heading:\s*["']([\w.]+)["']\s*$""", re.M)
 ROW = re.compile(r"^\|\s*`([\w.]+)`", re.M)

@@ -82,6 +82,9 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "blockwise_fp8_matmul_reference", "blockwise_fp8_wgrad", "config", "is_hopper", "num_sms",
         "quantize_128x128", "quantize_128x128_reference", "quantize_1x128",
         "quantize_1x128_reference"),
+    "fmtkit.debuglog": (
+        "DECISIONS_NAME", "JSONL_NAME", "REDUCTIONS", "StatsLogger", "flatten_stats",
+        "reduce_stat", "split_tag"),
 }
 
 DEPRECATED: dict[tuple[str, str], str] = {
