@@ -29,8 +29,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fmtkit.debug._config import BASE_STATS, QUANT_STATS, QUANTIZED_TENSORS, DebugConfig, \
-    parse_override
+from fmtkit.debug._config import (
+    BASE_STATS,
+    QUANT_STATS,
+    QUANTIZED_TENSORS,
+    DebugConfig,
+    parse_override,
+)
 from fmtkit.debug._stats import Quantization, quant_stats, tensor_stats
 from fmtkit.fp4 import Fp4Recipe
 from fmtkit.fp8 import Fp8Recipe

@@ -89,7 +89,7 @@ def quantized(x3: jax.Array, q: Quantization) -> tuple[jax.Array, jax.Array]:
     dimension a block does not divide is zero-padded for the quantization, as the GEMMs do,
     and sliced back."""
     fmt = get_format(q.fmt)
-    b, f, c = x3.shape
+    _, f, c = x3.shape
     if q.recipe is None:
         deq = cast(jnp.clip(x3.astype(jnp.float32), -fmt.max, fmt.max), fmt).astype(
             jnp.float32)

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_utils import dot_operand_dtypes
 
 import fmtkit.debug as debug
 from fmtkit import with_policy
 from fmtkit.policy import Rules, get_preset, intercept_gemms
-from jaxpr_utils import dot_operand_dtypes
 
 
 class Mlp3(nn.Module):

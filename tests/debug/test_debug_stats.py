@@ -62,7 +62,6 @@ def _function_case(preset):
 def _captured(loss, params):
     """{(path, gemm): (site, {tensor: array})} by the zero-addition hook (module docstring)."""
     found = {}
-    names: dict = {}
 
     def shapes(site, run, a, b):
         y = run(a, b, site.fp8)
@@ -90,7 +89,6 @@ def _captured(loss, params):
         return out, store
 
     (_, geps), store = jax.jit(jax.grad(wrapped, argnums=(0, 1), has_aux=True))(params, eps)
-    del names
     out = {}
     for (p, n), (site, _) in found.items():
         a, b, y = store[f"{p}|{n}"]
