@@ -154,13 +154,19 @@ def _nans(like):
     return jax.tree.map(lambda _: jnp.full((), jnp.nan, jnp.float32), like)
 
 
-def _cond_stats(on, fn, like, *xs):
-    """``fn(*xs)`` on logging steps, NaN elsewhere (the work skipped by ``lax.cond``)."""
+def _cond_stats(static_on, on, fn, like, *xs):
+    """``fn(*xs)`` on logging steps, NaN elsewhere: decided while tracing where the step's
+    schedule is known (``static_on``, a bool: the other branch is not traced at all), else
+    at run time by ``lax.cond`` on ``on``."""
+    if static_on is True:
+        return fn(*xs)
+    if static_on is False:
+        return _nans(like)
     return lax.cond(on, fn, lambda *_: _nans(like), *xs)
 
 
 # -- taps: identities whose cotangent for the state's leaves is the statistics ---------------
-def _grad_tap(plan, site, tensor, shapes):
+def _grad_tap(plan, site, tensor, shapes, static_on):
     """``x -> x``; its backward returns (stats of the cotangent of x, ...)."""
 
     @jax.custom_vjp
@@ -172,7 +178,8 @@ def _grad_tap(plan, site, tensor, shapes):
 
     def bwd(res, g):
         on, leaves = res
-        stats = _cond_stats(on, lambda gg: _compute(plan, site, {tensor: gg}, shapes)[tensor],
+        stats = _cond_stats(static_on, on,
+                            lambda gg: _compute(plan, site, {tensor: gg}, shapes)[tensor],
                             leaves, g)
         return stats, None, g
 
@@ -180,7 +187,7 @@ def _grad_tap(plan, site, tensor, shapes):
     return tap
 
 
-def _out_tap(plan, site, shapes, fwd_tensors, grad_logged):
+def _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on):
     """``y -> y`` with the forward tensors' statistics computed in its forward pass and
     the output gradient's in its backward; both returned as the state leaves' cotangent."""
 
@@ -191,18 +198,20 @@ def _out_tap(plan, site, shapes, fwd_tensors, grad_logged):
     def fwd(leaves, on, lhs, rhs, y):
         vals = {"activation": lhs, "weight": rhs, "output": y}
         like = {t: leaves[t] for t in fwd_tensors}
-        stats = _cond_stats(
-            on, lambda *xs: _compute(plan, site, dict(zip(fwd_tensors, xs)), shapes), like,
-            *(vals[t] for t in fwd_tensors))
+        def compute(*xs):
+            return _compute(plan, site, dict(zip(fwd_tensors, xs)), shapes)
+
+        stats = _cond_stats(static_on, on, compute, like, *(vals[t] for t in fwd_tensors))
         return y, (on, stats, leaves.get("output_grad"))
 
     def bwd(res, g):
         on, stats, g_like = res
         stats = dict(stats)
         if grad_logged:
-            stats["output_grad"] = _cond_stats(
-                on, lambda gg: _compute(plan, site, {"output_grad": gg}, shapes)["output_grad"],
-                g_like, g)
+            def compute(gg):
+                return _compute(plan, site, {"output_grad": gg}, shapes)["output_grad"]
+
+            stats["output_grad"] = _cond_stats(static_on, on, compute, g_like, g)
         return stats, None, None, None, g
 
     tap.defvjp(fwd, bwd)
@@ -222,10 +231,12 @@ _qdq_grad.defvjp(lambda y, fmt: (y, None),
 
 # -- the session ----------------------------------------------------------------------------
 class _Session:
-    def __init__(self, config: DebugConfig, state: Any, step: Any, discover: bool):
+    def __init__(self, config: DebugConfig, state: Any, step: Any, discover: bool,
+                 active: frozenset[int] | None = None):
         self.config = config
         self.state = state
         self.step = step
+        self.active = active
         self.discover = discover
         self.sites: dict[tuple[str, str], tuple[GemmSite, _Plan | None]] = {}
 
@@ -252,19 +263,22 @@ class _Session:
                 "this rule tensors=() to keep only its override.")
         if leaves is None:
             return self._run(plan, run, lhs, rhs)
-        on = self.config.rules[plan.rule].logs_at(self.step)
+        if self.active is not None:
+            static_on, on = plan.rule in self.active, jnp.asarray(False)
+        else:
+            static_on, on = None, self.config.rules[plan.rule].logs_at(self.step)
         shapes = (lhs.shape, rhs.shape)
         a, b = lhs, rhs
         if "dgrad" in leaves:
-            a = _grad_tap(plan, site, "dgrad", shapes)(leaves["dgrad"], on, a)
+            a = _grad_tap(plan, site, "dgrad", shapes, static_on)(leaves["dgrad"], on, a)
         if "wgrad" in leaves:
-            b = _grad_tap(plan, site, "wgrad", shapes)(leaves["wgrad"], on, b)
+            b = _grad_tap(plan, site, "wgrad", shapes, static_on)(leaves["wgrad"], on, b)
         y = self._run(plan, run, a, b)
         fwd_tensors = tuple(t for t in _FWD if t in leaves)
         grad_logged = "output_grad" in leaves
         if fwd_tensors or grad_logged:
             sub = {t: leaves[t] for t in (*fwd_tensors, "output_grad") if t in leaves}
-            y = _out_tap(plan, site, shapes, fwd_tensors, grad_logged)(
+            y = _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on)(
                 sub, on, lax.stop_gradient(lhs), lax.stop_gradient(rhs), y)
         return y
 
@@ -340,27 +354,44 @@ def _check_config(config: Any) -> None:
 
 @contextlib.contextmanager
 def capture(config: DebugConfig, stats_state: Mapping | None = None,
-            step: jax.typing.ArrayLike | None = None) -> Iterator[None]:
+            step: jax.typing.ArrayLike | None = None, *,
+            active: frozenset[int] | None = None) -> Iterator[None]:
     """Applies ``config`` to the policied calls made inside the block.
 
     Enter it inside the function you differentiate (the loss), around the policied model's
-    call. With ``stats_state`` (from ``init``) and ``step`` (an int, traced or not), the
-    gradient of the loss with respect to ``stats_state`` is the statistics of this step
-    (NaN for every statistic whose rule does not log at ``step``). Without them only the
-    overrides apply.
+    call. With ``stats_state`` (from ``init``), the gradient of the loss with respect to
+    ``stats_state`` is the statistics of this step (NaN for every statistic whose rule does
+    not log at this step). Which rules log is given by one of:
+
+    * ``step``: the step index, an int array that may be traced. One compiled step serves
+      every step: each GEMM's statistics are computed under ``lax.cond`` on its rule's
+      schedule. The other steps skip the statistics but keep the branches (some cost).
+    * ``active``: ``config.active_rules(step)`` computed outside ``jax.jit`` and passed as a
+      static argument: the rules that log this step. The compiled step of a quiet step (no
+      rule active) has no statistics in it at all, so at most one extra program is compiled
+      per distinct set (two with one schedule), and quiet steps cost what the step costs
+      without ``fmtkit.debug``.
+
+    Without ``stats_state`` only the overrides apply.
 
     Raises:
-      ValueError: ``stats_state`` without ``step``; a rule that matches none of the GEMMs
-        the block ran.
+      ValueError: ``stats_state`` with neither or both of ``step`` and ``active``; a rule
+        that matches none of the GEMMs the block ran.
     """
     _check_config(config)
-    if stats_state is not None and step is None:
-        raise ValueError("capture: pass the step index (step=) with stats_state; it decides "
-                         "which rules log this step.")
+    if stats_state is not None and (step is None) == (active is None):
+        raise ValueError("capture: with stats_state pass exactly one of step= (the step "
+                         "index, may be traced) and active= (config.active_rules(step)); "
+                         "they decide which rules log this step.")
     if stats_state is not None and not isinstance(stats_state, Mapping):
         raise TypeError("stats_state must be the dict fmtkit.debug.init returns, got "
                         f"{type(stats_state).__name__}.")
-    session = _Session(config, stats_state, step, discover=False)
+    if active is not None:
+        if not isinstance(active, frozenset) or not all(
+                isinstance(i, int) and 0 <= i < len(config.rules) for i in active):
+            raise TypeError("active must be the frozenset of rule indices "
+                            f"config.active_rules(step) returns, got {active!r}.")
+    session = _Session(config, stats_state, step, discover=False, active=active)
     with intercept_gemms(session):
         yield
     session.check_matched()

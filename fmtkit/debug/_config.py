@@ -251,6 +251,20 @@ class DebugConfig:
                 return i
         return None
 
+    def active_rules(self, step: int) -> frozenset[int]:
+        """The indices of the rules that log at ``step`` (a Python int): the static
+        ``active=`` argument of ``capture``, computed outside ``jax.jit``.
+
+        Raises:
+          TypeError: ``step`` is not an int.
+        """
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be a Python int here (outside jax.jit), got {step!r}.")
+        return frozenset(i for i, r in enumerate(self.rules)
+                         if r.tensors and step >= r.start_step
+                         and (r.end_step is None or step <= r.end_step)
+                         and (step - r.start_step) % r.freq == 0)
+
     def logs_at(self, step: jax.typing.ArrayLike) -> jax.Array:
         """Whether any rule that logs a tensor logs at ``step`` (a bool scalar): the flag of
         a step whose statistics are not NaN."""

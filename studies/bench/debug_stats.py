@@ -3,19 +3,22 @@
     fmtkit bench debug-stats [--policy fp8-current] [--freq 10] [--d-model 128]
                              [--layers 2] [--seq 64] [--batch 8] [--rounds 5]
 
-Both steps are ``jax.jit`` of loss + grad + SGD update of ``studies.models.TransformerLM``
+The steps are ``jax.jit`` of loss + grad + SGD update of ``studies.models.TransformerLM``
 under ``with_policy(model, POLICY)``. "off" is the step without ``fmtkit.debug``; "on"
 logs every statistic of all six tensors of every GEMM (``Rule("")``) every ``--freq``
-steps, the statistics coming out as the gradient of the debug state (``fmtkit.debug``).
-The step index is an argument, so both compile once. A round runs ``--freq`` consecutive
-steps of each (one of them a logging step for "on"), in alternation; printed: the mean step
-time of each over a round (median over rounds), the logging step and the other steps of
-"on" separately, compile times, then the ratio on/off (target: at most 1.10x).
+steps, the statistics coming out as the gradient of the debug state (``fmtkit.debug``),
+with the rules that log passed as the static ``active=config.active_rules(step)`` (two
+compiled programs: a logging step and a quiet one); "on-traced" passes the step index as
+an array instead (one program, the statistics under ``lax.cond``). A round runs ``--freq``
+consecutive steps of each, in alternation; printed: the mean step time of each over a round
+(median over rounds), the logging and the quiet steps separately, compile times, then the
+ratio on/off (target: at most 1.10x).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -53,7 +56,7 @@ def _steps(args):
         return jax.tree.map(lambda a, b: a - args.lr * b, p, g), value
 
     @jax.jit
-    def on(p, i):
+    def on_traced(p, i):
         def f(p, s):
             with debug.capture(config, s, i):
                 return loss(p)
@@ -62,8 +65,20 @@ def _steps(args):
         return jax.tree.map(lambda a, b: a - args.lr * b, p, g), value, stats, \
             config.logs_at(i)
 
+    @functools.partial(jax.jit, static_argnames="active")
+    def on_static(p, active):
+        def f(p, s):
+            with debug.capture(config, s, active=active):
+                return loss(p)
+
+        value, (g, stats) = jax.value_and_grad(f, argnums=(0, 1))(p, state)
+        return jax.tree.map(lambda a, b: a - args.lr * b, p, g), value, stats
+
+    def on(p, i):
+        return on_static(p, active=config.active_rules(int(i)))
+
     n_stats = len(jax.tree.leaves(state))
-    return off, on, params, n_stats
+    return off, on, on_traced, params, n_stats
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,17 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
 
-    off, on, params, n_stats = _steps(args)
+    off, on, on_traced, params, n_stats = _steps(args)
+    variants = {"off": off, "on": on, "on-traced": on_traced}
     compile_s = {}
-    idx = jnp.int32(0)
-    for k, fn in (("off", off), ("on", on)):
+    for k, fn in variants.items():
         t0 = time.perf_counter()
-        fn.lower(params, idx).compile()
+        for i in (0, 1):  # a logging and a quiet step (compiles each program once)
+            jax.block_until_ready(fn(params, jnp.int32(i)))
         compile_s[k] = time.perf_counter() - t0
-    # warm-up: one logging and one other step of each
-    for i in (0, 1):
-        jax.block_until_ready(off(params, jnp.int32(i)))
-        jax.block_until_ready(on(params, jnp.int32(i)))
 
     def round_of(fn, per_step):
         t_round = 0.0
@@ -108,31 +120,33 @@ def main(argv: list[str] | None = None) -> int:
             per_step.append((i % args.freq == 0, dt))
         return t_round / args.freq
 
-    mean_off, mean_on, on_steps, off_steps = [], [], [], []
+    means: dict[str, list[float]] = {k: [] for k in variants}
+    steps: dict[str, list[tuple[bool, float]]] = {k: [] for k in variants}
     load = [round(v, 2) for v in os.getloadavg()]
     for r in range(args.rounds):
-        order = [("off", off), ("on", on)][:: -1 if r % 2 else 1]
-        for k, fn in order:
-            (mean_off if k == "off" else mean_on).append(
-                round_of(fn, off_steps if k == "off" else on_steps))
-    t_off, t_on = statistics.median(mean_off), statistics.median(mean_on)
-    log_step = statistics.median(dt for logged, dt in on_steps if logged)
-    quiet = statistics.median(dt for logged, dt in on_steps if not logged)
-    ratio = t_on / t_off
+        for k in list(variants)[:: -1 if r % 2 else 1]:
+            means[k].append(round_of(variants[k], steps[k]))
+    mean = {k: statistics.median(v) for k, v in means.items()}
+    logging = {k: statistics.median(dt for logged, dt in v if logged) for k, v in steps.items()}
+    quiet = {k: statistics.median(dt for logged, dt in v if not logged)
+             for k, v in steps.items()}
+    ratio = mean["on"] / mean["off"]
     results: dict[str, Any] = {
         "args": vars(args), "target": TARGET, "statistics_logged": n_stats,
-        "mean_step_s": {"off": t_off, "on": t_on},
-        "on_logging_step_s": log_step, "on_other_step_s": quiet,
+        "mean_step_s": mean, "logging_step_s": logging, "quiet_step_s": quiet,
         "compile_s": compile_s, "ratio_on_off": ratio,
+        "ratio_on_traced_off": mean["on-traced"] / mean["off"],
         "load_average": {"start": load, "end": [round(v, 2) for v in os.getloadavg()]},
     }
     file = write_results("debug-stats", results, args.out)
     print(f"TransformerLM d_model={args.d_model} layers={args.layers} seq={args.seq} "
           f"batch={args.batch}, {args.policy}; {n_stats} statistics every {args.freq} steps; "
           f"device {jax.devices()[0].device_kind}; load {load[0]}")
-    print(f"  off  mean step {t_off * 1e3:8.2f} ms   compile {compile_s['off']:.1f} s")
-    print(f"  on   mean step {t_on * 1e3:8.2f} ms   compile {compile_s['on']:.1f} s   "
-          f"(logging step {log_step * 1e3:.2f} ms, other steps {quiet * 1e3:.2f} ms)")
+    for k in variants:
+        print(f"  {k:<10} mean step {mean[k] * 1e3:8.2f} ms   (logging step "
+              f"{logging[k] * 1e3:.2f} ms, quiet {quiet[k] * 1e3:.2f} ms)   "
+              f"compile {compile_s[k]:.1f} s")
+    print(f"ratio on-traced/off: {results['ratio_on_traced_off']:.3f}x")
     print(f"results: {file}")
     print(f"ratio on/off (mean step at freq={args.freq}): {ratio:.3f}x (target <= {TARGET}x)")
     return 0
