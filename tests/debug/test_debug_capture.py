@@ -4,6 +4,7 @@ recompiles, overrides visible in the jaxpr and the loss, configuration files and
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import flax.linen as nn
 import jax
@@ -91,6 +92,59 @@ def test_statistics_appear_exactly_at_the_configured_steps_without_recompiling()
             seen.append(i)
     assert seen == [2, 5, 8]
     assert len(traces) == 1
+
+
+def test_static_schedule_logs_the_active_rules_and_quiet_steps_have_no_statistics():
+    import functools
+
+    loss, v = _setup()
+    cfg = debug.DebugConfig([
+        debug.Rule("Dense_0", tensors=("output_grad",), stats=("l2_norm",), freq=4),
+        debug.Rule("Dense_1", tensors=("weight",), stats=("amax",), freq=2, start_step=1)])
+    assert [sorted(cfg.active_rules(i)) for i in range(6)] == [[0], [1], [], [1], [0], [1]]
+    state = debug.init(cfg, loss, v)
+    traces = []
+
+    @functools.partial(jax.jit, static_argnames="active")
+    def step(v, s, active):
+        traces.append(active)
+
+        def f(v, s):
+            with debug.capture(cfg, s, active=active):
+                return loss(v)
+
+        return jax.grad(f, argnums=(0, 1))(v, s)
+
+    traced = []
+
+    @jax.jit
+    def step_traced(v, s, i):
+        traced.append(1)
+
+        def f(v, s):
+            with debug.capture(cfg, s, i):
+                return loss(v)
+
+        return jax.grad(f, argnums=(0, 1))(v, s)
+
+    for i in range(6):
+        got = step(v, state, cfg.active_rules(i))
+        want = step_traced(v, state, jnp.int32(i))
+        # the same statistics (NaN alike) and gradients as the traced schedule
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)
+        on = [not np.isnan(float(x)) for x in jax.tree.leaves(got[1])]
+        assert on == [0 in cfg.active_rules(i), 1 in cfg.active_rules(i)]  # leaf order
+    assert len(traces) == 3 and len(traced) == 1  # {0}, {1}, {} once each
+    # A quiet step compiles to the program without fmtkit.debug (but for the NaN outputs):
+    # the same GEMMs, and no conditional.
+    def ops(compiled, name):
+        return len(re.findall(rf"= \S+ {name}\(", compiled.as_text()))
+
+    quiet = jax.jit(functools.partial(step, active=frozenset())).lower(v, state).compile()
+    plain = jax.jit(jax.grad(loss)).lower(v).compile()
+    assert ops(quiet, "dot") == ops(plain, "dot") > 0
+    assert ops(quiet, "conditional") == 0
 
 
 def _rules_with(preset: str, module: str, policy) -> Rules:
