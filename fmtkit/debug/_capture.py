@@ -95,7 +95,8 @@ def _plan(config: DebugConfig, site: GemmSite) -> _Plan | None:
             recipe = _current(site.fp8) if site.fp8_capable else None
         else:
             recipe, fake = None, fmt
-    quant = _quantizations(recipe, fake)
+    # (quantization statistics replay a dot_general's operand layout; none for convolutions)
+    quant = _quantizations(recipe, fake) if site.dimension_numbers is not None else {}
     stats = {}
     for t in rule.tensors:
         allowed = BASE_STATS + (QUANT_STATS if t in quant else ())

@@ -59,6 +59,30 @@ def _function_case(preset):
     return (lambda p: model(p, x)), params
 
 
+def _nnx_case(preset):
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(40, 160, rngs=rngs)
+            self.out = nnx.Linear(160, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jax.nn.relu(self.fc(x)))
+
+    model = with_policy(Mlp(nnx.Rngs(0)), preset)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = jax.random.normal(jax.random.key(1), (6, 40), jnp.float32)
+
+    def loss(p):
+        return jnp.sum(jnp.sin(nnx.merge(graphdef, p, rest)(x).astype(jnp.float32)))
+
+    return loss, params
+
+
+CASES = {"linen": _linen_case, "nnx": _nnx_case, "function": _function_case}
+
+
 def _captured(loss, params):
     """{(path, gemm): (site, {tensor: array})} by the zero-addition hook (module docstring)."""
     found = {}
@@ -148,10 +172,10 @@ def _debug_stats(loss, params, cfg, step=0):
     return state, value, g, stats
 
 
-@pytest.mark.parametrize("case", ["linen", "function"])
+@pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current", "fp8-blockwise"])
 def test_every_statistic_matches_numpy_float64(case, preset):
-    loss, params = (_linen_case if case == "linen" else _function_case)(preset)
+    loss, params = CASES[case](preset)
     captured = _captured(loss, params)
     cfg = debug.DebugConfig([debug.Rule("")])
     _, value, grads, stats = _debug_stats(loss, params, cfg)
