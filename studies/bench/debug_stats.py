@@ -2,13 +2,15 @@
 
     fmtkit bench debug-stats [--policy fp8-current] [--freq 10] [--d-model 128]
                              [--layers 2] [--seq 64] [--batch 8] [--rounds 5]
+                             [--tensors activation,...] [--stats amax,...]
 
 The steps are ``jax.jit`` of loss + grad + SGD update of ``studies.models.TransformerLM``
 under ``with_policy(model, POLICY)``. "off" is the step without ``fmtkit.debug``; "on"
 logs every statistic of all six tensors of every GEMM (``Rule("")``) every ``--freq``
 steps, the statistics coming out as the gradient of the debug state (``fmtkit.debug``),
 with the rules that log passed as the static ``active=config.active_rules(step)`` (two
-compiled programs: a logging step and a quiet one); "on-traced" passes the step index as
+compiled programs: a logging step, and a quiet one that is the step without statistics, a
+Python branch on ``active``); "on-traced" passes the step index as
 an array instead (one program, the statistics under ``lax.cond``). A round runs ``--freq``
 consecutive steps of each, in alternation; printed: the mean step time of each over a round
 (median over rounds), the logging and the quiet steps separately, compile times, then the
@@ -47,7 +49,8 @@ def _steps(args):
     def loss(p):
         return models.lm_loss(model.apply({"params": p}, tokens).astype(jnp.float32), tokens)
 
-    config = debug.DebugConfig([debug.Rule("", freq=args.freq)])
+    config = debug.DebugConfig([debug.Rule("", tensors=args.tensors, stats=args.stats,
+                                           freq=args.freq)])
     state = debug.init(config, loss, params)
 
     @jax.jit
@@ -67,6 +70,10 @@ def _steps(args):
 
     @functools.partial(jax.jit, static_argnames="active")
     def on_static(p, active):
+        if not active:  # a quiet step: the step without statistics (no rule logs)
+            value, g = jax.value_and_grad(loss)(p)
+            return jax.tree.map(lambda a, b: a - args.lr * b, p, g), value, None
+
         def f(p, s):
             with debug.capture(config, s, active=active):
                 return loss(p)
@@ -93,8 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tensors", default=",".join(debug.TENSORS),
+                   help="comma-separated tensors to log (default: all six)")
+    p.add_argument("--stats", default=",".join(debug.STATS),
+                   help="comma-separated statistics to log (default: all)")
     p.add_argument("--out", default=None, help="output folder (default runs/bench-debug-stats)")
     args = p.parse_args(argv)
+    args.tensors = tuple(t for t in args.tensors.split(",") if t)
+    args.stats = tuple(t for t in args.stats.split(",") if t)
+    for name, allowed in (("tensors", debug.TENSORS), ("stats", debug.STATS)):
+        bad = [v for v in getattr(args, name) if v not in allowed]
+        if bad or not getattr(args, name):
+            p.error(f"--{name}: unknown or no names {bad}; valid: {', '.join(allowed)}")
     if args.policy not in list_presets():
         p.error(f"--policy: unknown preset {args.policy!r}; valid: {', '.join(list_presets())}")
     for name in ("freq", "d_model", "heads", "layers", "seq", "batch", "rounds"):
