@@ -243,6 +243,12 @@ class _Session:
 
     def __call__(self, site: GemmSite, run: Callable, lhs, rhs):
         plan = _plan(self.config, site)
+        seen = self.sites.get((site.path, site.name))
+        if plan is not None and seen is not None and seen[0].call != site.call:
+            raise ValueError(
+                f"fmtkit.debug: GEMM {site.path!r}/{site.name} ran in two policied calls "
+                "inside one capture (the model applied twice): their statistics would share "
+                "one entry. Capture one call, or keep the second call out of the capture.")
         self.sites[(site.path, site.name)] = (site, plan)
         if plan is None:
             return run(lhs, rhs, site.fp8)

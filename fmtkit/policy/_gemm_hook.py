@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,6 +51,9 @@ class GemmSite:
         primitives).
       in_loop: whether the GEMM runs inside a ``scan`` or ``while`` body (its operands are
         then one iteration's).
+      call: a number that identifies the policied call (one model or function call) that
+        runs the GEMM: two calls of the same model under one hook give the same names
+        with different ``call`` numbers.
     """
 
     path: str
@@ -63,6 +67,7 @@ class GemmSite:
     head: bool
     dimension_numbers: Any
     in_loop: bool
+    call: int
 
 
 Hook = Callable[[GemmSite, Callable[..., Any], Any, Any], Any]
@@ -73,6 +78,8 @@ class _Active(threading.local):
 
 
 _ACTIVE = _Active()
+# Numbers of policied calls (interpreters), for GemmSite.call.
+CALLS = itertools.count()
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ from fmtkit.policy._analysis import (
 )
 from fmtkit.policy._binding import F32, bind, cast, floating_dtype, is_float_value, wider
 from fmtkit.policy._cotangent import round_on_exit
+from fmtkit.policy._gemm_hook import CALLS as GEMM_CALLS
 from fmtkit.policy._gemm_hook import GemmSite, active_hook
 from fmtkit.policy._plan import Plan
 from fmtkit.policy._policy import Policy, ancestor_types, is_identity
@@ -165,6 +166,7 @@ class Interpreter:
         self._gemm_names: dict[tuple, str] = {}
         self._gemm_counts: dict[str, int] = {}
         self._loop_depth = 0
+        self._call = next(GEMM_CALLS)
         # Rules that change nothing ("fp32"): every op as traced, no exit casts.
         self.identity = is_identity(plan.rules)
 
@@ -428,7 +430,7 @@ class Interpreter:
             fp8=recipe if capable else None, fp8_capable=capable, head=head,
             dimension_numbers=eqn.params.get("dimension_numbers")
             if eqn.primitive.name == "dot_general" else None,
-            in_loop=self._loop_depth > 0)
+            in_loop=self._loop_depth > 0, call=self._call)
 
         def run(a, b, new_recipe=None):
             return self._compute(eqn, a, b, rest, new_recipe, idp, module, info, head, cdt,

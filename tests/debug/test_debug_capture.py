@@ -245,6 +245,13 @@ def test_a_pattern_that_matches_no_gemm_names_it_and_lists_the_gemms():
         jax.jit(f)(v)
 
 
+def test_a_model_applied_twice_in_one_capture_raises():
+    loss, v = _setup()
+    cfg = debug.DebugConfig([debug.Rule("Dense_0", stats=("amax",))])
+    with pytest.raises(ValueError, match="ran in two policied calls"):
+        debug.init(cfg, lambda v: loss(v) + loss(v), v)
+
+
 def test_statistics_of_a_gemm_inside_a_scan_raise_clearly():
     def f(ws, x):
         def body(h, w):
