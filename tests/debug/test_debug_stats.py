@@ -175,6 +175,27 @@ def _debug_stats(loss, params, cfg, step=0):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current", "fp8-blockwise"])
 def test_every_statistic_matches_numpy_float64(case, preset):
+    _check(case, preset)
+
+
+def test_the_comparison_sees_a_wrong_operand_layout(monkeypatch):
+    # Negative control: quantization statistics of the weight replayed on the kernel as
+    # stored ([K, N]) instead of as the GEMM reads it ([N, K]); row-wise scales then differ.
+    from fmtkit.debug import _capture
+
+    real = _capture._canonical
+
+    def untransposed(site, tensor, x, lhs_shape, rhs_shape):
+        if tensor == "weight":
+            return x.reshape(1, *x.shape)
+        return real(site, tensor, x, lhs_shape, rhs_shape)
+
+    monkeypatch.setattr(_capture, "_canonical", untransposed)
+    with pytest.raises(AssertionError, match="weight/scale_m"):
+        _check("linen", "fp8-rowwise")
+
+
+def _check(case, preset):
     loss, params = CASES[case](preset)
     captured = _captured(loss, params)
     cfg = debug.DebugConfig([debug.Rule("")])
