@@ -28,11 +28,12 @@ the GEMM receives them, in the compute dtype, before quantization), ``output_gra
 * ``max_blockwise_dynamic_range``: the largest dynamic range of a 1x128 tile along the
   tensor's last axis (zero-padded; a tile without a nonzero element counts 0);
 
-and, for an operand the GEMM quantizes (activation, weight, output_grad under an FP8 recipe
-whose scaling has a ``fmtkit.scaling`` equivalent, i.e. not delayed and not FP4, or under a
-``fake_quant`` override), replaying its quantization on the operand laid out ``[free,
-contraction]`` (the output gradient as the data-gradient GEMM reads it), with x the operand,
-d its quantize-dequantize and s each element's scale:
+and, for an operand the GEMM quantizes (activation, weight, output_grad under an FP8 recipe,
+delayed ones with their scales from the amax history, or under a ``fake_quant`` override;
+not FP4 recipes, whose two-level scales have no ``fmtkit.scaling`` equivalent), replaying
+its quantization on the operand laid out ``[free, contraction]`` (the output gradient as
+the data-gradient GEMM reads it), with x the operand, d its quantize-dequantize and s each
+element's scale:
 
 * ``underflow_share`` = #(x != 0 and d == 0) / #(x != 0) (0 without a nonzero element);
 * ``saturation_share`` = #(|x| / s > fmt.max + half its last step) / size (clipped);

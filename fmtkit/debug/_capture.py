@@ -67,14 +67,24 @@ def _current(recipe: Any) -> Fp8Recipe:
                      grad_format=recipe.grad_format)
 
 
-def _quantizations(recipe: Any, fake: str | None) -> dict[str, Quantization]:
+def _quantizations(recipe: Any, fake: str | None, history: Any
+                   ) -> dict[str, Quantization]:
     """How the GEMM quantizes each operand: the fake format per tensor, or the recipe's
-    format and tiling (recipes whose quantization has a ``fmtkit.scaling`` equivalent: not
-    the delayed ones, whose scale comes from the history, nor FP4's two-level scales)."""
+    format and tiling (recipes whose quantization has a ``fmtkit.scaling`` equivalent, with
+    a delayed recipe's scales from its amax history ``history``; not FP4's two-level
+    scales)."""
     if fake is not None:
         return {t: Quantization(fake, TensorScaling()) for t in QUANTIZED_TENSORS}
-    if recipe is None or recipe.delayed or isinstance(recipe, Fp4Recipe):
+    if recipe is None or isinstance(recipe, Fp4Recipe):
         return {}
+    if recipe.delayed:
+        if history is None:
+            return {}
+        scaling = TensorScaling(recipe.power_of_two, recipe.margin)
+        return {t: Quantization(fmt, scaling, i, recipe.amax_algo)
+                for i, (t, fmt) in enumerate((("activation", recipe.x_format),
+                                              ("weight", recipe.w_format),
+                                              ("output_grad", recipe.grad_format)))}
     return {"activation": Quantization(recipe.x_format, recipe.scaling("x")),
             "weight": Quantization(recipe.w_format, recipe.scaling("w")),
             "output_grad": Quantization(recipe.grad_format, recipe.scaling("grad"))}
@@ -96,7 +106,9 @@ def _plan(config: DebugConfig, site: GemmSite) -> _Plan | None:
         else:
             recipe, fake = None, fmt
     # (quantization statistics replay a dot_general's operand layout; none for convolutions)
-    quant = _quantizations(recipe, fake) if site.dimension_numbers is not None else {}
+    history = site.fp8_history if recipe is site.fp8 else None
+    quant = (_quantizations(recipe, fake, history) if site.dimension_numbers is not None
+             else {})
     stats = {}
     for t in rule.tensors:
         allowed = BASE_STATS + (QUANT_STATS if t in quant else ())
@@ -139,14 +151,15 @@ def _canonical(site: GemmSite, tensor: str, x, lhs_shape, rhs_shape):
                 tuple(range(nb + len(lf), x.ndim)))
 
 
-def _compute(plan: _Plan, site: GemmSite, tensors: Mapping[str, jax.Array], shapes
-             ) -> dict[str, dict[str, jax.Array]]:
+def _compute(plan: _Plan, site: GemmSite, tensors: Mapping[str, jax.Array], shapes,
+             history: Any = None) -> dict[str, dict[str, jax.Array]]:
     out = {}
     for t, x in tensors.items():
         stats = plan.stats[t]
         d = tensor_stats(x, stats)
         if t in plan.quant and any(s in QUANT_STATS for s in stats):
-            d.update(quant_stats(_canonical(site, t, x, *shapes), plan.quant[t], stats))
+            d.update(quant_stats(_canonical(site, t, x, *shapes), plan.quant[t], stats,
+                                 history))
         out[t] = {s: d[s] for s in stats}
     return out
 
@@ -193,27 +206,29 @@ def _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on):
     the output gradient's in its backward; both returned as the state leaves' cotangent."""
 
     @jax.custom_vjp
-    def tap(leaves, on, lhs, rhs, y):
+    def tap(leaves, on, hist, lhs, rhs, y):
         return y
 
-    def fwd(leaves, on, lhs, rhs, y):
+    def fwd(leaves, on, hist, lhs, rhs, y):
         vals = {"activation": lhs, "weight": rhs, "output": y}
         like = {t: leaves[t] for t in fwd_tensors}
-        def compute(*xs):
-            return _compute(plan, site, dict(zip(fwd_tensors, xs)), shapes)
 
-        stats = _cond_stats(static_on, on, compute, like, *(vals[t] for t in fwd_tensors))
-        return y, (on, stats, leaves.get("output_grad"))
+        def compute(h, *xs):
+            return _compute(plan, site, dict(zip(fwd_tensors, xs)), shapes, h)
+
+        stats = _cond_stats(static_on, on, compute, like, hist,
+                            *(vals[t] for t in fwd_tensors))
+        return y, (on, hist, stats, leaves.get("output_grad"))
 
     def bwd(res, g):
-        on, stats, g_like = res
+        on, hist, stats, g_like = res
         stats = dict(stats)
         if grad_logged:
-            def compute(gg):
-                return _compute(plan, site, {"output_grad": gg}, shapes)["output_grad"]
+            def compute(h, gg):
+                return _compute(plan, site, {"output_grad": gg}, shapes, h)["output_grad"]
 
-            stats["output_grad"] = _cond_stats(static_on, on, compute, g_like, g)
-        return stats, None, None, None, g
+            stats["output_grad"] = _cond_stats(static_on, on, compute, g_like, hist, g)
+        return stats, None, None, None, None, g
 
     tap.defvjp(fwd, bwd)
     return tap
@@ -285,8 +300,13 @@ class _Session:
         grad_logged = "output_grad" in leaves
         if fwd_tensors or grad_logged:
             sub = {t: leaves[t] for t in (*fwd_tensors, "output_grad") if t in leaves}
+            hist = None
+            if site.fp8_history is not None and any(q.row is not None
+                                                    for q in plan.quant.values()):
+                hist = jnp.asarray(site.fp8_history, jnp.float32)
+                hist = lax.stop_gradient(hist.reshape(-1, *hist.shape[-2:]))  # [B, 3, H]
             y = _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on)(
-                sub, on, lax.stop_gradient(lhs), lax.stop_gradient(rhs), y)
+                sub, on, hist, lax.stop_gradient(lhs), lax.stop_gradient(rhs), y)
         return y
 
     @staticmethod

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from fmtkit.casting import cast
 from fmtkit.formats import get_format
-from fmtkit.scaling import BlockScaling, MXScaling, dequantize, quantize
+from fmtkit.scaling import BlockScaling, MXScaling, delayed_amax_of, dequantize, quantize
 
 # The tile of max_blockwise_dynamic_range: 1x128, the activation tile of DeepSeek-V3's
 # blockwise FP8 recipe (section 3.3.1) and of Transformer Engine's blockwise recipe.
@@ -74,6 +74,10 @@ class Quantization:
 
     fmt: str
     recipe: Any
+    # A delayed recipe: the row of its amax history ([B, 3, history], rows x, w, grad; one
+    # per batch element) this operand's per-tensor scale comes from, and its algorithm.
+    row: int | None = None
+    algo: str = "max"
 
 
 def _block(recipe: Any) -> tuple[int, int]:
@@ -84,7 +88,8 @@ def _block(recipe: Any) -> tuple[int, int]:
     return (1, 1)
 
 
-def quantized(x3: jax.Array, q: Quantization) -> tuple[jax.Array, jax.Array]:
+def quantized(x3: jax.Array, q: Quantization, history: Any = None
+              ) -> tuple[jax.Array, jax.Array]:
     """(dequantized f32 ``[B, F, C]``, scales f32) of ``x3 [B, F, C]`` under ``q``; each
     dimension a block does not divide is zero-padded for the quantization, as the GEMMs do,
     and sliced back."""
@@ -97,16 +102,25 @@ def quantized(x3: jax.Array, q: Quantization) -> tuple[jax.Array, jax.Array]:
     bf, bc = _block(q.recipe)
     padded = jnp.pad(x3, ((0, 0), (0, -f % bf), (0, -c % bc)))
 
-    def one(t):
-        sa = quantize(t, fmt, q.recipe)
+    def one(t, hist):
+        amax = None
+        if hist is not None:
+            amax = delayed_amax_of(hist, t, lambda u: jnp.max(jnp.abs(u)).astype(jnp.float32),
+                                   q.algo)
+        sa = quantize(t, fmt, q.recipe, amax=amax)
         return dequantize(sa, jnp.float32), sa.scale.astype(jnp.float32)
 
-    deq, scale = jax.vmap(one)(padded)
+    if q.row is None:
+        deq, scale = jax.vmap(lambda t: one(t, None))(padded)
+    else:
+        deq, scale = jax.vmap(one)(padded, history[:, q.row])
     return deq[:, :f, :c], scale
 
 
-def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str]) -> dict[str, jax.Array]:
-    """``QUANT_STATS`` named in ``stats`` of the operand ``x3 [B, F, C]`` quantized by ``q``.
+def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: Any = None
+                ) -> dict[str, jax.Array]:
+    """``QUANT_STATS`` named in ``stats`` of the operand ``x3 [B, F, C]`` quantized by ``q``
+    (``history``: a delayed recipe's amax histories, f32[B, 3, history]).
 
     With x the operand (f32), d its quantize-dequantize, s the scales: underflow_share =
     #(x != 0 and d == 0) / #(x != 0); saturation_share = #(|x| / s > clip_threshold(fmt)) /
@@ -119,7 +133,7 @@ def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str]) -> dict[st
     if not want:
         return {}
     x = x3.astype(jnp.float32)
-    deq, scale = quantized(x3, q)
+    deq, scale = quantized(x3, q, history)
     fmt = get_format(q.fmt)
     err = jnp.square(x - deq)
     nz = x != 0

@@ -51,6 +51,8 @@ class GemmSite:
         primitives).
       in_loop: whether the GEMM runs inside a ``scan`` or ``while`` body (its operands are
         then one iteration's).
+      fp8_history: the amax history a delayed recipe quantizes this GEMM with
+        (f32[*batch, 3, history], rows x, w, grad; see ``fmtkit.fp8``), or None.
       call: a number that identifies the policied call (one model or function call) that
         runs the GEMM: two calls of the same model under one hook give the same names
         with different ``call`` numbers.
@@ -68,6 +70,7 @@ class GemmSite:
     dimension_numbers: Any
     in_loop: bool
     call: int
+    fp8_history: Any = None
 
 
 Hook = Callable[[GemmSite, Callable[..., Any], Any, Any], Any]

@@ -430,7 +430,9 @@ class Interpreter:
             fp8=recipe if capable else None, fp8_capable=capable, head=head,
             dimension_numbers=eqn.params.get("dimension_numbers")
             if eqn.primitive.name == "dot_general" else None,
-            in_loop=self._loop_depth > 0, call=self._call)
+            in_loop=self._loop_depth > 0, call=self._call,
+            fp8_history=fp8_local.get(self.analysis.sites.get(idp))
+            if capable and recipe is not None and recipe.delayed else None)
 
         def run(a, b, new_recipe=None):
             return self._compute(eqn, a, b, rest, new_recipe, idp, module, info, head, cdt,

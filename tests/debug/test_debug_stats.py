@@ -17,12 +17,15 @@ import numpy as np
 import pytest
 
 import fmtkit.debug as debug
-from fmtkit import dequantize, quantize, with_policy
+from fmtkit import TensorScaling, dequantize, quantize, with_policy
 from fmtkit.policy import intercept_gemms
 
 # Sums of a few thousand f32 terms (mean, std, norms, mse) against float64: the f32
 # accumulation's relative error stays well below 1e-5 at these sizes.
 RTOL = 1e-5
+# SQNR in dB is 10 log10 of a ratio of such sums: its absolute error is about 4.3 times the
+# ratio's relative error (an SQNR near 0 dB has no meaningful relative tolerance).
+SQNR_ATOL = 1e-4
 # Clipping thresholds, hand-derived: the largest value plus half the last step (E4M3:
 # 448 + 32/2; E5M2: 57344 + 8192/2).
 CLIP = {"float8_e4m3fn": 464.0, "float8_e5m2": 61440.0}
@@ -137,7 +140,7 @@ def _np_base(x):
             "dynamic_range": dr(a), "max_blockwise_dynamic_range": max(tiles)}
 
 
-def _np_quant(x2, fmt, scaling):
+def _np_quant(x2, fmt, scaling, amax=None):
     """Replays the quantization of a 2-D [free, contraction] operand with fmtkit.scaling
     (zero-padded to whole blocks, as the GEMM does) and computes the statistics in float64."""
     block = getattr(scaling, "block", (1, 1))
@@ -146,7 +149,7 @@ def _np_quant(x2, fmt, scaling):
     bf = block[0] if block[0] > 1 else 1
     bc = block[1] if block[1] > 1 else 1
     padded = jnp.pad(x2, ((0, -f % bf), (0, -c % bc)))
-    sa = quantize(padded, fmt, scaling)
+    sa = quantize(padded, fmt, scaling, amax=amax)
     d = np.asarray(dequantize(sa, jnp.float32), np.float64)[:f, :c]
     s = np.asarray(sa.scale, np.float64)
     s = np.repeat(np.repeat(s, padded.shape[0] // s.shape[0], 0),
@@ -176,6 +179,34 @@ def _debug_stats(loss, params, cfg, step=0):
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current", "fp8-blockwise"])
 def test_every_statistic_matches_numpy_float64(case, preset):
     _check(case, preset)
+
+
+# A delayed recipe's histories, row maxima x, w, grad: below the tensors' own amaxes, so
+# values saturate (the recorded amax decides the scale, as after a jump in the data).
+DELAYED_AMAX = (0.5, 0.05, 1e-3)
+
+
+def test_delayed_scaling_statistics_match_numpy_float64():
+    loss, variables = _linen_case("fp8-delayed")
+    hist = jnp.zeros((3, 1024)).at[:, 3].set(jnp.asarray(DELAYED_AMAX))
+    variables = {**variables, "fp8_state": {"Dense_0:dot0": hist}}
+    captured = _captured(loss, variables)
+    _, _, _, stats = _debug_stats(loss, variables, debug.DebugConfig([debug.Rule("Dense_0")]))
+    site, tensors = captured[("Dense_0", "dot_general_0")]
+    recipe = site.fp8
+    assert recipe.delayed
+    got = stats["Dense_0"]["dot_general_0"]
+    for t, a2, fmt, amax in (("activation", tensors["activation"], recipe.x_format, 0.5),
+                             ("weight", tensors["weight"].T, recipe.w_format, 0.05),
+                             ("output_grad", tensors["output_grad"], recipe.grad_format,
+                              1e-3)):
+        want = _np_quant(a2, fmt, TensorScaling(recipe.power_of_two, recipe.margin),
+                         jnp.float32(amax))
+        assert want["saturation_share"] > 0, t
+        for s, v in want.items():
+            np.testing.assert_allclose(float(got[t][s]), v, rtol=RTOL,
+                                       atol=SQNR_ATOL if s == "sqnr_db" else 0,
+                                       err_msg=f"{t}/{s}")
 
 
 def test_the_comparison_sees_a_wrong_operand_layout(monkeypatch):
@@ -221,7 +252,8 @@ def _check(case, preset):
                 quantized += 1
             assert set(got[t]) == set(want), (path, name, t)
             for s, v in want.items():
-                np.testing.assert_allclose(float(got[t][s]), v, rtol=RTOL, atol=0,
+                np.testing.assert_allclose(float(got[t][s]), v, rtol=RTOL,
+                                           atol=SQNR_ATOL if s == "sqnr_db" else 0,
                                            err_msg=f"{path}/{name}/{t}/{s}")
     assert quantized == (0 if preset == "bf16-mixed" else 3)
 
