@@ -307,3 +307,33 @@ def test_configuration_files_load_like_python(tmp_path):
 def test_bad_rules_raise_naming_the_field(fields, match):
     with pytest.raises((ValueError, TypeError), match=match):
         debug.DebugConfig.from_dict({"rules": [fields]})
+
+
+def test_a_convolution_logs_its_six_tensors_without_quantization_statistics():
+    class Conv(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.Conv(4, (3, 3))(x).reshape(x.shape[0], -1))
+
+    model = with_policy(Conv(), "fp8-current")
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    v = model.init(jax.random.key(1), x)
+
+    def loss(v):
+        return jnp.sum(model.apply(v, x).astype(jnp.float32))
+
+    cfg = debug.DebugConfig([debug.Rule("Conv", stats=("amax", "sqnr_db"),
+                                        override="fake_quant:e4m3")])
+    state = debug.init(cfg, loss, v)
+    # sqnr_db is a quantization statistic: a dot_general's only (see fmtkit.debug)
+    assert state == {"Conv_0": {"conv_general_dilated_0": {
+        t: {"amax": 0.0} for t in debug.TENSORS}}}
+
+    def f(v, s):
+        with debug.capture(cfg, s, 0):
+            return loss(v)
+
+    stats = jax.jit(jax.grad(f, argnums=(0, 1)))(v, state)[1]
+    got = stats["Conv_0"]["conv_general_dilated_0"]
+    assert float(got["activation"]["amax"]) == float(jnp.max(jnp.abs(
+        x.astype(jnp.bfloat16))))
