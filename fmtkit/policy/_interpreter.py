@@ -435,15 +435,6 @@ class Interpreter:
         except ValueError as err:
             raise ValueError(f"FP8 matmul in module {path or '<root>'!r} (recipe "
                              f"{recipe}): {err}") from None
-        except TypeError as err:
-            if "forward-mode" not in str(err):
-                raise
-            raise TypeError(
-                f"FP8 matmul in module {path or '<root>'!r} (recipe {recipe}): forward-mode "
-                "autodiff (jax.jvp, jax.jacfwd, Hessian-vector products) does not go through "
-                "fmtkit's FP8 GEMMs, which define their backward pass only (a custom_vjp). "
-                "Differentiate in reverse mode, or run forward-mode AD under a mixed preset "
-                "(bf16-mixed).") from err
 
     def _record(self, eqn, chain, idp):
         module = chain[-1] if chain else None
