@@ -1317,3 +1317,35 @@ def test_hessian_vector_product_through_the_quantized_operands(name):
         assert np.linalg.norm(got - want) <= 1e-4 * np.linalg.norm(want)
     dropped = g_dot @ qw
     assert np.linalg.norm(dropped - want_x) > 0.1 * np.linalg.norm(want_x)
+
+
+@pytest.mark.parametrize("name", ["current", "blockwise"])
+def test_second_derivatives_through_the_tangent(name):
+    """Forward over forward (``jacfwd`` of ``jacfwd``) of L(x) = Σ sin(x · w): the Hessian
+    through the quantized weight, H[i, b, i, d] = -Σ_j sin(y[i, j]) Q(w)[b, j] Q(w)[d, j]
+    (float64 reference, y = Q(x) · Q(w)); the same as ``jax.hessian`` (forward over
+    reverse). Reverse over forward (``grad`` of a ``jvp``): the tangent ẋ · Q(w) + Q(x) · ẇ
+    differentiated in w with the quantization's derivative the identity:
+    ∂/∂w Σ ((u · Q(w)) ⊙ c) = uᵀ · c."""
+    f, (x, w, u, _), _, _ = _jvp_case(name, m=3, k=40, n=24)
+    r = fp8.get_recipe(name)
+
+    def loss(a):
+        return jnp.sum(jnp.sin(f(a, w)))
+
+    h = jax.jit(jax.jacfwd(jax.jacfwd(loss)))(x)
+    qx = _np_tile_qdq(x, r.x_tile, r.x_format)
+    qw = _np_tile_qdq(np.asarray(w, np.float32).T, r.w_tile, r.w_format)  # [N, K]
+    s = -np.sin(qx @ qw.T)  # [M, N]
+    inner = np.einsum("ij,jb,jd->ibd", s, qw, qw)
+    want = np.einsum("ibd,ia->ibad", inner, np.eye(3))  # ∂²L / ∂x[i, b] ∂x[a, d]
+    got = np.asarray(h, np.float64)
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    hr = np.asarray(jax.jit(jax.hessian(loss))(x), np.float64)
+    assert np.linalg.norm(hr - want) <= 1e-5 * np.linalg.norm(want)
+    c = jnp.asarray(np.random.default_rng(1).standard_normal((3, 24)), jnp.float32)
+    gw = jax.jit(jax.grad(lambda b: jnp.sum(jax.jvp(f, (x, b), (u, jnp.zeros_like(b)))[1]
+                                            * c)))(w)
+    want_w = np.asarray(u, np.float64).T @ np.asarray(c, np.float64)
+    bound = 2 * 3 * 2.0**-24 * (np.abs(np.asarray(u, np.float64)).T @ np.abs(np.asarray(c)))
+    assert np.all(np.abs(np.asarray(gw, np.float64) - want_w) <= bound)

@@ -72,15 +72,28 @@ def _tangent_abstract(*avals, tree, operands, bwd, nbatch, out_aval):
     return jax.core.ShapedArray((*batch, *out_aval[0]), out_aval[1])
 
 
+def _tangent_jvp(primals, tangents, *, tree, operands, bwd, nbatch, out_aval):
+    """The tangent's own derivative (forward over forward, or reverse over forward): linear
+    in ``dx``, ``dw`` (the primitive again, on their tangents) plus ``dx · ẇᵀ + ẋ · dwᵀ``
+    in f32, the quantization's derivative taken as the identity (the residuals' tangents
+    are not read)."""
+    params = dict(tree=tree, operands=operands, bwd=bwd, nbatch=nbatch, out_aval=out_aval)
+    n = tree.num_leaves
+    out = _tangent_p.bind(*primals, **params)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    lin = _tangent_p.bind(*primals[:n + 2], *tangents[n + 2:], **params)
+    dx, dw = primals[n + 2:n + 4]
+    x_dot, w_dot = tangents[n:n + 2]
+    cross = _mapped(lambda a, b, c, d: _f32_matmul(a, b) + _f32_matmul(c, d), nbatch)(
+        dx, w_dot, x_dot, dw)
+    return out, lin + cross.astype(out_aval[1])
+
+
 def _tangent_transpose(ct, *args, tree, operands, bwd, nbatch, out_aval):
     del operands, out_aval
     n = tree.num_leaves
     res, (x, w), lin = args[:n], args[n:n + 2], args[n + 2:]
-    if any(ad.is_undefined_primal(r) for r in (*res, x, w)):
-        raise NotImplementedError(
-            "fmtkit's FP8 / FP4 GEMM: reverse-mode AD of its forward-mode tangent with respect "
-            "to the operands (reverse-over-forward) is not supported; compute second "
-            "derivatives forward-over-reverse (jax.jvp of jax.grad).")
+    assert not any(ad.is_undefined_primal(r) for r in (*res, x, w))  # (linear in lin only)
     if type(ct) is ad.Zero:
         return [None] * len(args)
     ct = ad.instantiate_zeros(ct)
@@ -100,6 +113,7 @@ def _tangent_batch(args, dims, *, tree, operands, bwd, nbatch, out_aval):
 
 _tangent_p.def_impl(_tangent_impl)
 _tangent_p.def_abstract_eval(_tangent_abstract)
+ad.primitive_jvps[_tangent_p] = _tangent_jvp
 ad.primitive_transposes[_tangent_p] = _tangent_transpose
 batching.primitive_batchers[_tangent_p] = _tangent_batch
 mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
@@ -127,6 +141,8 @@ def fwd_and_bwd_core(fwd: Callable, bwd: Callable, operands: Callable, doc: str)
       (``jax.jvp`` of ``jax.grad``: Hessian-vector products) takes the tangent of
       ``bwd``'s ``dx = g · w``, ``dw = gᵀ · x`` through the same quantized operands, in f32:
       ``ġ · Q(w) + g · ẇ`` and ``ġᵀ · Q(x) + gᵀ · ẋ`` (the amax history's tangent: zero).
+      The tangent's own derivative (``jacfwd`` of ``jacfwd``, ``grad`` of ``jvp``) is
+      ``_tangent_jvp``'s.
     """
     @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
     def backward(recipe, out_dtype, res, x, w, g):
