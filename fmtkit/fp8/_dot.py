@@ -2,7 +2,7 @@
 function Flax modules take) and ``dot_general`` (the op).
 
 Any contracting and batch dims are flattened to a 2-D GEMM per batch element,
-``x [M, K] · w [N, K]ᵀ``, computed by the recipe's custom-VJP core (``fp8_core``, or
+``x [M, K] · w [N, K]ᵀ``, computed by the recipe's core (``fp8_core``, or
 ``fp4_core`` for an FP4 recipe) and reshaped back.
 """
 
@@ -208,7 +208,8 @@ def dot_general(lhs: Any = _UNSET, rhs: jax.typing.ArrayLike | None = None,
 
     ``dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
     *, out_sharding=None, recipe="blockwise", fp8_state=None)`` computes the product with the
-    recipe's three FP8 GEMMs (custom VJP; see ``dot_general_fn`` for the keywords' meaning).
+    recipe's three FP8 GEMMs (``jax.jvp``: the tangent through the forward GEMM's quantized
+    operands, in f32; see ``dot_general_fn`` for the keywords' meaning).
 
     ``dot_general(recipe)`` (a name or an ``Fp8Recipe`` as the only positional argument, or
     ``dot_general(recipe=...)`` with no operands) is the deprecated spelling of
