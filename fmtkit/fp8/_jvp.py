@@ -61,15 +61,23 @@ def _tangent_impl(*args, tree, operands, bwd, nbatch, out_aval):
     def one(*a):
         dx, dw = a[n + 2:n + 4]
         xd, wd = operands(jax.tree.unflatten(tree, a[:n]), dx.shape[0], dw.shape[0])
-        return (_f32_matmul(dx, wd) + _f32_matmul(xd, dw)).astype(out_aval[1])
+        return (_f32_matmul(dx, wd) + _f32_matmul(xd, dw)).astype(out_aval.dtype)
 
     return _mapped(one, nbatch)(*args)
 
 
 def _tangent_abstract(*avals, tree, operands, bwd, nbatch, out_aval):
+    """y's tangent type (its sharding, and under ``shard_map`` the manual axes it varies
+    over), with the batch axes of ``vmap`` in front."""
     del operands, bwd
-    batch = avals[tree.num_leaves].shape[:nbatch]
-    return jax.core.ShapedArray((*batch, *out_aval[0]), out_aval[1])
+    if not nbatch:
+        return out_aval
+    batch = avals[tree.num_leaves + 2].shape[:nbatch]
+    sharding = out_aval.sharding
+    if sharding is not None and sharding.spec:
+        sharding = sharding.update(spec=jax.sharding.PartitionSpec(
+            *(None,) * nbatch, *sharding.spec))
+    return out_aval.update(shape=(*batch, *out_aval.shape), sharding=sharding)
 
 
 def _tangent_jvp(primals, tangents, *, tree, operands, bwd, nbatch, out_aval):
@@ -86,7 +94,7 @@ def _tangent_jvp(primals, tangents, *, tree, operands, bwd, nbatch, out_aval):
     x_dot, w_dot = tangents[n:n + 2]
     cross = _mapped(lambda a, b, c, d: _f32_matmul(a, b) + _f32_matmul(c, d), nbatch)(
         dx, w_dot, x_dot, dw)
-    return out, lin + cross.astype(out_aval[1])
+    return out, lin + cross.astype(out_aval.dtype)
 
 
 def _tangent_transpose(ct, *args, tree, operands, bwd, nbatch, out_aval):
@@ -168,7 +176,7 @@ def fwd_and_bwd_core(fwd: Callable, bwd: Callable, operands: Callable, doc: str)
             *leaves, x, w, *tangents, tree=tree, nbatch=0,
             operands=functools.partial(operands, recipe),
             bwd=functools.partial(backward, recipe, out_dtype),
-            out_aval=((x.shape[0], w.shape[0]), y.dtype))
+            out_aval=jax.typeof(y).to_tangent_aval())
 
     # The forward pass with its residuals, for the core's JVP rule: differentiated forward
     # again (jax.jvp of jax.grad), y's tangent is the core's tangent (not the derivative of
