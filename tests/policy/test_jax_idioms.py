@@ -880,6 +880,77 @@ def test_explicit_sharding_mesh_under_mixed_presets():
     assert out["bf16-mixed"]["dots"] == ["bfloat16"], out
 
 
+_EXPLICIT_MESH_FP8_SCRIPT = r'''
+import json, os
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4"
+                           " --xla_allow_excess_precision=false")  # (as tests/conftest.py)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from fmtkit.policy import with_policy
+
+mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+rng = np.random.default_rng(0)
+X = rng.standard_normal((16, 256)).astype(np.float32)
+PARAMS = {"w": (rng.standard_normal((256, 128)) / 16).astype(np.float32),
+          "o": (rng.standard_normal((128, 3)) / 8).astype(np.float32)}
+
+def model(p, x):
+    return jnp.tanh(x @ p["w"]) @ p["o"]
+
+def run(preset, p, x):
+    f = with_policy(model, preset)
+    value, grads = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(f(p, x) ** 2)))(p, x)
+    return jax.jit(f)(p, x), value, grads
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+out = {}
+for preset in ("fp8-current", "fp8-blockwise"):
+    y0, v0, g0 = run(preset, PARAMS, X)  # no mesh
+    ymix = run("bf16-mixed", PARAMS, X)[0]
+    with jax.set_mesh(mesh):
+        x = jax.device_put(X, NamedSharding(mesh, P("data")))
+        p = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+        y, v, g = run(preset, p, x)
+    out[preset] = {
+        "y_spec": str(y.sharding.spec),
+        "grad_specs": {k: str(a.sharding.spec) for k, a in g.items()},
+        "exact": [bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                  for a, b in ((y, y0), (v, v0), (g["w"], g0["w"]))],
+        "fp8": bool(not np.array_equal(np.asarray(y0), np.asarray(ymix))),
+        "head_grad_rel": rel(g["o"], g0["o"])}
+print(json.dumps(out))
+'''
+
+
+def test_explicit_sharding_mesh_under_fp8_presets():
+    """FP8 presets on an explicit mesh (tokens sharded over 4 devices, weights replicated):
+    no ShardingTypeError; y keeps the traced sharding; the gradients get their parameters'
+    (replicated); output, loss and the FP8 layer's weight gradient equal the unsharded
+    run's bit for bit (the forward GEMM contracts K, unsharded; the FP8 wgrad sums f32
+    partials over the token shards, exactly here). The bf16 head's weight gradient (not FP8)
+    sums bf16 partials per shard: within 2^-7 of the unsharded one. Runs FP8 (y differs from
+    bf16-mixed's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", _EXPLICIT_MESH_FP8_SCRIPT],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for preset, got in out.items():
+        assert got["y_spec"] == "P('data', None)", (preset, got)
+        assert got["grad_specs"] == {"o": "P(None, None)", "w": "P(None, None)"}, got
+        assert got["exact"] == [True, True, True], (preset, got)
+        assert got["fp8"], (preset, got)
+        assert got["head_grad_rel"] <= 2.0**-7, (preset, got)
+
+
 # ---------------------------------------------------------------------------------------------
 # Complex matmuls (S5-style state-space models) run as traced, and say so.
 
