@@ -976,3 +976,41 @@ def test_complex_matmuls_negative_control(monkeypatch):
     monkeypatch.setattr(_interpreter, "_is_complex", lambda dtype: False)
     with pytest.raises(TypeError, match="complex64"):
         _grad_jaxpr(with_policy(complex_model, "fp8-current"), COMPLEX, X)
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolutions under FP8 presets: on the compute dtype, and the report says so.
+
+class _ConvNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Conv(8, (3, 3), name="conv")(x))
+        h = nn.relu(nn.Dense(16, name="hidden")(h.reshape(h.shape[0], -1)))
+        return nn.Dense(3, name="head")(h)
+
+
+def test_convolutions_under_fp8_are_not_counted_by_fp8_fraction():
+    """Under fp8-current the conv runs bf16 x bf16 and the hidden Dense FP8 (read from the
+    jaxpr by the independent walker); fp8_fraction covers the FP8 recipe's targets only
+    (the hidden Dense: 1.0, where the conv's FLOPs would make it 0.25 here), and the
+    report's text names the convolutions' FLOPs and dtypes as not targeted."""
+    model = _ConvNet()
+    x = jnp.asarray(RNG.standard_normal((2, 6, 6, 3)), jnp.float32)
+    policied = with_policy(model, "fp8-current")
+    variables = policied.init(jax.random.key(0), x)
+    closed = jax.make_jaxpr(lambda v: policied.apply(v, x))(variables)
+    convs = [operand_dtypes(e) for e in iter_eqns(closed)
+             if e.primitive.name == "conv_general_dilated"]
+    assert convs == [(BF16, BF16)]
+    fp8_dots = [e for e in iter_eqns(closed) if e.primitive.name == "dot_general"
+                and "float8" in str(e.source_info.name_stack)]
+    assert fp8_dots  # the hidden Dense's FP8 GEMM (widened off GPUs, in its named scope)
+    report = inspect_policy(policied, x, variables=variables)
+    conv_flops = sum(m.flops for m in report.matmul_ops
+                     if m.primitive == "conv_general_dilated" and m.kind == "forward")
+    dense_flops = sum(m.flops for m in report.matmul_ops if m.path == "hidden"
+                      and m.kind == "forward")
+    assert conv_flops == 2 * 2 * 6 * 6 * 8 * 3 * 3 * 3 and dense_flops == 2 * 2 * 288 * 16
+    for kind in ("forward", "dgrad", "wgrad"):
+        assert report.fp8_fraction(kind) == 1.0, kind
+    assert "convolutions: " in str(report) and "not targeted by the FP8 recipes" in str(report)
