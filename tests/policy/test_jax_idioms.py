@@ -1014,3 +1014,37 @@ def test_convolutions_under_fp8_are_not_counted_by_fp8_fraction():
     for kind in ("forward", "dgrad", "wgrad"):
         assert report.fp8_fraction(kind) == 1.0, kind
     assert "convolutions: " in str(report) and "not targeted by the FP8 recipes" in str(report)
+
+
+# ---------------------------------------------------------------------------------------------
+# Matmuls through a detached Module.apply (a tied output head) are placed under their caller.
+
+class _TiedLM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        emb = self.param("embedding", nn.initializers.normal(1.0), (11, 8))
+        h = nn.Dense(8, name="body")(jnp.take(emb, ids, axis=0))
+        return nn.Dense(11, use_bias=False, name="lm_head").apply(
+            {"params": {"kernel": emb.T}}, h)
+
+
+def test_detached_apply_gets_the_callers_path():
+    """The tied head's Dense, run by its own ``apply`` inside the model, is reported at
+    ``lm_head`` (not the root ``""``), and a rule for that path reaches it: its matmul then
+    computes f32 x f32 under bf16-mixed (read from the jaxpr)."""
+    ids = jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    model = _TiedLM()
+    variables = model.init(jax.random.key(0), ids)
+    report = inspect_policy(with_policy(model, "bf16-mixed"), ids, variables=variables)
+    fwd = {m.path for m in report.matmul_ops if m.kind == "forward"}
+    assert fwd == {"body", "lm_head"}, fwd
+    rule = "p=f32,c=f32,o=f32"
+    import dataclasses
+
+    from fmtkit.policy import get_preset
+    preset = get_preset("bf16-mixed")
+    rules = dataclasses.replace(preset, rules=[("^lm_head$", rule), *preset.rules])
+    policied = with_policy(model, rules)
+    closed = jax.make_jaxpr(lambda v: policied.apply(v, ids))(variables)
+    dots = [operand_dtypes(e) for e in iter_eqns(closed) if e.primitive.name == "dot_general"]
+    assert (F32, F32) in dots and (BF16, BF16) in dots, dots
