@@ -11,12 +11,14 @@ tangents, so the tangent here is a primitive whose transpose rule *is* that back
   through the forward GEMM's quantized operands (the quantization's derivative taken as the
   identity, as the backward GEMMs take it), in f32, rounded once to the GEMM's output dtype.
 * ``jax.grad`` / ``jax.vjp`` stage the primitive in the linear part and transpose it: the
-  backward function the core defines (``_core_bwd``), on the same residuals the forward pass
-  saves, so gradients are those of the custom VJP the core was before, bit for bit.
+  backward function the core defines (``_core_bwd``: the recipe's dgrad and wgrad), on the
+  residuals the forward pass saves, exactly as a ``custom_vjp`` with that backward computes.
 
-The primitive takes the forward pass's residuals (``jax.tree`` leaves) and the tangents of
-``x``, ``w`` and the amax history; under ``vmap`` it is bound again with one more leading
-batch axis (``nbatch``), and its evaluation and transpose map over those axes.
+The primitive takes the forward pass's residuals (``jax.tree`` leaves), ``x`` and ``w``
+(read only by the derivative of the backward: a Hessian-vector product; unused, they are
+dead code in a compiled gradient) and the tangents of ``x``, ``w`` and the amax history.
+Under ``vmap`` it is bound again with one more leading batch axis (``nbatch``), and its
+evaluation and transpose map over those axes.
 """
 
 from __future__ import annotations
