@@ -2,7 +2,7 @@
 function Flax modules take) and ``dot_general`` (the op).
 
 Any contracting and batch dims are flattened to a 2-D GEMM per batch element,
-``x [M, K] · w [N, K]ᵀ``, computed by the recipe's custom-VJP core (``fp8_core``, or
+``x [M, K] · w [N, K]ᵀ``, computed by the recipe's core (``fp8_core``, or
 ``fp4_core`` for an FP4 recipe) and reshaped back.
 """
 
@@ -25,27 +25,35 @@ from fmtkit.fp8._vjp import fp8_core
 from fmtkit.scaling import DelayedScalingState
 
 
-def _canonicalize(lhs, rhs, dimension_numbers):
+def _layout(lhs_shape, rhs_shape, dimension_numbers):
+    """How ``_canonicalize`` lays the operands out: (lhs permutation, rhs permutation,
+    batch shape, M, N, K, output shape); ValueError for dims that do not match."""
     (lc, rc), (lb, rb) = dimension_numbers
     if len(lc) != len(rc) or len(lb) != len(rb):
         raise ValueError("lhs and rhs need as many contracting (and batch) dims")
     for dl, dr in ((lc, rc), (lb, rb)):
         for a, b in zip(dl, dr):
-            if lhs.shape[a] != rhs.shape[b]:
-                raise ValueError(f"lhs dim {a} (size {lhs.shape[a]}) and rhs dim {b} "
-                                 f"(size {rhs.shape[b]}) differ")
-    lc, rc, lb, rb = (tuple(int(d) % a.ndim for d in ds)
-                      for ds, a in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs)))
-    lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
-    rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
-    batch = [lhs.shape[d] for d in lb]
-    m = math.prod(lhs.shape[d] for d in lf)
-    n = math.prod(rhs.shape[d] for d in rf)
-    k = math.prod(lhs.shape[d] for d in lc)
-    x = lhs.transpose(*lb, *lf, *lc).reshape(*batch, m, k)
-    w = rhs.transpose(*rb, *rf, *rc).reshape(*batch, n, k)
-    out_shape = (*batch, *(lhs.shape[d] for d in lf), *(rhs.shape[d] for d in rf))
-    return x, w, len(batch), out_shape
+            if lhs_shape[a] != rhs_shape[b]:
+                raise ValueError(f"lhs dim {a} (size {lhs_shape[a]}) and rhs dim {b} "
+                                 f"(size {rhs_shape[b]}) differ")
+    lc, rc, lb, rb = (tuple(int(d) % len(shape) for d in ds) for ds, shape in
+                      ((lc, lhs_shape), (rc, rhs_shape), (lb, lhs_shape), (rb, rhs_shape)))
+    lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+    rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+    batch = tuple(lhs_shape[d] for d in lb)
+    m = math.prod(lhs_shape[d] for d in lf)
+    n = math.prod(rhs_shape[d] for d in rf)
+    k = math.prod(lhs_shape[d] for d in lc)
+    out_shape = (*batch, *(lhs_shape[d] for d in lf), *(rhs_shape[d] for d in rf))
+    return (*lb, *lf, *lc), (*rb, *rf, *rc), batch, m, n, k, out_shape
+
+
+def _canonicalize(lhs, rhs, layout):
+    """``x [*batch, M, K]`` and ``w [*batch, N, K]`` of the operands laid out by ``_layout``:
+    batch dims first, then the free dims, then the contracting ones, flattened."""
+    lperm, rperm, batch, m, n, k, _ = layout
+    return (lhs.transpose(*lperm).reshape(*batch, m, k),
+            rhs.transpose(*rperm).reshape(*batch, n, k))
 
 
 _DEFAULT_PRECISIONS = (None, lax.Precision.DEFAULT)
@@ -113,7 +121,9 @@ def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precisi
         raise ValueError(f"{where}: recipe {recipe.name!r} is delayed: pass fp8_state= "
                          "(see fmtkit.fp8.init_state) or use the Flax module wrappers.")
     try:
-        x, w, nbatch, out_shape = _canonicalize(lhs, rhs, dimension_numbers)
+        layout = _layout(lhs.shape, rhs.shape, dimension_numbers)
+        _, _, batch, m, n, k, out_shape = layout
+        nbatch = len(batch)
     except (ValueError, TypeError, IndexError) as e:
         raise ValueError(f"{where}: bad dimension_numbers {dimension_numbers!r} for "
                          f"lhs {lhs.shape} and rhs {rhs.shape}: {e}") from None
@@ -121,7 +131,7 @@ def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precisi
         # A batched dot (per-expert GEMMs, "egcd,edf->egcf") keeps one history per batch
         # element, [*batch, 3, history]: each expert's weights get their own scale.
         hist = jnp.asarray(fp8_state.amax_history)
-        need = (*x.shape[:nbatch], 3, recipe.history)
+        need = (*batch, 3, recipe.history)
         if hist.shape != need:
             extra = (" A stack of layers (nn.scan / nnx.scan) keeps one history per "
                      "layer, [L, 3, history]: scan over the fp8_state collection too "
@@ -133,20 +143,46 @@ def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precisi
                              "rows x, w, grad)." + extra)
     else:
         hist = jnp.zeros((3, 1), jnp.float32)
-    if x.size == 0 or w.size == 0:
+    if 0 in (m, n, k) or 0 in batch:
         # An empty operand (no tokens, an empty contraction, no features): lax.dot_general's
         # answer, zeros of the output shape (empty, or a sum over nothing); no GEMM to run.
         y = jnp.zeros(out_shape, out_dtype)
-    else:
-        # FP4 recipes run the FP4 core (its GEMMs take E2M1 operands), others the FP8 core.
-        core = functools.partial(fp4_core if isinstance(recipe, Fp4Recipe) else fp8_core,
-                                 recipe, gemm_dtype(out_dtype))
-        for _ in range(nbatch):
-            core = jax.vmap(core, in_axes=(0, 0, 0 if recipe.delayed else None))
-        y = core(x, w, hist).reshape(out_shape).astype(out_dtype)
-    if out_sharding is not None:
-        y = jax.sharding.reshard(y, out_sharding)
-    return y
+        return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
+    # FP4 recipes run the FP4 core (its GEMMs take E2M1 operands), others the FP8 core.
+    core = functools.partial(fp4_core if isinstance(recipe, Fp4Recipe) else fp8_core,
+                             recipe, gemm_dtype(out_dtype))
+    for _ in range(nbatch):
+        core = jax.vmap(core, in_axes=(0, 0, 0 if recipe.delayed else None))
+
+    def compute(lhs, rhs, hist):
+        x, w = _canonicalize(lhs, rhs, layout)
+        return core(x, w, hist).reshape(out_shape).astype(out_dtype)
+
+    explicit = _explicit_axes()
+    if not explicit:
+        y = compute(lhs, rhs, hist)
+        return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
+    # An explicit-sharding mesh: the quantization and the three GEMMs run with the mesh's
+    # axes in auto mode (XLA partitions them as it partitions the dots they replace), and y
+    # gets the sharding lax.dot_general gives (out_sharding, or its own rule, which raises
+    # JAX's error where that is ambiguous); the gradients get their operands' shardings, as
+    # the transposes of the traced dot would.
+    if out_sharding is None:
+        out_sharding = jax.eval_shape(functools.partial(
+            lax.dot_general, dimension_numbers=dimension_numbers,
+            preferred_element_type=out_dtype), lhs, rhs).sharding
+    return jax.sharding.auto_axes(compute, axes=explicit, out_sharding=out_sharding)(
+        lhs, rhs, hist)
+
+
+def _explicit_axes() -> tuple[str, ...]:
+    """The names of the current mesh's explicit axes (``jax.set_mesh`` with
+    ``AxisType.Explicit``), or () outside such a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                 if t == jax.sharding.AxisType.Explicit)
 
 
 def dot_general_fn(recipe: str | Fp8Recipe = "blockwise", *, name: str | None = None):
@@ -208,7 +244,8 @@ def dot_general(lhs: Any = _UNSET, rhs: jax.typing.ArrayLike | None = None,
 
     ``dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
     *, out_sharding=None, recipe="blockwise", fp8_state=None)`` computes the product with the
-    recipe's three FP8 GEMMs (custom VJP; see ``dot_general_fn`` for the keywords' meaning).
+    recipe's three FP8 GEMMs (``jax.jvp``: the tangent through the forward GEMM's quantized
+    operands, in f32; see ``dot_general_fn`` for the keywords' meaning).
 
     ``dot_general(recipe)`` (a name or an ``Fp8Recipe`` as the only positional argument, or
     ``dot_general(recipe=...)`` with no operands) is the deprecated spelling of

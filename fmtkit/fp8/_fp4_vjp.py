@@ -1,4 +1,4 @@
-"""The custom-VJP core of the FP4 dot (``Fp4Recipe``), on the FP8 dot's 2-D operands
+"""The core of the FP4 dot (``Fp4Recipe``), on the FP8 dot's 2-D operands
 x [M, K], w [N, K] (K-major), y [M, N], and ``quantization_stats``.
 
 The per-GEMM recipe (forward, dgrad, wgrad with the random Hadamard transform), the
@@ -6,11 +6,14 @@ stochastic-rounding keys and the emulation are described in ``fmtkit.fp4``'s mod
 docstring, the public path of these names. Each operand of a GEMM is zero-padded to its
 blocks along both dims (exact: zeros never raise an amax, a zero block has scale 0 and zero
 values) and the result sliced back, as in the FP8 core.
+
+Forward-mode AD computes the tangent through the forward GEMM's quantized operands,
+``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` in f32 (``_core_operands``), as the FP8 core does; reverse mode
+runs the backward GEMMs (see ``fmtkit.fp8._jvp``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Literal
 
@@ -32,6 +35,7 @@ from fmtkit.fp8._fp4_quant import (
 )
 from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, scaled_matmul
 from fmtkit.fp8._hadamard import random_hadamard_transform
+from fmtkit.fp8._jvp import fwd_and_bwd_core
 from fmtkit.fp8._operands import pad2, padded_c, recipe_tiles, round_up, tile_of
 from fmtkit.fp8._recipe import Fp4Recipe, get_recipe
 from fmtkit.scaling import ScaledArray
@@ -136,14 +140,6 @@ def _core_impl(recipe, x, w):
     return _gemm(xq, wq, recipe)[:m, :n], wq
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def fp4_core(recipe: Fp4Recipe, out_dtype, x: jax.Array, w: jax.Array, hist: jax.Array
-             ) -> jax.Array:
-    """The FP8 core's signature (``fp8_core``); the emulated GEMMs return f32 (``out_dtype``,
-    the consumer's dtype, is applied by the caller)."""
-    return _core_impl(recipe, x, w)[0]
-
-
 def _core_fwd(recipe, out_dtype, x, w, hist):
     y, wq = _core_impl(recipe, x, w)
     square = tile_of(recipe.w_tile).f > 1
@@ -179,7 +175,24 @@ def _core_bwd(recipe, out_dtype, res, g):
     return dx, dw, jnp.zeros_like(hist)
 
 
-fp4_core.defvjp(_core_fwd, _core_bwd)
+def _core_operands(recipe, res, m, n):
+    """``Q(x)`` [M, K] and ``Q(w)`` [N, K], the forward GEMM's FP4 operands as it multiplied
+    them (stochastic rounding with its keys included; dequantized, f32), from ``_core_fwd``'s
+    residuals: the forward-mode tangent's operands (see ``fmtkit.fp8._jvp``)."""
+    x, w, wq, _ = res
+    k = x.shape[1]
+    tx, tw, _ = recipe_tiles(recipe)
+    kp = padded_c(k, tx, tw)
+    xd = _padded_operand(x, recipe, "x", kp, 0).dequantize()[:m, :k]
+    if wq is None:
+        wq = _padded_operand(w, recipe, "w", kp, 1)
+    return xd, wq.dequantize()[:n, :k]
+
+
+fp4_core = fwd_and_bwd_core(_core_fwd, _core_bwd, _core_operands, """\
+The FP8 core's signature (``fp8_core``); the emulated GEMMs return f32 (``out_dtype``, the
+consumer's dtype, is applied by the caller). Forward-mode AD: see
+``fmtkit.fp8._jvp.fwd_and_bwd_core``.""")
 
 
 def quantization_stats(t: jax.typing.ArrayLike, recipe: str | Fp4Recipe = "nvfp4",

@@ -1,4 +1,4 @@
-"""The custom-VJP core of the FP8 dot on 2-D operands: x [M, K], w [N, K] (K-major), y [M, N].
+"""The core of the FP8 dot on 2-D operands: x [M, K], w [N, K] (K-major), y [M, N].
 
 Each of the three GEMMs of a linear layer receives real FP8 operands, each quantized along
 the axis that GEMM contracts over:
@@ -13,6 +13,10 @@ both axes (per tensor, unscaled, square blocks) are kept from the forward pass a
 for the backward GEMMs: quantizing the transpose would give the same values and scales, so
 only the tilings that change with the contraction axis (rows, 1x128 tiles, MX blocks) are
 quantized again from x / w / dy.
+
+Forward-mode AD (``jax.jvp``, ``jacfwd``) computes the tangent through the forward GEMM's
+quantized operands, ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` in f32 (``_core_operands``); reverse mode
+runs the three GEMMs above (see ``fmtkit.fp8._jvp``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm, gemm_dtype
+from fmtkit.fp8._jvp import fwd_and_bwd_core
 from fmtkit.fp8._operands import (
     Operand,
     Tile,
@@ -34,7 +39,7 @@ from fmtkit.fp8._operands import (
     transpose_operand,
 )
 from fmtkit.fp8._recipe import Fp8Recipe
-from fmtkit.scaling import delayed_amax_of
+from fmtkit.scaling import delayed_amax_of, dequantize
 
 
 def _amax(t: jax.Array, recipe: Fp8Recipe) -> jax.Array:
@@ -58,14 +63,6 @@ def _tensor_amax(recipe: Fp8Recipe, tile: Tile, hist_row: jax.Array, t: jax.Arra
                                recipe.amax_algo)
     return current if tile.kind == "tensor" else None
 
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def fp8_core(recipe: Fp8Recipe, out_dtype, x: jax.Array, w: jax.Array, hist: jax.Array
-             ) -> jax.Array:
-    """``x [M, K] · w [N, K]ᵀ`` with the recipe's three GEMMs; ``hist`` f32[3, history] is
-    the delayed recipe's amax history (its cotangent: the observed amaxes)."""
-    return _core_fwd(recipe, out_dtype, x, w, hist)[0]
 
 
 def _core_fwd(recipe, out_dtype, x, w, hist):
@@ -141,4 +138,35 @@ def _core_bwd(recipe, out_dtype, res, g):
     return dx, dw, observed
 
 
-fp8_core.defvjp(_core_fwd, _core_bwd)
+def _forward_operand(res: jax.Array | Operand, fmt: str, tile: Tile, recipe: Fp8Recipe,
+                     hist_row: jax.Array, amax: jax.Array, f: int, k: int, *,
+                     stored_transposed: bool) -> jax.Array:
+    """A forward operand [F, K] as the forward GEMM read it, dequantized to f32: from its
+    saved quantized value, or quantized again from the saved input as ``_core_fwd`` did."""
+    if not isinstance(res, Operand):
+        kp = padded_c(k, *recipe_tiles(recipe)[:2])
+        t = res.T if stored_transposed else res
+        res = quantize_operand(t, fmt, tile, recipe, _tensor_amax(recipe, tile, hist_row, t,
+                                                                   amax), kp,
+                               cmajor=stored_transposed)
+    return dequantize(res.logical(), jnp.float32)[:f, :k]
+
+
+def _core_operands(recipe, res, m, n):
+    """``Q(x)`` [M, K] and ``Q(w)`` [N, K], the forward GEMM's operands as it multiplied them
+    (dequantized, f32), from ``_core_fwd``'s residuals: the forward-mode tangent's operands
+    (see ``fmtkit.fp8._jvp``)."""
+    x_res, w_res, hist, amax_x, amax_w, x_meta, _ = res
+    tx, tw, _ = recipe_tiles(recipe)
+    k = x_meta.shape[1]
+    xd = _forward_operand(x_res, recipe.x_format, tx, recipe, hist[0], amax_x, m, k,
+                          stored_transposed=False)
+    wd = _forward_operand(w_res, recipe.w_format, tw, recipe, hist[1], amax_w, n, k,
+                          stored_transposed=True)
+    return xd, wd
+
+
+fp8_core = fwd_and_bwd_core(_core_fwd, _core_bwd, _core_operands, """\
+``x [M, K] · w [N, K]ᵀ`` with the recipe's three GEMMs; ``hist`` f32[3, history] is the
+delayed recipe's amax history (its cotangent: the observed amaxes). Forward-mode AD: see
+``fmtkit.fp8._jvp.fwd_and_bwd_core``.""")

@@ -180,11 +180,17 @@ class PolicyReport:
         """The share of the FLOPs of the non-head parameter matmuls (projections) of one
         ``kind`` that ran on FP8 (or FP4) operands: what an FP8 preset promises to cover.
 
+        Convolutions are not counted: the FP8 recipes target matmuls (``dot_general``), and
+        convolutions run on the compute dtype under FP8 presets (``str(report)`` lists their
+        FLOPs on a line of their own). Grouped GEMMs (``lax.ragged_dot``) are counted, as
+        not FP8 (the policy warns about them).
+
         Example: ``assert inspect_policy(model, x).fp8_fraction("dgrad") >= 0.95``.
         """
         if kind not in MATMUL_KINDS:
             raise ValueError(f"kind must be one of {MATMUL_KINDS}, got {kind!r}.")
-        sel = [m for m in self.matmul_ops if m.kind == kind and m.projection and not m.head]
+        sel = [m for m in self.matmul_ops if m.kind == kind and m.projection and not m.head
+               and m.primitive != _CONV]
         total = sum(m.flops for m in sel)
         return sum(m.flops for m in sel if m.low_precision) / total if total else float("nan")
 
@@ -221,10 +227,18 @@ class PolicyReport:
             total = sum(m.flops for m in self.matmul_ops)
             lines.append(f"matmul FLOPs under the policy: {self.policied_fraction():.1%} "
                          f"of {total:,}")
+        convs = [m for m in self.matmul_ops if m.primitive == _CONV]
+        if convs and any(m.low_precision for m in self.matmul_ops):
+            dts = ", ".join(sorted({m.dtypes.split(" -> ")[0] for m in convs}))
+            lines.append(f"convolutions: {sum(m.flops for m in convs):,} FLOPs on {dts}, "
+                         "not targeted by the FP8 recipes (not counted by fp8_fraction)")
         for m in self.unpolicied():
             lines.append(f"  not policied ({m.reason}): {m.path or '(model)'} {m.primitive} "
                          f"{m.kind} {m.dtypes}, {m.flops:,} FLOPs")
         return "\n".join(lines)
+
+
+_CONV = "conv_general_dilated"
 
 
 def _dtype(v) -> str:

@@ -479,20 +479,15 @@ class Interpreter:
                 return None
             kwargs["fp8_state"] = DelayedScalingState(fp8_local[key])
         try:
+            # (the traced out_sharding: the FP8 GEMMs give y, and their gradients give x and
+            # w, the shardings the traced dot and its transposes would)
             return fp8.dot_general_fn(recipe)(lhs, rhs, eqn.params["dimension_numbers"], None,
-                                              preferred_element_type=cdt, **kwargs)
+                                              preferred_element_type=cdt,
+                                              out_sharding=eqn.params.get("out_sharding"),
+                                              **kwargs)
         except ValueError as err:
             raise ValueError(f"FP8 matmul in module {path or '<root>'!r} (recipe "
                              f"{recipe}): {err}") from None
-        except TypeError as err:
-            if "forward-mode" not in str(err):
-                raise
-            raise TypeError(
-                f"FP8 matmul in module {path or '<root>'!r} (recipe {recipe}): forward-mode "
-                "autodiff (jax.jvp, jax.jacfwd, Hessian-vector products) does not go through "
-                "fmtkit's FP8 GEMMs, which define their backward pass only (a custom_vjp). "
-                "Differentiate in reverse mode, or run forward-mode AD under a mixed preset "
-                "(bf16-mixed).") from err
 
     def _record(self, eqn, chain, idp):
         module = chain[-1] if chain else None

@@ -11,6 +11,7 @@ policy (linen's interceptor stack is not part of jit's cache key).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,8 +47,49 @@ def _scope_interceptor(next_fun, args, kwargs, context):
     if name in ("<lambda>", "setup") or (name.startswith("_") and name != "__call__"):
         return next_fun(*args, **kwargs)
     module = context.module
-    with _scopes.module_scope(module_path(module), type_names(type(module))):
-        return next_fun(*args, **kwargs)
+    path, prefix = _full_path(module)
+    _CALLS.stack.append((path, _root_of(module), prefix))
+    try:
+        with _scopes.module_scope(path, type_names(type(module))):
+            return next_fun(*args, **kwargs)
+    finally:
+        _CALLS.stack.pop()
+
+
+class _Calls(threading.local):
+    """The module calls being intercepted on this thread, outermost first: (full path, the
+    variable scope root the module belongs to, the prefix of that root's paths)."""
+
+    def __init__(self):
+        self.stack: list[tuple[str, Any, str]] = []
+
+
+_CALLS = _Calls()
+
+
+def _root_of(module: nn.Module) -> Any:
+    return None if module.scope is None else module.scope.root
+
+
+def _full_path(module: nn.Module) -> tuple[str, str]:
+    """The module's path in the model being traced, and the prefix of its apply's paths.
+
+    A module run by a detached ``Module.apply`` inside another module's call (a tied output
+    head ``nn.Dense(V, name="lm_head").apply({"params": {"kernel": emb.T}}, h)``, a
+    weight-standardized conv) has a path relative to its own apply's root; it is placed
+    under the calling module, named by its name (else its class), e.g. ``"decoder/lm_head"``,
+    so rules and ``inspect_policy`` reach it; its own submodules follow it."""
+    own = module_path(module)
+    root = _root_of(module)
+    for _, r, prefix in reversed(_CALLS.stack):
+        if r is root:  # the same apply as an enclosing call's
+            return "/".join(p for p in (prefix, own) if p), prefix
+    if not _CALLS.stack:  # the model itself
+        return own, ""
+    caller = _CALLS.stack[-1][0]
+    prefix = caller if module.path else "/".join(
+        p for p in (caller, module.name or type(module).__name__) if p)
+    return "/".join(p for p in (prefix, own) if p), prefix
 
 
 def scoped():

@@ -1,0 +1,207 @@
+"""Forward- and reverse-mode AD of the FP8 / FP4 cores: a ``jax.custom_jvp`` whose tangent is
+one primitive, ``fmtkit_fp8_tangent``, that evaluates the forward-mode tangent and transposes
+to the recipe's own backward GEMMs.
+
+JAX differentiates a ``custom_vjp`` function in reverse mode only, and reverse-differentiates
+a ``custom_jvp`` function by transposing its tangent. The FP8 backward (dgrad and wgrad on
+quantized cotangents, each with its own tiles) is no transpose of any linear map of the
+tangents, so the tangent here is a primitive whose transpose rule *is* that backward:
+
+* ``jax.jvp`` / ``jacfwd`` evaluate the primitive: ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ``, the tangent
+  through the forward GEMM's quantized operands (the quantization's derivative taken as the
+  identity, as the backward GEMMs take it), in f32, rounded once to the GEMM's output dtype.
+* ``jax.grad`` / ``jax.vjp`` stage the primitive in the linear part and transpose it: the
+  backward function the core defines (``_core_bwd``: the recipe's dgrad and wgrad), on the
+  residuals the forward pass saves, exactly as a ``custom_vjp`` with that backward computes.
+
+The primitive takes the forward pass's residuals (``jax.tree`` leaves), ``x`` and ``w``
+(read only by the derivative of the backward: a Hessian-vector product; unused, they are
+dead code in a compiled gradient) and the tangents of ``x``, ``w`` and the amax history.
+Under ``vmap`` it is bound again with one more leading batch axis (``nbatch``), and its
+evaluation and transpose map over those axes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+TANGENT_PRIMITIVE = "fmtkit_fp8_tangent"
+"""The name of the primitive that computes an FP8 / FP4 GEMM's forward-mode tangent (a jaxpr
+of ``jax.jvp`` through an FP8 model shows it where the tangent GEMMs run)."""
+
+_tangent_p = Primitive(TANGENT_PRIMITIVE)
+
+
+def _mapped(fn: Callable, nbatch: int) -> Callable:
+    for _ in range(nbatch):
+        fn = jax.vmap(fn)
+    return fn
+
+
+_DIMS = (((1,), (1,)), ((), ()))  # a [F1, C] · b [F2, C]ᵀ
+
+
+def _f32_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a [F1, C] · b [F2, C]ᵀ`` in f32 (HIGHEST: every product and sum in f32)."""
+    return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), _DIMS,
+                               precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _tangent_impl(*args, tree, operands, bwd, nbatch, out_aval):
+    del bwd
+    n = tree.num_leaves
+
+    def one(*a):
+        dx, dw = a[n + 2:n + 4]
+        xd, wd = operands(jax.tree.unflatten(tree, a[:n]), dx.shape[0], dw.shape[0])
+        return (_f32_matmul(dx, wd) + _f32_matmul(xd, dw)).astype(out_aval.dtype)
+
+    return _mapped(one, nbatch)(*args)
+
+
+def _tangent_abstract(*avals, tree, operands, bwd, nbatch, out_aval):
+    """y's tangent type (its sharding, and under ``shard_map`` the manual axes it varies
+    over), with the batch axes of ``vmap`` in front."""
+    del operands, bwd
+    if not nbatch:
+        return out_aval
+    batch = avals[tree.num_leaves + 2].shape[:nbatch]
+    sharding = out_aval.sharding
+    if sharding is not None and sharding.spec:
+        sharding = sharding.update(spec=jax.sharding.PartitionSpec(
+            *(None,) * nbatch, *sharding.spec))
+    return out_aval.update(shape=(*batch, *out_aval.shape), sharding=sharding)
+
+
+def _tangent_jvp(primals, tangents, *, tree, operands, bwd, nbatch, out_aval):
+    """The tangent's own derivative (forward over forward, or reverse over forward): linear
+    in ``dx``, ``dw`` (the primitive again, on their tangents) plus ``dx · ẇᵀ + ẋ · dwᵀ``
+    in f32, the quantization's derivative taken as the identity (the residuals' tangents
+    are not read)."""
+    params = dict(tree=tree, operands=operands, bwd=bwd, nbatch=nbatch, out_aval=out_aval)
+    n = tree.num_leaves
+    out = _tangent_p.bind(*primals, **params)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    lin = _tangent_p.bind(*primals[:n + 2], *tangents[n + 2:], **params)
+    dx, dw = primals[n + 2:n + 4]
+    x_dot, w_dot = tangents[n:n + 2]
+    cross = _mapped(lambda a, b, c, d: _f32_matmul(a, b) + _f32_matmul(c, d), nbatch)(
+        dx, w_dot, x_dot, dw)
+    return out, lin + cross.astype(out_aval.dtype)
+
+
+def _tangent_transpose(ct, *args, tree, operands, bwd, nbatch, out_aval):
+    del operands, out_aval
+    n = tree.num_leaves
+    res, (x, w), lin = args[:n], args[n:n + 2], args[n + 2:]
+    assert not any(ad.is_undefined_primal(r) for r in (*res, x, w))  # (linear in lin only)
+    if type(ct) is ad.Zero:
+        return [None] * len(args)
+    ct = ad.instantiate_zeros(ct)
+    cts = _mapped(lambda r, a, b, g: bwd(jax.tree.unflatten(tree, r), a, b, g), nbatch)(
+        list(res), x, w, ct)
+    return [None] * (n + 2) + [c if ad.is_undefined_primal(t) else None
+                               for c, t in zip(cts, lin)]
+
+
+def _tangent_batch(args, dims, *, tree, operands, bwd, nbatch, out_aval):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [jnp.broadcast_to(a, (size, *a.shape)) if d is None
+             else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    return _tangent_p.bind(*moved, tree=tree, operands=operands, bwd=bwd, nbatch=nbatch + 1,
+                           out_aval=out_aval), 0
+
+
+_tangent_p.def_impl(_tangent_impl)
+_tangent_p.def_abstract_eval(_tangent_abstract)
+ad.primitive_jvps[_tangent_p] = _tangent_jvp
+ad.primitive_transposes[_tangent_p] = _tangent_transpose
+batching.primitive_batchers[_tangent_p] = _tangent_batch
+mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
+
+
+def _zero_tangent(r: jax.Array) -> jax.Array:
+    if jnp.issubdtype(r.dtype, jnp.inexact):
+        return jnp.zeros_like(r)
+    return np.zeros(r.shape, jax.dtypes.float0)
+
+
+def fwd_and_bwd_core(fwd: Callable, bwd: Callable, operands: Callable, doc: str) -> Any:
+    """A core ``core(recipe, out_dtype, x, w, hist)`` differentiable both ways.
+
+    Args:
+      fwd: ``fwd(recipe, out_dtype, x, w, hist) -> (y, residuals)``.
+      bwd: ``bwd(recipe, out_dtype, residuals, g) -> (dx, dw, dhist)``, the reverse-mode rule.
+      operands: ``operands(recipe, residuals, M, N) -> (Q(x), Q(w))``: the forward GEMM's
+        operands [M, K] and [N, K] as it multiplied them (dequantized, f32).
+      doc: the core's docstring.
+
+    Returns:
+      The core. Its forward-mode tangent is ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` in f32, rounded
+      once to y's dtype; reverse mode runs ``bwd``. Differentiating the gradient forward
+      (``jax.jvp`` of ``jax.grad``: Hessian-vector products) takes the tangent of
+      ``bwd``'s ``dx = g · w``, ``dw = gᵀ · x`` through the same quantized operands, in f32:
+      ``ġ · Q(w) + g · ẇ`` and ``ġᵀ · Q(x) + gᵀ · ẋ`` (the amax history's tangent: zero).
+      The tangent's own derivative (``jacfwd`` of ``jacfwd``, ``grad`` of ``jvp``) is
+      ``_tangent_jvp``'s.
+    """
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+    def backward(recipe, out_dtype, res, x, w, g):
+        del x, w  # (their tangents are the backward's tangent's)
+        return bwd(recipe, out_dtype, res, g)
+
+    @backward.defjvp
+    def _backward_jvp(recipe, out_dtype, primals, tangents):
+        res, _, _, g = primals
+        _, x_dot, w_dot, g_dot = tangents
+        dx, dw, dhist = bwd(recipe, out_dtype, res, g)
+        xd, wd = operands(recipe, res, *g.shape)
+        # [M, N] · [N, K] and [N, M] · [M, K], as a · bᵀ of [F, C] operands.
+        ddx = _f32_matmul(g_dot, wd.T) + _f32_matmul(g, w_dot.T)
+        ddw = _f32_matmul(g_dot.T, xd.T) + _f32_matmul(g.T, x_dot.T)
+        return (dx, dw, dhist), (ddx.astype(dx.dtype), ddw.astype(dw.dtype),
+                                 jnp.zeros_like(dhist))
+
+    def tangent(recipe, out_dtype, y, res, primals, tangents):
+        x, w, _ = primals
+        leaves, tree = jax.tree.flatten(res)
+        return _tangent_p.bind(
+            *leaves, x, w, *tangents, tree=tree, nbatch=0,
+            operands=functools.partial(operands, recipe),
+            bwd=functools.partial(backward, recipe, out_dtype),
+            out_aval=jax.typeof(y).to_tangent_aval())
+
+    # The forward pass with its residuals, for the core's JVP rule: differentiated forward
+    # again (jax.jvp of jax.grad), y's tangent is the core's tangent (not the derivative of
+    # the quantization's own operations), the residuals' tangents zero (the backward's
+    # tangent takes x's and w's, see ``backward``).
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+    def forward(recipe, out_dtype, x, w, hist):
+        return fwd(recipe, out_dtype, x, w, hist)
+
+    @forward.defjvp
+    def _forward_jvp(recipe, out_dtype, primals, tangents):
+        y, res = fwd(recipe, out_dtype, *primals)
+        return (y, res), (tangent(recipe, out_dtype, y, res, primals, tangents),
+                          jax.tree.map(_zero_tangent, res))
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+    def core(recipe, out_dtype, x, w, hist):
+        return fwd(recipe, out_dtype, x, w, hist)[0]
+
+    @core.defjvp
+    def _jvp(recipe, out_dtype, primals, tangents):
+        y, res = forward(recipe, out_dtype, *primals)
+        return y, tangent(recipe, out_dtype, y, res, primals, tangents)
+
+    core.__doc__ = doc
+    return core
