@@ -146,8 +146,9 @@ def test_the_policy_surface_imports_from_fmtkit_policy():
     import fmtkit.policy
 
     assert set(fmtkit.policy.__all__) == {
-        "DelayedScalingVariable", "MatmulOp", "ModuleReport", "Policy", "PolicyReport", "Rules",
-        "as_rules", "describe_presets", "find_stack", "get_preset", "inspect_policy",
-        "keep_blocks", "list_presets", "mark_head", "module_paths", "with_policy"}
+        "DelayedScalingVariable", "GemmSite", "MatmulOp", "ModuleReport", "Policy",
+        "PolicyReport", "Rules", "as_rules", "describe_presets", "find_stack", "get_preset",
+        "inspect_policy", "intercept_gemms", "keep_blocks", "list_presets", "mark_head",
+        "module_paths", "with_policy"}
     for name in fmtkit.policy.__all__:
         assert getattr(fmtkit.policy, name) is not None
