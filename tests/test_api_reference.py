@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC_MODULES = ["fmtkit", "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy", "fmtkit.optim",
+PUBLIC_MODULES = ["fmtkit", "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy", "fmtkit.debug",
+                  "fmtkit.optim",
                   "fmtkit.scaling", "fmtkit.casting", "fmtkit.formats", "fmtkit.telemetry",
                   "fmtkit.distributed", "fmtkit.memory", "pallas_kernels", "fmtkit.debuglog"]
 ENTRY = re.compile(r"^:::\s+([\w.]+)\s*$", re.M)

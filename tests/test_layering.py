@@ -55,6 +55,8 @@ ALLOWED: dict[str, set[str]] = {
     # Policies place FP8 recipes on modules: policy -> fp8, never the reverse.
     "fmtkit.policy": {*CORE, "fmtkit.fp8", "fmtkit.fp4"},
     "fmtkit.memory": {*CORE, "fmtkit.optim", "fmtkit.fp4"},
+    # Per-GEMM statistics and overrides, built on the policy's GEMM hook: debug -> policy.
+    "fmtkit.debug": {*CORE, "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy"},
     # The package facade re-exports the public names of every core module.
     "fmtkit": {*CORE, "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8", "fmtkit.fp4",
                "fmtkit.optim",
@@ -68,7 +70,8 @@ ALLOWED: dict[str, set[str]] = {
     # The application: anything below it.
     "studies": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
                 "fmtkit.fp4",
-                "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels",
+                "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "fmtkit.debug",
+                "pallas_kernels",
                 "studies.models"},
     # Repository tools: the core and the kernels; studies only as a command.
     "tools": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",

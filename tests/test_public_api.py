@@ -54,10 +54,13 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "hadamard_matrix", "mxfp4_quantize", "nvfp4_quantize", "quantization_stats",
         "random_hadamard_transform", "rht_matrix", "GEMM_SCOPE"),
     "fmtkit.policy": (
-        "DelayedScalingVariable", "Fp8State", "MatmulOp", "ModuleReport", "Policy",
-        "PolicyReport", "Rules", "as_rules", "describe_presets", "find_stack", "get_preset",
-        "inspect_policy", "keep_blocks", "list_presets", "mark_head", "module_paths",
-        "with_policy"),
+        "DelayedScalingVariable", "Fp8State", "GemmSite", "MatmulOp", "ModuleReport", "Policy",
+        "PolicyReport", "Rules", "as_rules",
+        "describe_presets", "find_stack", "get_preset", "inspect_policy", "intercept_gemms",
+        "keep_blocks", "list_presets", "mark_head", "module_paths", "with_policy"),
+    "fmtkit.debug": (
+        "BASE_STATS", "OVERRIDES", "QUANT_STATS", "STATS", "TENSORS", "DebugConfig", "Rule",
+        "capture", "init"),
     "fmtkit.optim": (
         "DynamicLossScaleState", "KahanUpdatesState", "MasterWeightsState", "ScaleByAdamState",
         "StaticLossScaleState", "StochasticRoundUpdatesState", "adam", "adamw", "add_updates",

@@ -7,7 +7,8 @@ applies them **per operation**, autocast-style (``_ops`` has the op table, ``_tr
 mechanism: the traced jaxpr re-interpreted under the rules); ``module_paths`` lists the paths
 to write rules against; ``inspect_policy`` reads back, from the jaxpr of the gradient, what
 each op class of each module computed in, and lists every matmul and convolution with its
-FLOPs and whether it ran under the policy (``MatmulOp``).
+FLOPs and whether it ran under the policy (``MatmulOp``); ``intercept_gemms`` hands every
+GEMM a policied call runs to a hook (``GemmSite``: what ``fmtkit.debug`` builds on).
 
 This package is the only part of fmtkit that imports Flax, and it does so lazily: the
 adapters are loaded when a model is first given.
@@ -16,6 +17,7 @@ adapters are loaded when a model is first given.
 import warnings
 
 from fmtkit.policy._apply import module_paths, with_policy
+from fmtkit.policy._gemm_hook import GemmSite, intercept_gemms
 from fmtkit.policy._inspect import MatmulOp, ModuleReport, PolicyReport, inspect_policy
 from fmtkit.policy._policy import (
     Policy,
@@ -30,6 +32,7 @@ from fmtkit.policy._stack import find_stack, keep_blocks
 
 __all__ = [
     "DelayedScalingVariable",
+    "GemmSite",
     "MatmulOp",
     "ModuleReport",
     "Policy",
@@ -40,6 +43,7 @@ __all__ = [
     "find_stack",
     "get_preset",
     "inspect_policy",
+    "intercept_gemms",
     "keep_blocks",
     "list_presets",
     "mark_head",

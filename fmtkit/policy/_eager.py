@@ -11,7 +11,7 @@ eager call with the same signature neither re-traces the model nor re-interprets
 computes what ``jax.jit`` of the same call computes.
 
 A call whose leaves include a tracer (inside the user's transform) or a non-hashable
-static leaf is not cached: the caller runs it as before.
+static leaf, or made under ``intercept_gemms``, is not cached: the caller runs it as before.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from fmtkit.policy._gemm_hook import active_hook
 
 # Signatures kept per policied model: a model is called with a few shapes (train and eval
 # batches); the oldest signature is dropped beyond this, so a call per new shape cannot
@@ -58,6 +60,8 @@ class EagerCache:
         ``static`` is extra hashable state of the call (``method``) that ``fn`` closes over
         (it is part of the key). ``aux=True``: ``fn`` returns ``(arrays, python_data)``;
         the data (recorded when the call was traced) is returned with the arrays."""
+        if active_hook() is not None:
+            return False, None  # intercept_gemms: the hook acts on this call's trace
         leaves, treedef = jax.tree.flatten(tree)
         allowed = STATIC_TYPES + tuple(static_types)
         if not all((_is_dynamic(x) and not isinstance(x, jax.core.Tracer))

@@ -45,8 +45,9 @@ from fmtkit.policy._analysis import (
 )
 from fmtkit.policy._binding import F32, bind, cast, floating_dtype, is_float_value, wider
 from fmtkit.policy._cotangent import round_on_exit
+from fmtkit.policy._gemm_hook import GemmSite, active_hook
 from fmtkit.policy._plan import Plan
-from fmtkit.policy._policy import Policy, is_identity
+from fmtkit.policy._policy import Policy, ancestor_types, is_identity
 from fmtkit.policy._scopes import (
     OP_SCOPE,
     ModuleInfo,
@@ -159,6 +160,11 @@ class Interpreter:
         self._fwd_rule = 0  # depth of custom_vjp forward rules being evaluated
         self._rules_traced: dict[tuple, Any] = {}  # (kind, id(eqn)) -> (eqn, traced rule)
         self.analysis: Analysis | None = None
+        # intercept_gemms: GEMM names per (module path, equation id path), their counts per
+        # path, and the depth of scan/while bodies being interpreted.
+        self._gemm_names: dict[tuple, str] = {}
+        self._gemm_counts: dict[str, int] = {}
+        self._loop_depth = 0
         # Rules that change nothing ("fp32"): every op as traced, no exit casts.
         self.identity = is_identity(plan.rules)
 
@@ -395,6 +401,45 @@ class Interpreter:
         else:
             wide_out = None
         recipe = policy.fp8
+        hook = active_hook()
+        if hook is not None:
+            return self._hooked(hook, eqn, lhs, rhs, invals[2:], recipe, idp, module, info,
+                                head, policy, cdt, target, out_dt, wide_out, algorithm,
+                                fp8_local)
+        return self._compute(eqn, lhs, rhs, invals[2:], recipe, idp, module, info, head,
+                             cdt, target, out_dt, wide_out, algorithm, fp8_local)
+
+    def _hooked(self, hook, eqn, lhs, rhs, rest, recipe, idp, module, info, head, policy,
+                cdt, target, out_dt, wide_out, algorithm, fp8_local):
+        """The GEMM handed to ``intercept_gemms``'s hook (``_gemm_hook``)."""
+        path = self.path(module)
+        key = (path, idp)
+        if key not in self._gemm_names:
+            n = self._gemm_counts.get(path, 0)
+            self._gemm_counts[path] = n + 1
+            self._gemm_names[key] = f"{eqn.primitive.name}_{n}"
+        capable = (not head and target == cdt and info is not None and info.projection
+                   and eqn.primitive.name == "dot_general")
+        type_names = () if module is None else self.registry.modules[module].type_names
+        site = GemmSite(
+            path=path, type_names=type_names,
+            ancestors=ancestor_types(path, self.registry.visited()),
+            name=self._gemm_names[key], primitive=eqn.primitive.name, policy=policy,
+            fp8=recipe if capable else None, fp8_capable=capable, head=head,
+            dimension_numbers=eqn.params.get("dimension_numbers")
+            if eqn.primitive.name == "dot_general" else None,
+            in_loop=self._loop_depth > 0)
+
+        def run(a, b, new_recipe=None):
+            return self._compute(eqn, a, b, rest, new_recipe, idp, module, info, head, cdt,
+                                 target, out_dt, wide_out, algorithm, fp8_local)
+
+        return hook(site, run, lhs, rhs)
+
+    def _compute(self, eqn, lhs, rhs, rest, recipe, idp, module, info, head, cdt, target,
+                 out_dt, wide_out, algorithm, fp8_local):
+        """The GEMM on operands already in their dtype: FP8 by ``recipe`` where it applies,
+        else in the operands' dtype (the head's and asked-for wider results kept)."""
         if (recipe is not None and not head and info is not None and info.projection
                 and eqn.primitive.name == "ragged_dot_general"):
             path = self.path(module)
@@ -409,13 +454,13 @@ class Interpreter:
             if out is not None:
                 return out
         if not (is_float_value(lhs) and is_float_value(rhs)):
-            return bind(eqn, [lhs, rhs, *invals[2:]])[0]
+            return bind(eqn, [lhs, rhs, *rest])[0]
         if wide_out is not None:  # the backward as the head's: on the operands' dtype
             return _mixed_matmul(eqn, lhs, rhs, out_dt,
                                  {} if algorithm is None else {"precision": algorithm})
         if out_dt.itemsize > target.itemsize:
             return _mixed_matmul(eqn, lhs, rhs, out_dt)
-        return bind(eqn, [lhs, rhs, *invals[2:]], preferred_element_type=out_dt)[0]
+        return bind(eqn, [lhs, rhs, *rest], preferred_element_type=out_dt)[0]
 
     def _fp8_matmul(self, eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt):
         path = self.path(module)
@@ -628,7 +673,11 @@ class Interpreter:
             outs = self._walk(bj, bc, args, [chain] * len(args), chain, (*idp, 1), fp8_local)
             return [cast(o, d) for o, d in zip(outs, dtypes)]
 
-        return list(lax.while_loop(cond_fn, body_fn, init))
+        self._loop_depth += 1
+        try:
+            return list(lax.while_loop(cond_fn, body_fn, init))
+        finally:
+            self._loop_depth -= 1
 
     def _shard_map(self, eqn, invals, chain, idp, fp8_local):
         """``shard_map``: the body interpreted, rebuilt with the same mesh, specs and manual
@@ -769,8 +818,12 @@ class Interpreter:
             new = [cast(o, d) if d is not None else o for o, d in zip(outs[:n1], carry_dtypes)]
             return new, outs[n1:]
 
-        carry, ys = lax.scan(step, list(init), (list(xs), [fp8_local[k] for k in keys]),
-                             length=int(eqn.params["length"]), reverse=eqn.params["reverse"],
-                             unroll=eqn.params["unroll"])
+        self._loop_depth += 1
+        try:
+            carry, ys = lax.scan(step, list(init), (list(xs), [fp8_local[k] for k in keys]),
+                                 length=int(eqn.params["length"]),
+                                 reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
+        finally:
+            self._loop_depth -= 1
         return [*carry, *ys]
 

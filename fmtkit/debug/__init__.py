@@ -1,0 +1,75 @@
+"""Per-GEMM numerics statistics from inside the compiled step, and run-time overrides.
+
+For a model under ``fmtkit.with_policy`` (linen, NNX, a plain JAX function), a
+``DebugConfig`` chooses, by module-path patterns like the policy's rules, which GEMMs log
+which statistics of which of their six tensors, at which steps, and how a GEMM runs
+(``override``: without quantization, per-tensor current scaling, or fake-quantized to any
+fmtkit format). Nothing in the model changes, and without a configuration the compiled step
+is the same program as before.
+
+Usage: ``state = init(config, loss, params, batch)`` once; in the step, differentiate with
+respect to ``(params, state)`` a loss that calls the model inside ``capture(config, state,
+step)``; the gradient of ``state`` is the statistics of the step, and
+``config.logs_at(step)`` says whether it holds any (other steps are NaN). ``step`` is an
+array, so logging every ``freq`` steps never recompiles; on other steps ``lax.cond`` skips
+the work.
+
+The statistics pytree: ``{module_path: {gemm_name: {tensor: {stat: f32[]}}}}``. The module
+path is the policy's (``""`` for the root or a plain function); the GEMM name is
+``"<primitive>_<i>"`` (``"dot_general_0"``), numbered per module in the order the GEMMs
+run; tensors are ``TENSORS``: the GEMM ``output = activation · weight`` (its lhs and rhs as
+the GEMM receives them, in the compute dtype, before quantization), ``output_grad``,
+``dgrad`` (cotangent of the activation) and ``wgrad`` (cotangent of the weight). A log tag is
+``f"{module_path}/{gemm_name}/{tensor}/{stat}"``. Statistics (f32, computed in f32):
+
+* ``min``, ``max``, ``mean``, ``std`` (population), ``l1_norm`` = sum |x|, ``l2_norm`` =
+  sqrt(sum x^2), ``amax`` = max |x|;
+* ``dynamic_range`` = log2(amax / smallest nonzero |x|) (0 without a nonzero element);
+* ``max_blockwise_dynamic_range``: the largest dynamic range of a 1x128 tile along the
+  tensor's last axis (zero-padded; a tile without a nonzero element counts 0);
+
+and, for an operand the GEMM quantizes (activation, weight, output_grad under an FP8 recipe
+whose scaling has a ``fmtkit.scaling`` equivalent, i.e. not delayed and not FP4, or under a
+``fake_quant`` override), replaying its quantization on the operand laid out ``[free,
+contraction]`` (the output gradient as the data-gradient GEMM reads it), with x the operand,
+d its quantize-dequantize and s each element's scale:
+
+* ``underflow_share`` = #(x != 0 and d == 0) / #(x != 0) (0 without a nonzero element);
+* ``saturation_share`` = #(|x| / s > fmt.max + half its last step) / size (clipped);
+* ``nonfinite_count`` = #(x not finite); ``scale_min``, ``scale_max`` over the scales;
+* ``sqnr_db`` = 10 log10(sum x^2 / sum (x - d)^2) (inf when d == x); ``mse`` = mean((x -
+  d)^2).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from fmtkit import with_policy
+  >>> model = with_policy(lambda w, x: x @ w, "bf16-mixed")
+  >>> cfg = DebugConfig([Rule("", tensors=("activation", "dgrad"), stats=("amax",),
+  ...                         freq=2)])
+  >>> w, x = jnp.ones((3, 2)), jnp.full((4, 3), 0.5)
+  >>> loss = lambda w, x: jnp.sum(model(w, x))
+  >>> state = init(cfg, loss, w, x)
+  >>> def step(w, state, i):
+  ...     def f(w, state):
+  ...         with capture(cfg, state, i):
+  ...             return loss(w, x)
+  ...     return jax.grad(f, argnums=(0, 1))(w, state)[1]
+  >>> jax.jit(step)(w, state, 0)[""]["dot_general_0"]["activation"]["amax"].item()
+  0.5
+  >>> bool(jnp.isnan(jax.jit(step)(w, state, 1)[""]["dot_general_0"]["dgrad"]["amax"]))
+  True
+"""
+
+from fmtkit.debug._capture import capture, init
+from fmtkit.debug._config import (
+    BASE_STATS,
+    OVERRIDES,
+    QUANT_STATS,
+    STATS,
+    TENSORS,
+    DebugConfig,
+    Rule,
+)
+
+__all__ = ["BASE_STATS", "OVERRIDES", "QUANT_STATS", "STATS", "TENSORS", "DebugConfig", "Rule",
+           "capture", "init"]

@@ -1,0 +1,397 @@
+"""Capturing the statistics of the GEMMs a policied call runs, and applying the overrides.
+
+``capture(config, stats_state, step)`` installs a hook on the policy's GEMMs
+(``fmtkit.policy.intercept_gemms``). For each GEMM a rule matches:
+
+* the override changes how ``run`` computes it (no recipe, a per-tensor current recipe, or
+  quantize-dequantize around the compute-dtype GEMM);
+* the forward tensors' statistics are computed in the forward pass and the backward tensors'
+  in the backward pass, each under ``lax.cond`` on the rule's schedule (NaN on other steps).
+  They leave the step as the *gradient* of ``stats_state``: identity functions with a custom
+  VJP take the state's leaves as an input and return the statistics as their cotangent (as
+  a delayed FP8 recipe's amax history returns the observed amaxes). So a training step that
+  differentiates its loss with respect to ``(params, stats_state)`` gets the statistics
+  exactly, with no extra output and no change to the model.
+
+``init(config, fn, *args)`` traces ``fn`` abstractly to find the GEMMs and returns the
+zero-valued state (the pytree the statistics fill), raising on a rule that matches none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fmtkit.debug._config import (
+    BASE_STATS,
+    QUANT_STATS,
+    QUANTIZED_TENSORS,
+    DebugConfig,
+    parse_override,
+)
+from fmtkit.debug._stats import Quantization, quant_stats, tensor_stats
+from fmtkit.fp4 import Fp4Recipe
+from fmtkit.fp8 import Fp8Recipe
+from fmtkit.policy import GemmSite, intercept_gemms
+from fmtkit.scaling import TensorScaling, qdq
+
+__all__ = ["capture", "init"]
+
+_FWD = ("activation", "weight", "output")
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What one GEMM does under the configuration."""
+
+    rule: int
+    recipe: Any  # the recipe run() gets
+    fake: str | None  # fake_quant format
+    quant: dict[str, Quantization]  # tensor -> how it is quantized
+    stats: dict[str, tuple[str, ...]]  # tensor -> statistics to log
+
+
+def _current(recipe: Any) -> Fp8Recipe:
+    """Per-tensor current scaling with the formats of ``recipe`` (E4M3/E5M2 without one)."""
+    base = Fp8Recipe("current")
+    if recipe is None:
+        return base
+    return Fp8Recipe("current", x_format=recipe.x_format, w_format=recipe.w_format,
+                     grad_format=recipe.grad_format)
+
+
+def _quantizations(recipe: Any, fake: str | None) -> dict[str, Quantization]:
+    """How the GEMM quantizes each operand: the fake format per tensor, or the recipe's
+    format and tiling (recipes whose quantization has a ``fmtkit.scaling`` equivalent: not
+    the delayed ones, whose scale comes from the history, nor FP4's two-level scales)."""
+    if fake is not None:
+        return {t: Quantization(fake, TensorScaling()) for t in QUANTIZED_TENSORS}
+    if recipe is None or recipe.delayed or isinstance(recipe, Fp4Recipe):
+        return {}
+    return {"activation": Quantization(recipe.x_format, recipe.scaling("x")),
+            "weight": Quantization(recipe.w_format, recipe.scaling("w")),
+            "output_grad": Quantization(recipe.grad_format, recipe.scaling("grad"))}
+
+
+def _plan(config: DebugConfig, site: GemmSite) -> _Plan | None:
+    i = config.rule_index(site.path, site.name, site.type_names, site.ancestors)
+    if i is None:
+        return None
+    rule = config.rules[i]
+    override = parse_override(rule.override)
+    recipe, fake = site.fp8, None
+    if override is not None:
+        kind, fmt = override
+        if kind == "compute":
+            recipe = None
+        elif kind == "current":
+            recipe = _current(site.fp8) if site.fp8_capable else None
+        else:
+            recipe, fake = None, fmt
+    quant = _quantizations(recipe, fake)
+    stats = {}
+    for t in rule.tensors:
+        allowed = BASE_STATS + (QUANT_STATS if t in quant else ())
+        stats[t] = tuple(s for s in rule.stats if s in allowed)
+    return _Plan(i, recipe, fake, quant, stats)
+
+
+# -- canonical layouts ----------------------------------------------------------------------
+def _dims(site: GemmSite, lhs, rhs):
+    """(lhs batch, lhs free, lhs contracting, rhs batch, rhs free, rhs contracting) dims."""
+    (lc, rc), (lb, rb) = site.dimension_numbers
+    lc, rc, lb, rb = (tuple(int(d) % a.ndim for d in ds)
+                      for ds, a in ((lc, lhs), (rc, rhs), (lb, lhs), (rb, rhs)))
+    lf = tuple(d for d in range(lhs.ndim) if d not in lc and d not in lb)
+    rf = tuple(d for d in range(rhs.ndim) if d not in rc and d not in rb)
+    return lb, lf, lc, rb, rf, rc
+
+
+def _as3(x, batch, free, contract):
+    """``x`` transposed and reshaped to ``[B, F, C]``."""
+    b = math.prod(x.shape[d] for d in batch)
+    f = math.prod(x.shape[d] for d in free)
+    c = math.prod(x.shape[d] for d in contract)
+    return x.transpose(*batch, *free, *contract).reshape(b, f, c)
+
+
+def _canonical(site: GemmSite, tensor: str, x, lhs_shape, rhs_shape):
+    """An operand as its GEMM quantizes it, ``[B, free, contraction]``: the activation
+    contracting K, the weight ``[N, K]``, the output gradient ``[M, N]`` contracting N (its
+    data-gradient GEMM)."""
+    lhs = jax.ShapeDtypeStruct(lhs_shape, x.dtype)
+    rhs = jax.ShapeDtypeStruct(rhs_shape, x.dtype)
+    lb, lf, lc, rb, rf, rc = _dims(site, lhs, rhs)
+    if tensor == "activation":
+        return _as3(x, lb, lf, lc)
+    if tensor == "weight":
+        return _as3(x, rb, rf, rc)
+    nb = len(lb)
+    return _as3(x, tuple(range(nb)), tuple(range(nb, nb + len(lf))),
+                tuple(range(nb + len(lf), x.ndim)))
+
+
+def _compute(plan: _Plan, site: GemmSite, tensors: Mapping[str, jax.Array], shapes
+             ) -> dict[str, dict[str, jax.Array]]:
+    out = {}
+    for t, x in tensors.items():
+        stats = plan.stats[t]
+        d = tensor_stats(x, stats)
+        if t in plan.quant and any(s in QUANT_STATS for s in stats):
+            d.update(quant_stats(_canonical(site, t, x, *shapes), plan.quant[t], stats))
+        out[t] = {s: d[s] for s in stats}
+    return out
+
+
+def _nans(like):
+    return jax.tree.map(lambda _: jnp.full((), jnp.nan, jnp.float32), like)
+
+
+def _cond_stats(static_on, on, fn, like, *xs):
+    """``fn(*xs)`` on logging steps, NaN elsewhere: decided while tracing where the step's
+    schedule is known (``static_on``, a bool: the other branch is not traced at all), else
+    at run time by ``lax.cond`` on ``on``."""
+    if static_on is True:
+        return fn(*xs)
+    if static_on is False:
+        return _nans(like)
+    return lax.cond(on, fn, lambda *_: _nans(like), *xs)
+
+
+# -- taps: identities whose cotangent for the state's leaves is the statistics ---------------
+def _grad_tap(plan, site, tensor, shapes, static_on):
+    """``x -> x``; its backward returns (stats of the cotangent of x, ...)."""
+
+    @jax.custom_vjp
+    def tap(leaves, on, x):
+        return x
+
+    def fwd(leaves, on, x):
+        return x, (on, leaves)
+
+    def bwd(res, g):
+        on, leaves = res
+        stats = _cond_stats(static_on, on,
+                            lambda gg: _compute(plan, site, {tensor: gg}, shapes)[tensor],
+                            leaves, g)
+        return stats, None, g
+
+    tap.defvjp(fwd, bwd)
+    return tap
+
+
+def _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on):
+    """``y -> y`` with the forward tensors' statistics computed in its forward pass and
+    the output gradient's in its backward; both returned as the state leaves' cotangent."""
+
+    @jax.custom_vjp
+    def tap(leaves, on, lhs, rhs, y):
+        return y
+
+    def fwd(leaves, on, lhs, rhs, y):
+        vals = {"activation": lhs, "weight": rhs, "output": y}
+        like = {t: leaves[t] for t in fwd_tensors}
+        def compute(*xs):
+            return _compute(plan, site, dict(zip(fwd_tensors, xs)), shapes)
+
+        stats = _cond_stats(static_on, on, compute, like, *(vals[t] for t in fwd_tensors))
+        return y, (on, stats, leaves.get("output_grad"))
+
+    def bwd(res, g):
+        on, stats, g_like = res
+        stats = dict(stats)
+        if grad_logged:
+            def compute(gg):
+                return _compute(plan, site, {"output_grad": gg}, shapes)["output_grad"]
+
+            stats["output_grad"] = _cond_stats(static_on, on, compute, g_like, g)
+        return stats, None, None, None, g
+
+    tap.defvjp(fwd, bwd)
+    return tap
+
+
+def _identity(y, fmt):
+    return y
+
+
+# y -> y whose cotangent is quantized and dequantized to ``fmt`` (per-tensor current
+# scaling): the output gradient of a fake-quantized GEMM.
+_qdq_grad = jax.custom_vjp(_identity, nondiff_argnums=(1,))
+_qdq_grad.defvjp(lambda y, fmt: (y, None),
+                 lambda fmt, _, g: (qdq(g, fmt, TensorScaling()),))
+
+
+# -- the session ----------------------------------------------------------------------------
+class _Session:
+    def __init__(self, config: DebugConfig, state: Any, step: Any, discover: bool,
+                 active: frozenset[int] | None = None):
+        self.config = config
+        self.state = state
+        self.step = step
+        self.active = active
+        self.discover = discover
+        self.sites: dict[tuple[str, str], tuple[GemmSite, _Plan | None]] = {}
+
+    def __call__(self, site: GemmSite, run: Callable, lhs, rhs):
+        plan = _plan(self.config, site)
+        self.sites[(site.path, site.name)] = (site, plan)
+        if plan is None:
+            return run(lhs, rhs, site.fp8)
+        logged = {t: s for t, s in plan.stats.items() if s}
+        leaves = None
+        if logged and not self.discover and self.state is not None:
+            leaves = self.state.get(site.path, {}).get(site.name)
+            if leaves is None:
+                raise ValueError(
+                    f"fmtkit.debug.capture: GEMM {site.path!r}/{site.name} logs statistics "
+                    "but has no entry in stats_state: make the state with fmtkit.debug.init "
+                    "from the same configuration, function and argument shapes.")
+        if logged and site.in_loop:
+            raise ValueError(
+                f"fmtkit.debug: the rule {self.config.rules[plan.rule].pattern!r} logs "
+                f"statistics of GEMM {site.path!r}/{site.name}, which runs inside a scan or "
+                "while loop (nn.scan, nnx.scan, lax.scan): per-iteration statistics are not "
+                "supported; log the GEMMs outside loops (e.g. scan_layers=False), or give "
+                "this rule tensors=() to keep only its override.")
+        if leaves is None:
+            return self._run(plan, run, lhs, rhs)
+        if self.active is not None:
+            static_on, on = plan.rule in self.active, jnp.asarray(False)
+        else:
+            static_on, on = None, self.config.rules[plan.rule].logs_at(self.step)
+        shapes = (lhs.shape, rhs.shape)
+        a, b = lhs, rhs
+        if "dgrad" in leaves:
+            a = _grad_tap(plan, site, "dgrad", shapes, static_on)(leaves["dgrad"], on, a)
+        if "wgrad" in leaves:
+            b = _grad_tap(plan, site, "wgrad", shapes, static_on)(leaves["wgrad"], on, b)
+        y = self._run(plan, run, a, b)
+        fwd_tensors = tuple(t for t in _FWD if t in leaves)
+        grad_logged = "output_grad" in leaves
+        if fwd_tensors or grad_logged:
+            sub = {t: leaves[t] for t in (*fwd_tensors, "output_grad") if t in leaves}
+            y = _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on)(
+                sub, on, lax.stop_gradient(lhs), lax.stop_gradient(rhs), y)
+        return y
+
+    @staticmethod
+    def _run(plan: _Plan, run: Callable, lhs, rhs):
+        if plan.fake is None:
+            return run(lhs, rhs, plan.recipe)
+        q = TensorScaling()
+        y = run(qdq(lhs, plan.fake, q), qdq(rhs, plan.fake, q), None)
+        return _qdq_grad(y, plan.fake)
+
+    def check_matched(self) -> None:
+        """Every rule must match at least one GEMM seen (when any was seen)."""
+        if not self.sites:
+            return
+        used = {plan.rule for _, plan in self.sites.values() if plan is not None}
+        for i, rule in enumerate(self.config.rules):
+            if i not in used:
+                matched_earlier = [
+                    f"{p}/{n}" for (p, n), (site, plan) in self.sites.items()
+                    if self.config.rules[i:i + 1] and _matches_rule(self.config, i, site)]
+                listing = "\n".join(f"  {p!r} / {n}" for p, n in sorted(self.sites))
+                why = (f" (it matches {matched_earlier}, which earlier rules take)"
+                       if matched_earlier else "")
+                raise ValueError(
+                    f"fmtkit.debug: rule {i} (pattern {rule.pattern!r}"
+                    f"{'' if rule.gemm is None else f', gemm {rule.gemm!r}'}) matches no GEMM"
+                    f"{why}. The GEMMs of this call (module path / GEMM) are:\n{listing}")
+
+    def state_tree(self) -> dict:
+        tree: dict = {}
+        for (path, name), (_, plan) in self.sites.items():
+            if plan is None:
+                continue
+            entry = {t: {s: jnp.zeros((), jnp.float32) for s in stats}
+                     for t, stats in plan.stats.items() if stats}
+            if entry:
+                tree.setdefault(path, {})[name] = entry
+        return tree
+
+
+def _matches_rule(config: DebugConfig, i: int, site: GemmSite) -> bool:
+    sub = DebugConfig(config.rules[i:i + 1])
+    return sub.rule_index(site.path, site.name, site.type_names, site.ancestors) is not None
+
+
+def init(config: DebugConfig, fn: Callable, *args: Any, **kwargs: Any) -> dict:
+    """The statistics state of ``fn(*args, **kwargs)`` under ``config``: zeros with the
+    structure of the statistics, ``{module_path: {gemm: {tensor: {stat: f32[]}}}}``.
+
+    ``fn`` is the function whose GEMMs are logged, called as the training step calls it (a
+    loss of a policied model, or the policied model itself); it is traced abstractly
+    (``jax.eval_shape``), nothing runs.
+
+    Raises:
+      ValueError: a rule matches no GEMM (the message names the pattern and lists the
+        GEMMs), or a logged GEMM runs inside a loop.
+      TypeError: ``config`` is not a ``DebugConfig``.
+    """
+    _check_config(config)
+    session = _Session(config, None, 0, discover=True)
+    with intercept_gemms(session):
+        jax.eval_shape(lambda a, k: fn(*a, **k), args, kwargs)
+    session.check_matched()
+    return session.state_tree()
+
+
+def _check_config(config: Any) -> None:
+    if not isinstance(config, DebugConfig):
+        raise TypeError(f"config must be a fmtkit.debug.DebugConfig, got "
+                        f"{type(config).__name__}.")
+
+
+@contextlib.contextmanager
+def capture(config: DebugConfig, stats_state: Mapping | None = None,
+            step: jax.typing.ArrayLike | None = None, *,
+            active: frozenset[int] | None = None) -> Iterator[None]:
+    """Applies ``config`` to the policied calls made inside the block.
+
+    Enter it inside the function you differentiate (the loss), around the policied model's
+    call. With ``stats_state`` (from ``init``), the gradient of the loss with respect to
+    ``stats_state`` is the statistics of this step (NaN for every statistic whose rule does
+    not log at this step). Which rules log is given by one of:
+
+    * ``step``: the step index, an int array that may be traced. One compiled step serves
+      every step: each GEMM's statistics are computed under ``lax.cond`` on its rule's
+      schedule. The other steps skip the statistics but keep the branches (some cost).
+    * ``active``: ``config.active_rules(step)`` computed outside ``jax.jit`` and passed as a
+      static argument: the rules that log this step. The compiled step of a quiet step (no
+      rule active) has no statistics in it at all, so at most one extra program is compiled
+      per distinct set (two with one schedule), and quiet steps cost what the step costs
+      without ``fmtkit.debug``.
+
+    Without ``stats_state`` only the overrides apply.
+
+    Raises:
+      ValueError: ``stats_state`` with neither or both of ``step`` and ``active``; a rule
+        that matches none of the GEMMs the block ran.
+    """
+    _check_config(config)
+    if stats_state is not None and (step is None) == (active is None):
+        raise ValueError("capture: with stats_state pass exactly one of step= (the step "
+                         "index, may be traced) and active= (config.active_rules(step)); "
+                         "they decide which rules log this step.")
+    if stats_state is not None and not isinstance(stats_state, Mapping):
+        raise TypeError("stats_state must be the dict fmtkit.debug.init returns, got "
+                        f"{type(stats_state).__name__}.")
+    if active is not None:
+        if not isinstance(active, frozenset) or not all(
+                isinstance(i, int) and 0 <= i < len(config.rules) for i in active):
+            raise TypeError("active must be the frozenset of rule indices "
+                            f"config.active_rules(step) returns, got {active!r}.")
+    session = _Session(config, stats_state, step, discover=False, active=active)
+    with intercept_gemms(session):
+        yield
+    session.check_matched()

@@ -1,0 +1,120 @@
+"""A hook on the GEMMs a policy runs: ``intercept_gemms`` and the ``GemmSite`` it is given.
+
+Under ``with intercept_gemms(hook):`` every matmul that a policied model, NNX model or
+function runs under its rules (a ``dot_general`` or convolution in a module with a policy) is
+handed to ``hook`` instead of being computed directly: ``hook(site, run, lhs, rhs)`` returns
+the GEMM's result, normally by calling ``run(lhs, rhs, site.fp8)`` (what the policy would
+have computed). ``lhs`` and ``rhs`` are the operands as the GEMM receives them (already in
+the compute dtype, before any FP8 quantization); ``run(lhs, rhs, recipe)`` computes the GEMM
+with another FP8 recipe, or with none (the compute dtype). ``fmtkit.debug`` builds its
+statistics and overrides on this hook.
+
+Without a hook nothing changes: the interpreter takes the same path as before, so the
+lowered program is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fmtkit.policy._policy import Policy
+
+__all__ = ["GemmSite", "intercept_gemms"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSite:
+    """One GEMM of a policied call, as ``intercept_gemms`` hands it to its hook.
+
+    Attributes:
+      path: the module path of the module the GEMM is written in ("" for the root or a
+        plain function).
+      type_names: that module's class names (most derived first), for ``"type:"`` patterns.
+      ancestors: the class names of the modules enclosing it (root first), for
+        ``"subtree:type:"`` patterns.
+      name: the GEMM's name within its module, ``"<primitive>_<i>"`` (``"dot_general_0"``,
+        ``"conv_general_dilated_1"``), numbered in the order the interpreter first meets
+        each GEMM of that module within one policied call.
+      primitive: ``"dot_general"``, ``"conv_general_dilated"`` or ``"ragged_dot_general"``.
+      policy: the policy the GEMM runs under (``Rules.head`` for the output head).
+      fp8: the FP8/FP4 recipe the GEMM runs with, or None where it runs in the compute dtype
+        (a policy without ``fp8``, the head, a matmul without a parameter operand).
+      fp8_capable: whether ``run`` applies a recipe given to it (a ``dot_general`` with a
+        parameter operand, not the head); elsewhere it computes in the compute dtype.
+      head: whether the GEMM is the model's output head.
+      dimension_numbers: the GEMM's dimension numbers (``dot_general``'s; None for other
+        primitives).
+      in_loop: whether the GEMM runs inside a ``scan`` or ``while`` body (its operands are
+        then one iteration's).
+    """
+
+    path: str
+    type_names: tuple[str, ...]
+    ancestors: tuple[tuple[str, ...], ...]
+    name: str
+    primitive: str
+    policy: Policy
+    fp8: Any
+    fp8_capable: bool
+    head: bool
+    dimension_numbers: Any
+    in_loop: bool
+
+
+Hook = Callable[[GemmSite, Callable[..., Any], Any, Any], Any]
+
+
+class _Active(threading.local):
+    hook: Hook | None = None
+
+
+_ACTIVE = _Active()
+
+
+@contextlib.contextmanager
+def intercept_gemms(hook: Hook) -> Iterator[None]:
+    """Hands every GEMM a policied call runs to ``hook`` (see the module docstring).
+
+    Entered inside the function being traced (the loss a ``jax.grad`` differentiates, the
+    step ``jax.jit`` compiles): the hook acts while the policied model is interpreted, and
+    what it computes is part of that trace. Hooks do not nest: an inner one replaces the
+    outer one until it exits.
+
+    Args:
+      hook: ``hook(site: GemmSite, run, lhs, rhs) -> result``, where ``run(lhs, rhs,
+        recipe)`` computes the GEMM as the policy would, with ``recipe`` (an
+        ``fmtkit.fp8.Fp8Recipe`` or None) in place of ``site.fp8``.
+
+    Raises:
+      TypeError: ``hook`` is not callable.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from fmtkit.policy import with_policy
+      >>> seen = []
+      >>> def hook(site, run, lhs, rhs):
+      ...     seen.append((site.path, site.name, str(lhs.dtype)))
+      ...     return run(lhs, rhs, site.fp8)
+      >>> f = with_policy(lambda w, x: x @ w, "bf16-mixed")
+      >>> with intercept_gemms(hook):
+      ...     _ = jax.jit(f)(jnp.ones((3, 2)), jnp.ones((4, 3)))
+      >>> seen
+      [('', 'dot_general_0', 'bfloat16')]
+    """
+    if not callable(hook):
+        raise TypeError(f"hook must be callable, got {type(hook).__name__}.")
+    prev = _ACTIVE.hook
+    _ACTIVE.hook = hook
+    try:
+        yield
+    finally:
+        _ACTIVE.hook = prev
+
+
+def active_hook() -> Hook | None:
+    """The hook of the innermost ``intercept_gemms``, or None."""
+    return _ACTIVE.hook
