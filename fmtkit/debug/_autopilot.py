@@ -130,7 +130,7 @@ def _threshold(value: Any, arg: str, lo: float, hi: float) -> float | None:
 @dataclasses.dataclass(frozen=True)
 class Autopilot:
     """Thresholds on the logged statistics of each GEMM's quantized operands, and the
-    settings a GEMM that crosses them moves to (``fmtkit.debug._autopilot`` docstring).
+    settings a GEMM that crosses them moves to, for the rest of training.
 
     Attributes:
       underflow_share: count a logged step whose ``underflow_share`` (of any watched

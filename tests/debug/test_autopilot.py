@@ -241,3 +241,7 @@ def test_training_moves_the_outlier_gemm_recompiles_once_and_resumes_bit_for_bit
         assert np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
     assert d_a + d_b == decisions
     assert ap.decisions(st_b) == decisions
+    # Negative control: resuming with a fresh autopilot state (the decision forgotten) runs
+    # the moved GEMM in FP8 again, and the losses differ.
+    _, _, l_lost, _ = _train(ap, loss, w_r, state0, 4, 8, [])
+    assert not np.array_equal(np.stack(l_a + l_lost), np.stack(losses))
