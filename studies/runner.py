@@ -56,6 +56,7 @@ STUDIES: dict[str, str] = {
     "router-precision": "top-1 MoE with its router in bf16 vs f32: flips vs an f32 shadow, balance",
     "fp8-recipes": "training loss under each FP8 recipe (incl. 128x128 grad blocks) vs bf16-mixed",
     "outlier-dose": "FP8 recipes' loss gap to bf16 vs activation-outlier magnitude (1e2..1e5)",
+    "autopilot": "the precision autopilot vs all-FP8 and all-BF16 as a large outlier emerges",
     "delayed-lag": "delayed scaling (history 1/16/1024) vs current as an outlier emerges",
     "grad-blocks": "128x128 vs 1x128 activation-gradient blocks vs token-gradient outliers",
     "fp8-long": "fp8-blockwise vs bf16-mixed over 1000+ steps of stdlib text vs the 0.25% bar",

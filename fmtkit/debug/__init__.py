@@ -61,6 +61,7 @@ Example:
   True
 """
 
+from fmtkit.debug._autopilot import TRIGGERS, Autopilot, AutopilotState, Decision
 from fmtkit.debug._capture import capture, init
 from fmtkit.debug._config import (
     BASE_STATS,
@@ -72,5 +73,5 @@ from fmtkit.debug._config import (
     Rule,
 )
 
-__all__ = ["BASE_STATS", "OVERRIDES", "QUANT_STATS", "STATS", "TENSORS", "DebugConfig", "Rule",
-           "capture", "init"]
+__all__ = ["BASE_STATS", "OVERRIDES", "QUANT_STATS", "STATS", "TENSORS", "TRIGGERS", "Autopilot",
+           "AutopilotState", "DebugConfig", "Decision", "Rule", "capture", "init"]
