@@ -6,14 +6,10 @@ their inputs; module outputs are cast to the module's ``output_dtype`` and their
 rounded through ``grad_dtype`` (``_cotangent``). The interpretation is ordinary JAX code, so
 ``jit``, ``grad`` and ``vmap`` around it work and the backward pass is JAX's own transpose
 of the policied forward pass. Every primitive that holds a body is interpreted and rebuilt:
-``jit`` (kept as a ``jit`` with its shardings), ``scan``, ``remat``, ``custom_jvp`` (the
-tangent is the original rule's; a rule around a matmul is traced and interpreted too),
-``cond``/``switch`` (outputs in the widest dtype the branches give), ``while`` (the carry in
-its traced dtypes), ``shard_map`` (same mesh and specs), ``custom_vjp`` (the user's forward
-rule interpreted, a ``custom_vjp`` it calls running its primal body; the user's backward
-rule traced on residuals and cotangents in their traced dtypes and interpreted). Any other
-body (``pallas_call``, a primitive this module does not know) runs as traced, inputs cast
-back, with one warning per module and primitive. The ops of a policied function called
+``jit``, ``scan``, ``remat``, ``cond``/``switch``, ``while``, ``shard_map``
+(``_control_flow``), ``custom_jvp`` and ``custom_vjp`` (``_custom_rules``). Any other body
+(``pallas_call``, a primitive this package does not know) runs as traced, inputs cast back,
+with one warning per module and primitive. The ops of a policied function called
 inside the trace (``_scopes.NESTED_SCOPE``) are bound as traced: the inner policy wins.
 Equations are bound through ``_binding``'s shared jits.
 """
@@ -34,17 +30,17 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from fmtkit import fp8
-from fmtkit.policy import _analysis, _ops
+from fmtkit.policy import _ops
 from fmtkit.policy._analysis import (
     BODIES,
     Analysis,
     VjpParts,
-    holds_matmul,
-    open_jaxpr,
     scan_counts,
 )
 from fmtkit.policy._binding import F32, bind, cast, floating_dtype, is_float_value, wider
+from fmtkit.policy._control_flow import ControlFlow
 from fmtkit.policy._cotangent import round_on_exit
+from fmtkit.policy._custom_rules import CustomRules
 from fmtkit.policy._gemm_hook import CALLS as GEMM_CALLS
 from fmtkit.policy._gemm_hook import GemmSite, active_hook
 from fmtkit.policy._plan import Plan
@@ -139,12 +135,7 @@ def _is_complex(dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.complexfloating))
 
 
-def _float0(x):
-    """The tangent of a non-differentiable (integer, boolean) value."""
-    return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
-class Interpreter:
+class Interpreter(ControlFlow, CustomRules):
     """Evaluates a traced jaxpr under a plan's rules (see the module docstring)."""
 
     def __init__(self, plan: Plan, registry: Registry, *, fp8_state: dict | None = None,
@@ -513,316 +504,4 @@ class Interpreter:
             self._warned.add(key)
             warnings.warn(msg, UserWarning, stacklevel=2)
 
-    def _custom_jvp(self, eqn, invals, chain, idp, fp8_local):
-        """A ``jax.custom_jvp``: the primal body interpreted. Its JVP rule: where the body
-        holds a matmul, the rule too (traced once by ``jax.jvp`` on the traced types, then
-        interpreted: its matmuls on the compute dtype; a rule that cannot be traced on its
-        own runs as written, with a warning); otherwise (``jax.nn.relu``, ``softplus``)
-        the original rule on the primals cast back to their traced dtypes."""
-        traced = [v.aval.dtype for v in eqn.invars]
-        with_matmul = holds_matmul(eqn.params["call_jaxpr"].jaxpr)
-        if (all(not is_float_value(x) or x.dtype == d for x, d in zip(invals, traced))
-                and not with_matmul):
-            return bind(eqn, invals)  # dtypes as traced: the original, custom rule and all
-        body = eqn.params["call_jaxpr"]
-        rule = self._jvp_rule(eqn, chain) if with_matmul else None
-
-        def original(*xs):
-            return bind(eqn, list(xs))
-
-        @jax.custom_jvp
-        def policied(*xs):
-            return self._walk(body.jaxpr, body.consts, list(xs), [chain] * len(xs), chain,
-                              idp, fp8_local)
-
-        @policied.defjvp
-        def policied_jvp(primals, tangents):
-            out = policied(*primals)
-            if rule is not None:
-                closed, floats = rule
-                args = [*primals, *(t for t, f in zip(tangents, floats) if f)]
-                t_iter = iter(self._walk(closed.jaxpr, closed.consts, args,
-                                         [chain] * len(args), chain, (*idp, "jvp"), fp8_local))
-                t_out = [next(t_iter) if is_float_value(o) else _float0(o) for o in out]
-            else:
-                p0 = [cast(p, d) for p, d in zip(primals, traced)]
-                t0 = [cast(t, d) for t, d in zip(tangents, traced)]
-                _, t_out = jax.jvp(original, p0, t0)
-            return out, [cast(t, o.dtype) for t, o in zip(t_out, out)]
-
-        return policied(*invals)
-
-    def _jvp_rule(self, eqn, chain):
-        """(jaxpr of (primals, floating tangents) -> floating output tangents, which inputs
-        are floating) of a ``custom_jvp_call``'s own rule, or None (with a warning) where it
-        cannot be traced."""
-        key = ("jvp", id(eqn))
-        if key not in self._rules_traced:
-            floats = [floating_dtype(v.aval.dtype) for v in eqn.invars]
-            out_floats = [floating_dtype(v.aval.dtype) for v in eqn.outvars]
-
-            def tangent(*xs):
-                primals, it = xs[:len(floats)], iter(xs[len(floats):])
-                tans = [next(it) if f else np.zeros(np.shape(p), jax.dtypes.float0)
-                        for p, f in zip(primals, floats)]
-                _, t_out = jax.jvp(lambda *a: bind(eqn, list(a)), list(primals), tans)
-                return [t for t, f in zip(t_out, out_floats) if f]
-
-            avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-            try:
-                closed = jax.make_jaxpr(tangent)(*avals, *(a for a, f in zip(avals, floats) if f))
-                self._rules_traced[key] = (eqn, (closed, floats))
-            except Exception:  # a rule that only runs on concrete values, or JAX's internals
-                self._rules_traced[key] = (eqn, None)
-        rule = self._rules_traced[key][1]
-        if rule is None:
-            path = self.path(chain[-1] if chain else None)
-            self._warn(f"jvp:{path}", f"The JVP rule of a jax.custom_jvp around a matmul in "
-                       f"module {path or '<root>'!r} could not be traced on its own: it runs "
-                       "as written (its matmuls in their traced dtypes).")
-        return rule
-
-    # -- bodies of control flow ------------------------------------------------------------
-    def vjp_parts(self, eqn) -> VjpParts | None:
-        """``vjp_parts`` once per equation (the Analysis and the evaluation share it)."""
-        key = id(eqn)
-        if key not in self._vjp:
-            # the eqn is kept so its id stays unique
-            self._vjp[key] = (eqn, _analysis.vjp_parts(eqn))
-        return self._vjp[key][1]
-
-    def _opaque(self, eqn, invals, chain):
-        """A primitive whose body the policy cannot interpret (``pallas_call``, an unknown
-        primitive): it runs as traced, inputs cast back, with one warning per module and
-        primitive; ``inspect_policy`` lists its matmuls as not policied."""
-        name = eqn.primitive.name
-        path = self.path(chain[-1] if chain else None)
-        self._warn(f"opaque:{path}:{name}",
-                   f"Primitive {name!r} in module {path or '<root>'!r} holds a body the policy "
-                   "does not interpret: it runs as traced (its matmuls in their traced dtypes, "
-                   "no FP8). inspect_policy lists its matmuls as not policied.")
-        if self.record is not None:
-            self.record.opaque.append((path, name))
-        return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
-
-    def _jit(self, eqn, invals, chain, idp, fp8_local):
-        """A nested ``jit`` is kept as a ``jit`` of its interpreted body, with the same
-        ``in_shardings``/``out_shardings`` (inlining it changed XLA's fusion of the
-        gradient: ~1e-7 differences under "fp32"); other call primitives are inlined."""
-        inner = eqn.params["jaxpr"]
-
-        def body(*xs):
-            return tuple(self._walk(inner.jaxpr, inner.consts, list(xs), [chain] * len(xs),
-                                    chain, idp, fp8_local))
-
-        if eqn.primitive.name not in ("pjit", "jit"):
-            return list(body(*invals))
-        p = eqn.params
-        jitted = jax.jit(body, in_shardings=tuple(p["in_shardings"]),
-                         out_shardings=tuple(p["out_shardings"]),
-                         keep_unused=p["keep_unused"])
-        jitted.__name__ = p.get("name", "jit")  # for the jaxpr's readers
-        return list(jitted(*invals))
-
-    def _cond(self, eqn, invals, chain, idp, fp8_local):
-        """``cond``/``switch``: each branch interpreted; an output gets the widest of the
-        dtypes the branches give it (``lax.switch`` needs one type)."""
-        ops = invals[1:]
-        n = len(ops)
-
-        def branch(b, br):
-            def fn(*xs):
-                return self._walk(br.jaxpr, br.consts, list(xs), [chain] * n, chain,
-                                  (*idp, b), fp8_local)
-            return fn
-
-        fns = [branch(b, br) for b, br in enumerate(eqn.params["branches"])]
-        record, self.record = self.record, None  # dtypes only: nothing recorded
-        try:
-            shapes = [jax.eval_shape(fn, *ops) for fn in fns]
-        finally:
-            self.record = record
-        targets = [functools.reduce(wider, [s[j].dtype for s in shapes])
-                   if all(floating_dtype(s[j].dtype) for s in shapes) else None
-                   for j in range(len(eqn.outvars))]
-
-        def cast_outputs(fn):
-            return lambda *xs: [o if t is None else cast(o, t) for o, t in zip(fn(*xs),
-                                                                             targets)]
-
-        return list(lax.switch(invals[0], [cast_outputs(fn) for fn in fns], *ops))
-
-    def _while(self, eqn, invals, chain, idp, fp8_local):
-        """``while`` (``fori_loop`` with a traced bound): body and condition interpreted, the
-        carry kept in its traced dtypes (as ``scan``'s; a loop needs one carry type)."""
-        p = eqn.params
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        (cj, cc), (bj, bc) = open_jaxpr(p["cond_jaxpr"]), open_jaxpr(p["body_jaxpr"])
-        cconsts, bconsts = invals[:cn], invals[cn:cn + bn]
-        dtypes = [v.aval.dtype for v in eqn.invars[cn + bn:]]
-        init = [cast(x, d) for x, d in zip(invals[cn + bn:], dtypes)]
-
-        def cond_fn(carry):
-            args = [*cconsts, *carry]
-            return self._walk(cj, cc, args, [chain] * len(args), chain, (*idp, 0),
-                              fp8_local)[0]
-
-        def body_fn(carry):
-            args = [*bconsts, *carry]
-            outs = self._walk(bj, bc, args, [chain] * len(args), chain, (*idp, 1), fp8_local)
-            return [cast(o, d) for o, d in zip(outs, dtypes)]
-
-        self._loop_depth += 1
-        try:
-            return list(lax.while_loop(cond_fn, body_fn, init))
-        finally:
-            self._loop_depth -= 1
-
-    def _shard_map(self, eqn, invals, chain, idp, fp8_local):
-        """``shard_map``: the body interpreted, rebuilt with the same mesh, specs and manual
-        axes."""
-        p = eqn.params
-        body, consts = open_jaxpr(p["jaxpr"])
-
-        def fn(*xs):
-            return tuple(self._walk(body, consts, list(xs), [chain] * len(xs), chain, idp,
-                                    fp8_local))
-
-        mapped = jax.shard_map(fn, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
-                               out_specs=tuple(p["out_specs"]), check_vma=p["check_vma"],
-                               axis_names=set(p["newly_manual_axes"]))
-        return list(mapped(*invals))
-
-    def _custom_vjp(self, eqn, invals, chain, idp, fp8_local):
-        """A user's ``jax.custom_vjp``: the forward rule interpreted under the policy (it also
-        gives the primal outputs); the user's backward rule traced on the residuals and
-        cotangents in their traced dtypes and interpreted under the policy too (its matmuls on
-        the compute dtype; ``None`` gradients as JAX's zeros), its results cast to the inputs'
-        dtypes.
-
-        A forward rule written as JAX's documentation writes it calls the function itself
-        (``f_fwd(x) = f(x), res``): inside a forward rule a ``custom_vjp`` runs its primal
-        body (the rule is not differentiated there), which ends the recursion."""
-        if self._fwd_rule:
-            body, consts = open_jaxpr(eqn.params["call_jaxpr"])
-            return self._walk(body, consts, list(invals), [chain] * len(invals), chain, idp,
-                              fp8_local)
-        traced_in = [v.aval.dtype for v in eqn.invars]
-        if (all(not is_float_value(x) or x.dtype == d for x, d in zip(invals, traced_in))
-                and not holds_matmul(open_jaxpr(eqn.params["call_jaxpr"])[0])):
-            return bind(eqn, invals)  # nothing to change: JAX's own primal and rules
-        parts = self.vjp_parts(eqn)
-        if parts is None:
-            return None
-        traced_out = [v.aval.dtype for v in eqn.outvars]
-        res_avals = [v.aval for v in parts.fwd.outvars[:parts.num_res]]
-        res_dtypes = [a.dtype for a in res_avals]
-        consts = invals[:parts.num_consts]
-        n = len(invals) - parts.num_consts
-
-        def forward(xs):
-            self._fwd_rule += 1
-            try:
-                outs = self._walk(parts.fwd, parts.fwd_consts, list(xs), [chain] * n, chain,
-                                  idp, fp8_local)
-            finally:
-                self._fwd_rule -= 1
-            computed = iter(cast(r, d) for r, d in zip(outs[:parts.num_res], res_dtypes))
-            full = [*consts, *xs]
-            res = [next(computed) if f is None else cast(full[f], traced_in[f])
-                   for f in parts.forwarded]
-            return outs[parts.num_res:], res
-
-        @jax.custom_vjp
-        def policied(*xs):
-            return forward(xs)[0]
-
-        in_dtypes = [getattr(x, "dtype", None) for x in invals[parts.num_consts:]]
-
-        def fwd(*xs):
-            outs, res = forward(xs)
-            return outs, res
-
-        def bwd(res, cts):
-            cts = [cast(g, d) for g, d in zip(cts, traced_out)]
-            grads = self._vjp_backward(eqn, parts, res, cts, chain, idp, fp8_local)
-            out = []
-            for g, d in zip(grads, in_dtypes):
-                if d is None or not floating_dtype(d):
-                    out.append(None)
-                elif not hasattr(g, "dtype"):  # JAX's symbolic zero
-                    out.append(jnp.zeros(g.aval.shape, d))
-                else:
-                    out.append(cast(g, d))
-            return tuple(out)
-
-        policied.defvjp(fwd, bwd)
-        return list(policied(*invals[parts.num_consts:]))
-
-    def _vjp_backward(self, eqn, parts, res, cts, chain, idp, fp8_local) -> list[Any]:
-        """The user's backward rule on (residuals, cotangents), interpreted: traced once on
-        their traced types, its matmuls then on the compute dtype. A rule that cannot be
-        traced on its own runs as written, with a warning."""
-        key = ("bwd", id(eqn))
-        if key not in self._rules_traced:
-            zeros: dict[int, Any] = {}  # gradient index -> JAX's symbolic zero (or None)
-
-            def flat(*a):
-                grads, _logs = parts.bwd.call_wrapped(*a)
-                zeros.update((j, g) for j, g in enumerate(grads) if not hasattr(g, "dtype"))
-                return [g for g in grads if hasattr(g, "dtype")]
-
-            avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*res, *cts)]
-            try:
-                closed = jax.make_jaxpr(flat)(*avals)
-                traced = (closed, zeros, len(zeros) + len(closed.jaxpr.outvars))
-            except Exception:  # a rule that only runs on concrete values, or JAX's internals
-                traced = None
-            self._rules_traced[key] = (eqn, traced)
-        traced = self._rules_traced[key][1]
-        if traced is None:
-            path = self.path(chain[-1] if chain else None)
-            self._warn(f"vjp:{path}", f"The backward rule of a jax.custom_vjp in module "
-                       f"{path or '<root>'!r} could not be traced on its own: it runs as "
-                       "written (its matmuls in their traced dtypes).")
-            return list(parts.bwd.call_wrapped(*res, *cts)[0])
-        closed, zeros, n_grads = traced
-        args = [*res, *cts]
-        computed = iter(self._walk(closed.jaxpr, closed.consts, args, [chain] * len(args),
-                                   chain, (*idp, "bwd"), fp8_local))
-        return [zeros[j] if j in zeros else next(computed) for j in range(n_grads)]
-
-    def _checkpoint(self, eqn, invals, chain, idp, fp8_local):
-        body = eqn.params["jaxpr"]
-
-        def fn(*xs):
-            return self._walk(body, (), list(xs), [chain] * len(xs), chain, idp, fp8_local)
-
-        return jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"],
-                              policy=eqn.params["policy"])(*invals)
-
-    def _scan(self, eqn, invals, chain, idp, fp8_local):
-        n0, n1, _ = scan_counts(eqn)
-        body = eqn.params["jaxpr"]
-        consts, init, xs = invals[:n0], invals[n0:n0 + n1], invals[n0 + n1:]
-        carry_dtypes = [getattr(x, "dtype", None) for x in init]
-        keys = [k for k in self.analysis.scan_sites.get(idp, []) if k in fp8_local]
-        n_in = len(invals)
-
-        def step(carry, inp):
-            x, hist = inp
-            local = {**fp8_local, **dict(zip(keys, hist))}
-            outs = self._walk(body.jaxpr, body.consts, [*consts, *carry, *x], [chain] * n_in,
-                              chain, idp, local)
-            new = [cast(o, d) if d is not None else o for o, d in zip(outs[:n1], carry_dtypes)]
-            return new, outs[n1:]
-
-        self._loop_depth += 1
-        try:
-            carry, ys = lax.scan(step, list(init), (list(xs), [fp8_local[k] for k in keys]),
-                                 length=int(eqn.params["length"]),
-                                 reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
-        finally:
-            self._loop_depth -= 1
-        return [*carry, *ys]
 
