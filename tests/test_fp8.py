@@ -8,6 +8,7 @@ casts (exactness up to f32 accumulation round-off).
 import dataclasses
 import math
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -524,6 +525,33 @@ def test_registered_backend_is_used_when_it_applies():
         _backends._GEMM_BACKENDS.clear()
         _backends._GEMM_BACKENDS.update(saved)
 
+
+
+def test_blockwise_on_a_gpu_without_a_kernel_package_warns_once(monkeypatch):
+    """A GPU trace whose blockwise GEMMs find no kernel package (a checkout that is not
+    installed has no entry point) says it runs them emulated, once; the result is the
+    emulated GEMM's; with a package registered, or use_kernel="never", nothing is said."""
+    x, w, dy = _data(128, 256, 128)
+    ref = _fwd_bwd("blockwise", x, w, dy)
+    monkeypatch.setattr(_backends, "_entry_points_loaded", True)
+    monkeypatch.setattr(_backends, "_GEMM_BACKENDS", {
+        k: v for k, v in _backends._GEMM_BACKENDS.items() if k in _backends._BUILT_IN})
+    monkeypatch.setattr(_backends, "_warned_no_kernel", set())
+    for mod in (_gemm, _backends):
+        monkeypatch.setattr(mod, "on_gpu", lambda: True)
+    with pytest.warns(UserWarning, match=r"'blockwise' .* runs its blockwise GEMMs emulated"):
+        got = _fwd_bwd("blockwise", x, w, dy)
+    for g_, r_ in zip(got, ref):  # the GPU path's operand layout: another f32 summation order
+        np.testing.assert_allclose(np.asarray(g_), np.asarray(r_), rtol=1e-6, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fwd_bwd("blockwise", x, w, dy)  # once per recipe
+        _fwd_bwd(dataclasses.replace(fp8.RECIPES["current"], name="current2"), x, w, dy)
+        _fwd_bwd(dataclasses.replace(fp8.RECIPES["blockwise"], name="b2", use_kernel="never"),
+                 x, w, dy)
+        fp8.register_gemm_backend("other", lambda *a, **k: None, applies=lambda a, b: False,
+                                  available=lambda: False)
+        _fwd_bwd(dataclasses.replace(fp8.RECIPES["blockwise"], name="b3"), x, w, dy)
 
 def test_recipes_print_what_they_are():
     assert str(fp8.RECIPES["blockwise"]) == "blockwise"

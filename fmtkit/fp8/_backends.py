@@ -4,6 +4,7 @@ here), the choice of a backend for one GEMM, and where a trace runs (GPU, Blackw
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -81,14 +82,41 @@ def kernel_backend(recipe: Fp8Recipe, a: ScaledArray, b: ScaledArray
         return None
     if recipe.use_kernel == "auto" and not on_gpu():
         return None  # no kernel package is loaded where none could run compiled
-    for backend in gemm_backends().values():
+    backends = gemm_backends()
+    for backend in backends.values():
         if not backend.applies(a, b):
             continue
         if recipe.use_kernel == "interpret":
             return backend, "interpret"
         if backend.available():
             return backend, "kernel"
+    if recipe.use_kernel == "auto" and _is_blockwise(a, b) and set(backends) <= _BUILT_IN:
+        _warn_no_kernel_package(recipe)
     return None
+
+
+_BUILT_IN = frozenset({"jax_block_scaled_dot"})
+_warned_no_kernel: set[str] = set()
+
+
+def _is_blockwise(a: ScaledArray, b: ScaledArray) -> bool:
+    """DeepSeek-V3's tiling (1x128 activations, 128x128 or 1x128 weights): the GEMMs a
+    Hopper kernel package serves."""
+    return a.block == (1, 128) and b.block in ((128, 128), (1, 128))
+
+
+def _warn_no_kernel_package(recipe: Fp8Recipe) -> None:
+    """Once per recipe name: on a GPU, blockwise GEMMs found no kernel package at all (the
+    entry point that registers ``pallas_kernels`` exists only once the project is installed),
+    so they run emulated, several times slower than a kernel."""
+    if recipe.name in _warned_no_kernel:
+        return
+    _warned_no_kernel.add(recipe.name)
+    warnings.warn(
+        f"FP8 recipe {recipe.name!r} (use_kernel='auto') runs its blockwise GEMMs emulated on "
+        "this GPU: no GEMM kernel package is registered. Install the project (pip install -e "
+        "., whose entry point registers pallas_kernels) or import pallas_kernels before "
+        "tracing; use_kernel='never' silences this.", UserWarning, stacklevel=2)
 
 
 # Blackwell parts (compute capability 10.x), whose tensor cores take MX block scales.
