@@ -12,8 +12,15 @@ against ±0.25%. Also reported: the final-loss gap (last 10% of the steps, paire
 beyond 3 SE) and the held-out bits per byte. Checkpoints every ``--checkpoint-every``
 steps; ``--resume`` continues from them.
 
+The control (``--control fp32`` by default) is the noise floor the FP8 gap is read against:
+the same seeds trained in float32, its gap to bf16-mixed computed and plotted the same way.
+Paired runs share parameters and batches, but training amplifies any change of rounding
+until the trajectories decorrelate; a gap no wider than BF16's own gap to FP32 says FP8
+changed the run no more than BF16 rounding does. ``--control none`` skips it.
+
     fmtkit study fp8-long [--steps 1000] [--seeds 3] [--model-size small] [--data stdlib]
-                          [--checkpoint-every 250] [--resume CHECKPOINT_FOLDER]
+                          [--control fp32] [--checkpoint-every 250]
+                          [--resume CHECKPOINT_FOLDER]
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import numpy as np
 from studies import corpus, stats
 from studies import fp8_training as ft
 from studies._common import format_table, no_progress
-from studies.training import multiseed
+from studies.training import multiseed, setups
 from studies.training.config import TrainConfig
 from studies.training.data import load_data
 
@@ -53,12 +60,15 @@ class Config:
       resume: an earlier run's checkpoint folder (CHECKPOINT_DIR/<timestamp>): every
         setup continues from its latest checkpoint.
       parallel: setups trained at once (threads).
+      control: a setup of ``studies.training.setups`` whose gap to bf16-mixed is the noise
+        floor (plotted beside the FP8 gap), or ``"none"``.
       train: the training settings (small model, 1000 steps, stdlib text by default).
     """
 
     checkpoint_dir: str = "runs/fp8-long-checkpoints"
     resume: str | None = None
     parallel: int = 2
+    control: str = "fp32"
     train: TrainConfig = TrainConfig(model_size="small", steps=1000, seeds=3, data="stdlib",
                                      checkpoint_every=250, warmup=50)
 
@@ -67,6 +77,14 @@ class Config:
             raise ValueError(f"--resume {self.resume!r}: no such folder (give the checkpoint "
                              "folder of an earlier fp8-long run).")
         ft.check_parallel(self.parallel)
+        allowed = [n for n in setups.SETUPS if n not in SETUPS] + ["none"]
+        if self.control not in allowed:
+            raise ValueError(f"control must be one of {allowed}, got {self.control!r}.")
+
+    @property
+    def setups(self) -> tuple[str, ...]:
+        """The reference, fp8-blockwise and the control (if any), in that order."""
+        return SETUPS if self.control == "none" else (*SETUPS, self.control)
 
 
 def relative_gap_curve(ref: list[list[float]], cand: list[list[float]],
@@ -86,7 +104,8 @@ def relative_gap_curve(ref: list[list[float]], cand: list[list[float]],
 
 
 def run(config: Config, progress=no_progress) -> dict[str, Any]:
-    """Trains both setups, every seed; the curves, the final gap and the held-out loss."""
+    """Trains the setups, every seed; the curves, the final gaps (fp8-blockwise's at the top
+    level, the control's under ``control_gap``) and the held-out loss."""
     t0 = time.perf_counter()
     cfg = config.train
     data = load_data(cfg)
@@ -105,20 +124,27 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         return row
 
     with ThreadPoolExecutor(config.parallel) as pool:
-        rows = dict(zip(SETUPS, pool.map(train, SETUPS)))
+        rows = dict(zip(config.setups, pool.map(train, config.setups)))
     curves = multiseed.seed_curves(list(rows.values()))
     smooth = min(SMOOTH, cfg.steps)
-    gap = relative_gap_curve(curves[SETUPS[0]], curves[SETUPS[1]], smooth)
-    mean = gap.mean(axis=0)
+    ref = SETUPS[0]
+
+    def versus(name):
+        gap = relative_gap_curve(curves[ref], curves[name], smooth)
+        mean = gap.mean(axis=0)
+        return {"final_gap": stats.compare(rows[ref]["final_loss"], rows[name]["final_loss"],
+                                           paired=True).to_dict(),
+                "gap_curve_mean": mean.tolist(),
+                "gap_curve_std": (gap.std(axis=0, ddof=1).tolist() if gap.shape[0] > 1
+                                  else [0.0] * len(mean)),
+                "share_within_bar": float(np.mean(np.abs(mean) <= BAR))}
+
+    control = None if config.control == "none" else config.control
     return {
         "rows": rows, "seeds": list(cfg.seed_list), "steps": cfg.steps,
-        "model_size": cfg.model_size, "data": cfg.data,
-        "final_gap": stats.compare(rows[SETUPS[0]]["final_loss"],
-                                   rows[SETUPS[1]]["final_loss"], paired=True).to_dict(),
-        "gap_curve_mean": mean.tolist(), "gap_curve_std": gap.std(axis=0, ddof=1).tolist()
-        if gap.shape[0] > 1 else [0.0] * len(mean),
+        "model_size": cfg.model_size, "data": cfg.data, **versus(SETUPS[1]),
+        "control": control, "control_gap": None if control is None else versus(control),
         "smooth": smooth, "bar": BAR,
-        "share_within_bar": float(np.mean(np.abs(mean) <= BAR)),
         "heldout_bits_per_byte": {n: [None if p["heldout_loss"] is None else
                                       corpus.bits_per_byte(p["heldout_loss"])
                                       for p in r["per_seed"]] for n, r in rows.items()},
@@ -136,28 +162,43 @@ def summarize(results: dict[str, Any]) -> str:
                      "-" if None in held else stats.format_mean_std(held),
                      f"{r['step_ms']:.0f}", f"{r['wall_seconds']:.0f}"])
     g = stats.Gap.from_dict(results["final_gap"])
-    return "\n".join([
+    lines = [
         format_table(["setup", "final loss", "held-out bpb", "ms/step (all seeds)", "s"],
                      rows, title=(f"{results['steps']} steps, {results['model_size']} model, "
                                   f"data {results['data']}, seeds {results['seeds']}")),
         f"fp8-blockwise vs bf16-mixed, final loss (paired): {stats.format_gap(g)}; "
         f"DeepSeek-V3's bar: |gap| < {100 * results['bar']:g}%.",
         f"{results['smooth']}-step averaged gap within ±{100 * results['bar']:g}% on "
-        f"{100 * results['share_within_bar']:.0f}% of the steps.", stats.PAIRED_NOTE])
+        f"{100 * results['share_within_bar']:.0f}% of the steps."]
+    c = results.get("control_gap")
+    if c is not None:
+        cg = stats.Gap.from_dict(c["final_gap"])
+        lines.append(
+            f"noise floor, {results['control']} vs bf16-mixed (paired): {stats.format_gap(cg)}; "
+            f"within ±{100 * results['bar']:g}% on {100 * c['share_within_bar']:.0f}% of the "
+            f"steps. Std of one seed's final gap: fp8-blockwise "
+            f"{100 * g.relative_std:.2f}%, {results['control']} {100 * cg.relative_std:.2f}%.")
+    return "\n".join([*lines, stats.PAIRED_NOTE])
 
 
 def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """``fp8_long_gap.png``: the relative gap per step (moving average, mean ± std over
-    seeds) with the ±0.25% lines; ``fp8_long_loss.png``: the loss curves."""
+    """``fp8_long_gap.png``: the relative gaps per step (moving average, mean ± std over
+    seeds) of fp8-blockwise and of the control with the ±0.25% lines;
+    ``fp8_long_loss.png``: the loss curves."""
     from studies._common import figure, plot_style, save
 
-    mean = 100 * np.asarray(results["gap_curve_mean"])
-    std = 100 * np.asarray(results["gap_curve_std"])
-    x = np.arange(len(mean)) + results["smooth"] - 1
+    curves = [("fp8-blockwise vs bf16-mixed", "#2ca02c", results)]
+    if results.get("control_gap") is not None:
+        curves.append((f"{results['control']} vs bf16-mixed (noise floor)", "#7f7f7f",
+                       results["control_gap"]))
     with plot_style():
         fig, ax = figure(width=7.0, height=4.0)
-        ax.plot(x, mean, color="#2ca02c", label="fp8-blockwise vs bf16-mixed")
-        ax.fill_between(x, mean - std, mean + std, color="#2ca02c", alpha=0.2)
+        for label, color, r in curves:
+            mean = 100 * np.asarray(r["gap_curve_mean"])
+            std = 100 * np.asarray(r["gap_curve_std"])
+            x = np.arange(len(mean)) + results["smooth"] - 1
+            ax.plot(x, mean, color=color, label=label)
+            ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.2)
         for s in (1, -1):
             ax.axhline(s * 100 * results["bar"], color="k", ls="--", lw=0.8)
         ax.axhline(0, color="k", lw=0.5, ls=":")

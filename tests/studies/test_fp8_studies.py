@@ -34,6 +34,8 @@ def test_studies_are_registered():
     (delayed_lag.Config, dict(ramp_steps=-1), "steps must be an int >= 0"),
     (grad_blocks.Config, dict(magnitudes=()), "magnitudes must be"),
     (fp8_long.Config, dict(resume="/nonexistent/ckpt"), "no such folder"),
+    (fp8_long.Config, dict(control="fp8-blockwise"), "control must be one of"),
+    (fp8_long.Config, dict(control="fp64"), "control must be one of"),
 ])
 def test_configs_reject_bad_values(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -112,22 +114,40 @@ def test_grad_blocks_records_the_monitor(tmp_path):
     assert_plots(grad_blocks.plot(res, tmp_path))
 
 
-@pytest.mark.slow  # two setups of the micro model, then resumed from the checkpoints
-def test_fp8_long_gap_curve_and_resume(tmp_path):
+@pytest.mark.slow  # three setups of the micro model, then resumed from the checkpoints
+def test_fp8_long_gap_curve_control_and_resume(tmp_path):
     train = TrainConfig(model=MICRO, **{**SMALL, "steps": 4}, checkpoint_every=2)
     cfg = fp8_long.Config(checkpoint_dir=str(tmp_path / "ck"), parallel=1, train=train)
+    assert cfg.setups == ("bf16-mixed", "fp8-blockwise", "fp32")
     res = fp8_long.run(cfg)
     rows = res["rows"]
-    ref = np.asarray([p["history"]["loss"] for p in rows["bf16-mixed"]["per_seed"]])
-    fp8 = np.asarray([p["history"]["loss"] for p in rows["fp8-blockwise"]["per_seed"]])
+    loss = {n: np.asarray([p["history"]["loss"] for p in rows[n]["per_seed"]])
+            for n in cfg.setups}
+    ref, fp8, f32 = loss["bf16-mixed"], loss["fp8-blockwise"], loss["fp32"]
     assert ref.shape == (2, 4)
-    # The curve is the paired relative gap, checked by hand without smoothing.
+    # The curves are paired relative gaps, checked by hand without smoothing (smooth 4 here).
     np.testing.assert_allclose(fp8_long.relative_gap_curve(ref.tolist(), fp8.tolist()),
                                (fp8 - ref) / ref.mean(axis=0), rtol=1e-12)
-    assert "0.25%" in fp8_long.summarize(res)
+    control = (f32.mean(axis=1) - ref.mean(axis=1)) / ref.mean()
+    np.testing.assert_allclose(res["control_gap"]["gap_curve_mean"], [control.mean()],
+                               rtol=1e-9)
+    assert res["control"] == "fp32" and not np.allclose(control, 0)
+    text = fp8_long.summarize(res)
+    assert "0.25%" in text and "noise floor, fp32 vs bf16-mixed" in text
+    assert_plots(fp8_long.plot(res, tmp_path))
     again = fp8_long.run(dataclasses.replace(cfg, resume=res["checkpoint_dir"]))
     assert again["rows"]["fp8-blockwise"]["resumed_from"] == 4
+    assert again["rows"]["fp32"]["resumed_from"] == 4
     assert again["gap_curve_mean"] == res["gap_curve_mean"]
+    assert again["control_gap"] == res["control_gap"]
+
+
+@pytest.mark.slow  # two setups of the micro model
+def test_fp8_long_without_control(tmp_path):
+    train = TrainConfig(model=MICRO, **{**SMALL, "steps": 2})
+    res = fp8_long.run(fp8_long.Config(control="none", parallel=1, train=train))
+    assert set(res["rows"]) == {"bf16-mixed", "fp8-blockwise"} and res["control_gap"] is None
+    assert "noise floor" not in fp8_long.summarize(res)
 
 
 def test_relative_gap_curve_smooths_before_dividing():
