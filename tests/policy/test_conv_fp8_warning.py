@@ -63,6 +63,9 @@ def _linen_loss(policied):
 
 
 def _nnx_loss(policied):
+    with warnings.catch_warnings():  # a delayed recipe creates its state at the first call
+        warnings.filterwarnings("ignore", message=WARNING)
+        policied(X)
     return lambda x: jnp.sum(policied(x))
 
 
