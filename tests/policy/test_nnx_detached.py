@@ -3,7 +3,7 @@
 The NNX ways of running a layer that is not (or not as such) a node of the model: a temporary
 ``nnx.Linear``/``nnx.Conv`` built in ``__call__`` and given the module's weight, ``nnx.merge``
 of a graphdef kept from ``__init__``, weight standardization by ``nnx.split`` / ``nnx.merge``
-of the module's own conv, a tied head through ``embed.attend`` or a functional use of the
+or ``nnx.clone`` of the module's own conv, a tied head through ``embed.attend`` or a functional use of the
 embedding table, ``nnx.call``. A detached layer's matmuls are filed under the module whose
 call runs them, or, where split/merge/clone keep a model module's class, under that module
 (whose parameters it uses): so a ``subtree:`` rule on the block reaches them (linen's detached
@@ -107,6 +107,18 @@ class WSConvSplit(nnx.Module):
         return nnx.merge(graphdef, state)(h)
 
 
+class WSConvClone(nnx.Module):
+    """Weight standardization on a clone of the module's conv."""
+
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(6, 6, (3, 3), rngs=rngs)
+
+    def __call__(self, h):
+        conv = nnx.clone(self.conv)
+        conv.kernel = nnx.Param(_standardize(self.conv.kernel[...]))
+        return conv(h)
+
+
 class WSConvTemp(nnx.Module):
     """Weight standardization with a temporary nnx.Conv given the standardized kernel."""
 
@@ -127,6 +139,7 @@ IDIOMS = {
     "tied_functional": (TiedFunctional, False, "block"),
     "nnx_call": (FunctionalCall, False, "block/lin"),
     "ws_conv_split_merge": (WSConvSplit, True, "block/conv"),
+    "ws_conv_clone": (WSConvClone, True, "block/conv"),
     "ws_conv_temporary": (WSConvTemp, True, "block"),
 }
 
