@@ -5,10 +5,11 @@ The NNX ways of running a layer that is not (or not as such) a node of the model
 of a graphdef kept from ``__init__``, weight standardization by ``nnx.split`` / ``nnx.merge``
 or ``nnx.clone`` of the module's own conv, a tied head through ``embed.attend`` or a
 functional use of the embedding table, ``nnx.call``. A detached layer's matmuls are filed
-under the module whose call runs them, or, where split/merge/clone keep a model module's class, under that module
-(whose parameters it uses): so a ``subtree:`` rule on the block reaches them (linen's detached
-``Module.apply`` is placed under its caller likewise). Matmul dtypes are read from the jaxpr
-of the gradient by shape (a walker that knows nothing of the policy's report).
+under the module whose call runs them, or, where split/merge/clone keep a model module's
+class, under that module (whose parameters it uses): so a ``subtree:`` rule on the block
+reaches them (linen's detached ``Module.apply`` is placed under its caller likewise). Matmul
+dtypes are read from the jaxpr of the gradient by shape (a walker that knows nothing of the
+policy's report).
 """
 
 import dataclasses
