@@ -48,7 +48,8 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
 
     * matmuls (every ``dot_general`` — ``jnp.einsum``, ``@``, Dense, Einsum, ``attend`` — and
       convolutions) take operands in the compute dtype of the module they are written in, or
-      its FP8 recipe when one of their operands is a parameter (a projection);
+      its FP8 recipe when one of their operands is a parameter (a projection; convolutions
+      stay on the compute dtype, with one warning per call naming their modules);
     * precision-sensitive ops (exp, log, log1p, expm1, rsqrt, pow, and every sum, mean, max
       and cumulative sum: softmax, log-softmax, norm statistics, the loss) run in f32 and
       their outputs stay f32 until the next matmul casts its own inputs;

@@ -147,6 +147,10 @@ class Interpreter(ControlFlow, CustomRules):
         self.record = record
         self._policies: dict[int | None, tuple[Policy | None, bool]] = {}
         self._warned: set[str] = set()
+        # Convolutions under an FP8 recipe (which they never run): module path -> (compute
+        # dtype, recipe name), warned about once at the end of ``run`` (``_warn_convs``).
+        self._fp8_convs: dict[str, tuple[str, str]] = {}
+        self._ran = False
         self._vjp: dict[int, tuple[Any, VjpParts | None]] = {}
         self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
         self._fwd_rule = 0  # depth of custom_vjp forward rules being evaluated
@@ -194,8 +198,11 @@ class Interpreter(ControlFlow, CustomRules):
         it is returned as computed; a scope chain, it is read there (as the module at the
         end of the chain sees it: the outputs of the modules it did not run are cast)."""
         assert self.analysis is not None, "analyze first"
-        return self._walk(closed.jaxpr, closed.consts, list(args), [()] * len(args), (), (),
-                          self.fp8_state or {}, leave)
+        out = self._walk(closed.jaxpr, closed.consts, list(args), [()] * len(args), (), (),
+                         self.fp8_state or {}, leave)
+        self._ran = True
+        self._warn_convs()
+        return out
 
     def _walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local,
               leave=None):
@@ -376,6 +383,11 @@ class Interpreter(ControlFlow, CustomRules):
                 f"{path or '<root>'!r}\").")
             )
             return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])[0]
+        if (policy.fp8 is not None and not head
+                and eqn.primitive.name == "conv_general_dilated"):
+            self._fp8_convs.setdefault(self.path(module), (cdt.name, policy.fp8.name))
+            if self._ran:  # met after the run (a custom_vjp backward rule): say so now
+                self._warn_convs()
         lhs, rhs = invals[0], invals[1]
         targets = []
         for x, v in zip((lhs, rhs), eqn.invars[:2]):
@@ -498,6 +510,28 @@ class Interpreter(ControlFlow, CustomRules):
             param_operands=tuple(j for j, f in enumerate(facts) if f is not None and f.param),
             operand_shapes=tuple(tuple(getattr(v.aval, "shape", ())) for v in eqn.invars)))
         return jax.named_scope(f"{OP_SCOPE}{len(self.record.ops) - 1}")
+
+    def _warn_convs(self) -> None:
+        """One warning naming every module whose convolutions an FP8 recipe would have
+        covered were they matmuls: they run on the compute dtype instead (fmtkit's FP8 GEMMs
+        are ``dot_general`` only). Once per interpreted call (one per trace under ``jit``),
+        not per convolution."""
+        convs = {p: v for p, v in self._fp8_convs.items() if f"conv:{p}" not in self._warned}
+        if not convs:
+            return
+        self._warned.update(f"conv:{p}" for p in convs)
+        dtypes = sorted({d for d, _ in convs.values()})
+        recipes = sorted({r for _, r in convs.values()})
+        names = ", ".join(repr(p or "<root>") for p in convs)
+        warnings.warn(
+            f"Convolutions in module(s) {names} run on {' / '.join(dtypes)} (the compute "
+            f"dtype), not with the FP8 recipe {' / '.join(recipes)}: fmtkit's FP8 GEMMs are "
+            "dot_general only. inspect_policy lists their FLOPs; fp8_fraction does not count "
+            "them. To state this in the rules (and silence it), give these modules a policy "
+            "without an FP8 recipe, e.g. dataclasses.replace(preset, rules=[(\"type:Conv\", "
+            "\"p=f32,c=bf16,o=bf16\"), *preset.rules]); or filter it: "
+            "warnings.filterwarnings('ignore', message='Convolutions in module').",
+            UserWarning, stacklevel=3)
 
     def _warn(self, key: str, msg: str) -> None:
         if key not in self._warned:

@@ -21,6 +21,14 @@ unchanged. Module paths are the model's own (``blocks/0/mlp/linear1``); layers s
 ``nnx.vmap`` and run with ``nnx.scan`` are one module (``layers``) whose per-layer state gets a
 leading layer axis.
 
+Layers run outside the model's graph have no scope of their own, so their matmuls belong to
+the module whose method runs them: a temporary ``nnx.Linear``/``nnx.Conv`` built in
+``__call__``, ``nnx.merge`` of a graphdef kept from ``__init__`` (their classes were never
+swapped). ``nnx.split``/``nnx.merge``, ``nnx.clone`` and ``nnx.call`` of one of the traced
+copy's modules keep its swapped class, so a weight-standardized ``self.conv`` runs at
+``.../conv``. Either way rules (path and ``subtree:`` patterns) and ``inspect_policy`` reach
+them (linen's detached ``Module.apply`` is placed under its caller likewise, ``_linen``).
+
 Delayed FP8 state: a ``DelayedScalingVariable`` ``fp8_state`` on the policied root holding
 one amax history per FP8 matmul (created zero at the first call). It works in the functional
 style too (``nnx.split(model, nnx.Param, DelayedScalingVariable, ...)``, ``nnx.merge`` inside

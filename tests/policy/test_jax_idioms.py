@@ -989,6 +989,8 @@ class _ConvNet(nn.Module):
         return nn.Dense(3, name="head")(h)
 
 
+# The run-time warning about these convolutions is tested in test_conv_fp8_warning.py.
+@pytest.mark.filterwarnings("ignore:Convolutions in module:UserWarning")
 def test_convolutions_under_fp8_are_not_counted_by_fp8_fraction():
     """Under fp8-current the conv runs bf16 x bf16 and the hidden Dense FP8 (read from the
     jaxpr by the independent walker); fp8_fraction covers the FP8 recipe's targets only

@@ -322,7 +322,9 @@ def test_fp8_preset_matmul_roles(name, preset):
     if preset in BLOCKED and not_fp8:
         # Allowed: the GEMM runs in the compute dtype, with a warning.
         assert all(dts == ("bfloat16", "bfloat16") for _, dts, _ in not_fp8), not_fp8
-        assert caught, f"{preset}: GEMMs left out of FP8 without a warning: {not_fp8}"
+        # (the CNNs' convolution warning does not count: it is about the convolutions)
+        gemm_warnings = [w for w in caught if not w.startswith("Convolutions in module")]
+        assert gemm_warnings, f"{preset}: GEMMs left out of FP8 without a warning: {not_fp8}"
     else:
         assert not_fp8 == []
     assert not [m for m in found if m.role == "head" and any(
