@@ -61,6 +61,9 @@ __all__ = ["ARMS", "Config", "gemm_flops", "plot", "run", "summarize"]
 ARMS = ("bf16-mixed", "fp8-current", "autopilot")
 """The arms: the reference, all-FP8, and all-FP8 under the autopilot."""
 
+QUANTIZED_SETTINGS = ("current", "blockwise")
+"""The ladder settings under which a moved GEMM still runs in FP8."""
+
 F32 = jnp.float32
 
 
@@ -76,6 +79,11 @@ class Config:
       patience: consecutive logged steps above it that move a GEMM (>= 1).
       freq: the autopilot reads the statistics every ``freq`` steps (>= 1).
       tensors: the operands it watches, from activation, weight, output_grad.
+      ladder: the settings a moved GEMM climbs (``fmtkit.debug.Autopilot.ladder``). The
+        study's is ``("compute",)``, not the autopilot's default ``("blockwise",
+        "compute")``: each row's 1x128 tile that holds the outlier channel still flushes
+        its other entries, so finer scaling would only delay the move by ``patience``
+        logged steps.
       d_model: the model's width (a multiple of 128, at least 256, as in outlier-dose).
       train: the training settings (steps, batch, seq_len, lr, seeds, data).
     """
@@ -87,6 +95,7 @@ class Config:
     patience: int = 2
     freq: int = 5
     tensors: tuple[str, ...] = ("activation",)
+    ladder: tuple[str, ...] = ("compute",)
     d_model: int = 256
     train: TrainConfig = TrainConfig(steps=100, seeds=3)
 
@@ -102,7 +111,7 @@ class Config:
     def autopilot(self) -> debug.Autopilot:
         """The study's ``Autopilot``."""
         return debug.Autopilot(underflow_share=self.underflow_share, patience=self.patience,
-                               freq=self.freq, tensors=self.tensors, ladder=("compute",))
+                               freq=self.freq, tensors=self.tensors, ladder=self.ladder)
 
     def train_config(self) -> TrainConfig:
         """``train`` on ``wide_model(seq_len, d_model)``."""
@@ -186,8 +195,10 @@ def _train_run(arm: str, cfg: TrainConfig, config: Config, seed: int, data: np.n
         if ap is not None and i >= ap.start_step and (i - ap.start_step) % ap.freq == 0:
             apstate, dec = ap.update(apstate, st, i)
             decisions += [dataclasses.asdict(x) for x in dec]
-    # FP8 FLOP share: per GEMM, its FLOPs times the steps it ran in FP8.
-    moved = {} if ap is None else {f"{x['module']}/{x['gemm']}": x["step"] for x in decisions}
+    # FP8 FLOP share: per GEMM, its FLOPs times the steps it ran in FP8 (until its move to a
+    # setting that runs the GEMM in the compute dtype: "compute", "fake_quant:...").
+    moved = {f"{x['module']}/{x['gemm']}": x["step"] for x in decisions
+             if x["setting"] not in QUANTIZED_SETTINGS}
     total = sum(f for f, _ in flops.values()) * cfg.steps
     fp8 = sum(f * (moved[k] + 1 if k in moved else cfg.steps)
               for k, (f, q) in flops.items() if q)
@@ -224,7 +235,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
                   "lr": cfg.lr},
         "autopilot": {"underflow_share": config.underflow_share,
                       "patience": config.patience, "freq": config.freq,
-                      "tensors": list(config.tensors)},
+                      "tensors": list(config.tensors), "ladder": list(config.ladder)},
         "wall_seconds": time.perf_counter() - t0,
     }
 
@@ -246,9 +257,10 @@ def summarize(results: dict[str, Any]) -> str:
                f"{m['d_model']}, {t['steps']} steps of {t['batch']}x{t['seq_len']}, seeds "
                f"{results['seeds']}, paired"))]
     for r in results["arms"]["autopilot"]:
-        moves = ", ".join(f"{d['module']}/{d['gemm']} at {d['step']} ({d['tensor']} "
-                          f"{d['stat']} {d['value']:.3f})" for d in r["decisions"])
-        out.append(f"seed {r['seed']}: {len(r['decisions'])} GEMM(s) to compute dtype, "
+        moves = ", ".join(f"{d['module']}/{d['gemm']} to {d['setting']} at {d['step']} "
+                          f"({d['tensor']} {d['stat']} {d['value']:.3f})"
+                          for d in r["decisions"])
+        out.append(f"seed {r['seed']}: {len(r['decisions'])} decision(s), "
                    f"{r['compilations']} compilation(s): {moves or '-'}")
     out.append(stats.PAIRED_NOTE)
     return "\n".join(out)
