@@ -1,6 +1,6 @@
 """Per-GEMM numerics statistics from inside the compiled step, and run-time overrides.
 
-For a model under ``fmtkit.with_policy`` (linen, NNX, a plain JAX function), a
+For a model under ``fmtkit.with_policy`` (linen, NNX, a plain JAX function, Equinox), a
 ``DebugConfig`` chooses, by module-path patterns like the policy's rules, which GEMMs log
 which statistics of which of their six tensors, at which steps, and how a GEMM runs
 (``override``: without quantization, per-tensor current or blockwise scaling, or
