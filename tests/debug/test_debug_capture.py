@@ -297,6 +297,26 @@ def test_the_blockwise_override_scales_its_gemm_per_tile_and_block():
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_the_blockwise_override_of_a_gemm_without_a_recipe_is_e4m3_throughout():
+    # Under bf16-mixed no GEMM has a recipe: the override gives Dense_0 DeepSeek-V3's,
+    # E4M3 activations, weights and gradients.
+    model = with_policy(Wide(), "bf16-mixed")
+    x = jax.random.normal(jax.random.key(1), (8, 256))
+    v = model.init(jax.random.key(0), x)
+    cfg = debug.DebugConfig([debug.Rule("^Dense_0$", tensors=(), override="blockwise")])
+
+    def with_override(v):
+        with debug.capture(cfg):
+            return jnp.mean(jnp.square(model.apply(v, x).astype(jnp.float32)))
+
+    e4m3, bf16 = ["float8_e4m3fn"] * 2, ["bfloat16"] * 2
+    assert _forward_dots(with_override, v) == [e4m3, bf16, bf16]
+    assert [s for s in _amax_shapes(jax.make_jaxpr(with_override)(v)) if s] == [(8, 2), (2, 2)]
+    grad = jax.make_jaxpr(jax.grad(with_override))(v)
+    formats = {jnp.dtype(d).name for dots in dot_operand_dtypes(grad) for d in dots}
+    assert formats == {"float8_e4m3fn", "bfloat16"}  # no E5M2 gradient
+
+
 def test_a_pattern_that_matches_no_gemm_names_it_and_lists_the_gemms():
     loss, v = _setup()
     cfg = debug.DebugConfig([debug.Rule("Dense_0"), debug.Rule("Attention")])

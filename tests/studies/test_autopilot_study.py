@@ -91,6 +91,10 @@ def test_a_killed_study_resumes_bit_for_bit(tmp_path):
     full = autopilot.run(config(tmp_path / "full"))
     got = [(d["step"], d["setting"]) for d in full["arms"]["autopilot"][0]["decisions"]]
     assert got == [(2, "blockwise")] * 4 + [(4, "compute")] * 4
+    # Blockwise is FP8: the readers leave FP8 after step 4 (5 of 6 steps), out and Dense_1
+    # stay for all 6.
+    assert full["fp8_flop_share"]["autopilot"] == pytest.approx(
+        (5 * (3 * PROJ + MLP) + 6 * (PROJ + MLP)) / (6 * TOTAL), rel=1e-12)
     # Killed before the autopilot arm's step 4 (the other arms have finished): its latest
     # checkpoint is at step 3, after the move to blockwise and before the move to compute.
     counts = {}
