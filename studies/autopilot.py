@@ -26,16 +26,23 @@ FLOPs as their forward GEMM) run in FP8, counted per GEMM from the shapes the po
 the steps it spent in FP8. The autopilot's decisions (step, GEMM, statistic, value) are
 listed per seed.
 
+Every run checkpoints every ``--checkpoint-every`` steps (its parameters, optimizer and
+autopilot state, losses and decisions); ``--resume`` continues an interrupted study from
+them, with the same results bit for bit.
+
     fmtkit study autopilot [--magnitude 1e5] [--seeds 3] [--steps 100] [--underflow-share 0.05]
+                           [--checkpoint-every 25] [--resume CHECKPOINT_FOLDER]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +56,7 @@ from studies import fp8_training as ft
 from studies import regimes, stats
 from studies._common import figure, format_table, no_progress, plot_style, save
 from studies.models import TransformerLM, lm_loss
+from studies.training import checkpoint
 from studies.training.config import TrainConfig
 from studies.training.data import batch_at, load_data
 from studies.training.metrics import final_loss
@@ -60,6 +68,9 @@ __all__ = ["ARMS", "Config", "gemm_flops", "plot", "run", "summarize"]
 
 ARMS = ("bf16-mixed", "fp8-current", "autopilot")
 """The arms: the reference, all-FP8, and all-FP8 under the autopilot."""
+
+QUANTIZED_SETTINGS = ("current", "blockwise")
+"""The ladder settings under which a moved GEMM still runs in FP8."""
 
 F32 = jnp.float32
 
@@ -76,8 +87,21 @@ class Config:
       patience: consecutive logged steps above it that move a GEMM (>= 1).
       freq: the autopilot reads the statistics every ``freq`` steps (>= 1).
       tensors: the operands it watches, from activation, weight, output_grad.
+      ladder: the settings a moved GEMM climbs (``fmtkit.debug.Autopilot.ladder``). The
+        study's is ``("compute",)``, not the autopilot's default ``("blockwise",
+        "compute")``: each row's 1x128 tile that holds the outlier channel still flushes
+        its other entries, so finer scaling would only delay the move by ``patience``
+        logged steps.
       d_model: the model's width (a multiple of 128, at least 256, as in outlier-dose).
-      train: the training settings (steps, batch, seq_len, lr, seeds, data).
+      checkpoint_dir: with ``train.checkpoint_every > 0`` every run (arm and seed) saves
+        its state (parameters, optimizer and autopilot state, the losses and decisions so
+        far) under CHECKPOINT_DIR/<timestamp>/<arm>/seed<k>/ every that many steps and at
+        its end.
+      resume: an earlier run's checkpoint folder (CHECKPOINT_DIR/<timestamp>): every run
+        continues from its latest checkpoint (a finished one is read back, one without a
+        checkpoint starts afresh), and the results equal an uninterrupted run's bit for bit.
+      train: the training settings (steps, batch, seq_len, lr, seeds, data,
+        checkpoint_every).
     """
 
     magnitude: float = 1e5
@@ -87,8 +111,11 @@ class Config:
     patience: int = 2
     freq: int = 5
     tensors: tuple[str, ...] = ("activation",)
+    ladder: tuple[str, ...] = ("compute",)
     d_model: int = 256
-    train: TrainConfig = TrainConfig(steps=100, seeds=3)
+    checkpoint_dir: str = "runs/autopilot-checkpoints"
+    resume: str | None = None
+    train: TrainConfig = TrainConfig(steps=100, seeds=3, checkpoint_every=25)
 
     def __post_init__(self):
         ft.check_magnitudes((self.magnitude,))
@@ -98,11 +125,14 @@ class Config:
             raise ValueError(f"d_model must be a multiple of 128 and >= 256, got "
                              f"{self.d_model!r}.")
         self.autopilot()  # validates the thresholds, patience, freq and tensors
+        if self.resume is not None and not Path(self.resume).is_dir():
+            raise ValueError(f"--resume {self.resume!r}: no such folder (give the checkpoint "
+                             "folder of an earlier autopilot run).")
 
     def autopilot(self) -> debug.Autopilot:
         """The study's ``Autopilot``."""
         return debug.Autopilot(underflow_share=self.underflow_share, patience=self.patience,
-                               freq=self.freq, tensors=self.tensors, ladder=("compute",))
+                               freq=self.freq, tensors=self.tensors, ladder=self.ladder)
 
     def train_config(self) -> TrainConfig:
         """``train`` on ``wide_model(seq_len, d_model)``."""
@@ -127,9 +157,54 @@ def gemm_flops(model: Any, variables: Any, tokens: jax.Array) -> dict[str, tuple
     return out
 
 
+class _RunState(NamedTuple):
+    """What a checkpoint of one run holds as arrays (``studies.training.checkpoint``)."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array  # steps done = the index of the next batch
+
+
+def _record(arm: str, seed: int, config: Config) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed: the arm, the seed and the study's
+    configuration (less where checkpoints go and how often)."""
+    c = dataclasses.asdict(config)
+    for k in ("checkpoint_dir", "resume"):
+        c.pop(k)
+    c["train"].pop("checkpoint_every")
+    return {"setup": f"autopilot study, arm {arm}, seed {seed}",
+            "config": json.loads(json.dumps(c, default=str))}
+
+
+def _encode(state: debug.AutopilotState | None) -> dict | None:
+    """An ``AutopilotState`` as JSON: integers as they are, the float32 values by their bit
+    patterns (exact, NaN included)."""
+    if state is None:
+        return None
+    return {f: {k: np.asarray(v).view(np.int32).tolist() if f == "value" else
+                np.asarray(v).tolist() for k, v in part.items()}
+            for f, part in zip(debug.AutopilotState._fields, state)}
+
+
+def _decode(data: dict, template: debug.AutopilotState) -> debug.AutopilotState:
+    """``_encode``'s inverse, into the keys, shapes and dtypes of ``template``."""
+    parts = []
+    for f, part in zip(debug.AutopilotState._fields, template):
+        if set(data[f]) != set(part):
+            raise ValueError(f"the checkpoint's autopilot state watches {sorted(data[f])}, "
+                             f"this run {sorted(part)}.")
+        parts.append({k: (np.asarray(data[f][k], np.int32).view(np.float32) if f == "value"
+                          else np.asarray(data[f][k], v.dtype)).reshape(v.shape)
+                      for k, v in part.items()})
+    return debug.AutopilotState(*parts)
+
+
 def _train_run(arm: str, cfg: TrainConfig, config: Config, seed: int, data: np.ndarray,
-               progress=no_progress) -> dict[str, Any]:
-    """Trains one arm for one seed; returns its losses, decisions and FP8 FLOP share."""
+               progress=no_progress, run_dir: Path | None = None, resume: bool = False
+               ) -> dict[str, Any]:
+    """Trains one arm for one seed; returns its losses, decisions and FP8 FLOP share. With
+    ``run_dir`` it checkpoints there every ``cfg.checkpoint_every`` steps and at the end;
+    ``resume`` continues from the latest checkpoint there (if any)."""
     setup = get_setup("bf16-mixed" if arm == "bf16-mixed" else "fp8-current")
     mcfg = cfg.model_config()
     d = mcfg.d_model
@@ -175,7 +250,30 @@ def _train_run(arm: str, cfg: TrainConfig, config: Config, seed: int, data: np.n
         probe = functools.partial(loss_of, tokens=dummy, mag=jnp.asarray(1.0, F32))
         apstate = ap.init(debug.init(ap.config(), probe, params))
     losses, decisions, configs = [], [], {}
-    for i in progress(range(cfg.steps), total=cfg.steps, desc=f"{arm} seed {seed}"):
+    # Compilations: one per distinct debug configuration the steps run (the step is jitted
+    # with it as a static argument): the first, and one after each step with a decision (a
+    # rung only climbs, so every decision makes a new one) but the last step.
+    compilations = 1
+    start, mngr = 0, None
+    record = _record(arm, seed, config)
+    if run_dir is not None and (cfg.checkpoint_every > 0 or resume):
+        mngr = checkpoint.open_manager(run_dir)
+        if resume and mngr.latest_step() is not None:
+            state, hist = checkpoint.restore(
+                mngr, _RunState(params, opt_state, jnp.int32(0)), record)
+            params, opt_state, start = state.params, state.opt_state, int(state.step)
+            losses, decisions = hist["losses"], hist["decisions"]
+            compilations = hist["compilations"]
+            if ap is not None:
+                apstate = _decode(hist["autopilot"], apstate)
+
+    def save(i: int) -> None:
+        hist = {"losses": losses, "decisions": decisions, "compilations": compilations,
+                "autopilot": _encode(apstate)}
+        checkpoint.save(mngr, _RunState(params, opt_state, jnp.int32(i)), hist, record)
+
+    for i in progress(range(start, cfg.steps), total=cfg.steps - start,
+                      desc=f"{arm} seed {seed}"):
         tokens = jnp.asarray(batch_at(data, scfg, i))
         dcfg = None if ap is None else ap.config(apstate)
         if dcfg is not None and dcfg not in configs:
@@ -186,14 +284,25 @@ def _train_run(arm: str, cfg: TrainConfig, config: Config, seed: int, data: np.n
         if ap is not None and i >= ap.start_step and (i - ap.start_step) % ap.freq == 0:
             apstate, dec = ap.update(apstate, st, i)
             decisions += [dataclasses.asdict(x) for x in dec]
-    # FP8 FLOP share: per GEMM, its FLOPs times the steps it ran in FP8.
-    moved = {} if ap is None else {f"{x['module']}/{x['gemm']}": x["step"] for x in decisions}
+            if dec and i + 1 < cfg.steps:
+                compilations += 1
+        if mngr is not None and cfg.checkpoint_every > 0 and (i + 1) % cfg.checkpoint_every \
+                == 0 and i + 1 < cfg.steps:
+            save(i + 1)
+    if mngr is not None:
+        if cfg.checkpoint_every > 0 and mngr.latest_step() != cfg.steps:
+            save(cfg.steps)
+        mngr.close()
+    # FP8 FLOP share: per GEMM, its FLOPs times the steps it ran in FP8 (until its move to a
+    # setting that runs the GEMM in the compute dtype: "compute", "fake_quant:...").
+    moved = {f"{x['module']}/{x['gemm']}": x["step"] for x in decisions
+             if x["setting"] not in QUANTIZED_SETTINGS}
     total = sum(f for f, _ in flops.values()) * cfg.steps
     fp8 = sum(f * (moved[k] + 1 if k in moved else cfg.steps)
               for k, (f, q) in flops.items() if q)
     return {"arm": arm, "seed": seed, "losses": losses, "final_loss": final_loss(losses),
             "decisions": decisions, "fp8_flop_share": fp8 / total,
-            "compilations": max(1, len(configs))}
+            "compilations": compilations}
 
 
 def run(config: Config, progress=no_progress) -> dict[str, Any]:
@@ -202,14 +311,19 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
     Returns:
       ``{"seeds", "arms": {arm: [per-seed run]}, "gaps": {arm: paired gap to bf16-mixed},
       "fp8_flop_share": {arm: mean over seeds}, "model", "train", "autopilot",
-      "wall_seconds"}``; a run: ``{"seed", "losses", "final_loss", "decisions",
+      "checkpoint_dir", "wall_seconds"}``; a run: ``{"seed", "losses", "final_loss", "decisions",
       "fp8_flop_share", "compilations"}``.
     """
     t0 = time.perf_counter()
     cfg = config.train_config()
     data = load_data(cfg)
     seeds = list(ft.seeds_of(cfg))
-    arms = {a: [_train_run(a, cfg, config, s, data, progress) for s in seeds] for a in ARMS}
+    root = Path(config.resume) if config.resume else (
+        Path(config.checkpoint_dir) / time.strftime("%Y%m%d-%H%M%S")
+        if cfg.checkpoint_every > 0 else None)
+    arms = {a: [_train_run(a, cfg, config, s, data, progress,
+                           run_dir=None if root is None else root / a / f"seed{s}",
+                           resume=config.resume is not None) for s in seeds] for a in ARMS}
     ref = [r["final_loss"] for r in arms["bf16-mixed"]]
     gaps = {a: stats.compare(ref, [r["final_loss"] for r in arms[a]], paired=True).to_dict()
             for a in ARMS[1:]}
@@ -224,7 +338,8 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
                   "lr": cfg.lr},
         "autopilot": {"underflow_share": config.underflow_share,
                       "patience": config.patience, "freq": config.freq,
-                      "tensors": list(config.tensors)},
+                      "tensors": list(config.tensors), "ladder": list(config.ladder)},
+        "checkpoint_dir": None if root is None else str(root),
         "wall_seconds": time.perf_counter() - t0,
     }
 
@@ -246,9 +361,10 @@ def summarize(results: dict[str, Any]) -> str:
                f"{m['d_model']}, {t['steps']} steps of {t['batch']}x{t['seq_len']}, seeds "
                f"{results['seeds']}, paired"))]
     for r in results["arms"]["autopilot"]:
-        moves = ", ".join(f"{d['module']}/{d['gemm']} at {d['step']} ({d['tensor']} "
-                          f"{d['stat']} {d['value']:.3f})" for d in r["decisions"])
-        out.append(f"seed {r['seed']}: {len(r['decisions'])} GEMM(s) to compute dtype, "
+        moves = ", ".join(f"{d['module']}/{d['gemm']} to {d['setting']} at {d['step']} "
+                          f"({d['tensor']} {d['stat']} {d['value']:.3f})"
+                          for d in r["decisions"])
+        out.append(f"seed {r['seed']}: {len(r['decisions'])} decision(s), "
                    f"{r['compilations']} compilation(s): {moves or '-'}")
     out.append(stats.PAIRED_NOTE)
     return "\n".join(out)

@@ -1,11 +1,11 @@
 """Per-GEMM numerics statistics from inside the compiled step, and run-time overrides.
 
-For a model under ``fmtkit.with_policy`` (linen, NNX, a plain JAX function), a
+For a model under ``fmtkit.with_policy`` (linen, NNX, a plain JAX function, Equinox), a
 ``DebugConfig`` chooses, by module-path patterns like the policy's rules, which GEMMs log
 which statistics of which of their six tensors, at which steps, and how a GEMM runs
-(``override``: without quantization, per-tensor current scaling, or fake-quantized to any
-fmtkit format). Nothing in the model changes, and without a configuration the compiled step
-is the same program as before.
+(``override``: without quantization, per-tensor current or blockwise scaling, or
+fake-quantized to any fmtkit format). Nothing in the model changes, and without a
+configuration the compiled step is the same program as before.
 
 Usage: ``state = init(config, loss, params, batch)`` once; in the step, differentiate with
 respect to ``(params, state)`` a loss that calls the model inside ``capture(config, state,

@@ -12,7 +12,8 @@ GEMM it watches and, per GEMM:
   thresholds resets the count),
 
 moves the GEMM one rung up ``ladder`` (overrides of ``fmtkit.debug.Rule``: by default
-straight to ``"compute"``, the compute dtype without quantization), where it stays. The
+first ``"blockwise"``, finer scaling with DeepSeek-V3's 1x128 / 128x128 tiles, then
+``"compute"``, the compute dtype without quantization), where it stays. The
 decision takes effect from the next step: ``Autopilot.config(state)`` is the
 ``DebugConfig`` to capture with, its override rules naming each moved GEMM by its exact
 module path and GEMM name, so the model is not edited. A changed override changes the
@@ -52,6 +53,9 @@ TRIGGERS: tuple[str, ...] = ("nonfinite_count", "saturation_share", "underflow_s
 two act at once, the last two after ``patience`` consecutive logged steps."""
 
 _IMMEDIATE = ("nonfinite_count", "saturation_share")
+
+_SETTINGS = ("current", "blockwise", "fake_quant:<format>", "compute")
+"""The settings a ladder's rungs take (``fmtkit.debug.OVERRIDES``), safest last."""
 
 
 def _key(module_path: str, gemm: str) -> str:
@@ -141,8 +145,12 @@ class Autopilot:
         None: not watched.
       patience: the number K >= 1 of consecutive counted logged steps that moves a GEMM.
       ladder: the settings a GEMM moves through, one rung per decision: ``"current"``
-        (per-tensor current scaling), ``"fake_quant:FMT"`` or ``"compute"`` (the compute
-        dtype, no quantization); at least one, no repeats.
+        (per-tensor current scaling), ``"blockwise"`` (1x128 activation and gradient tiles,
+        128x128 weight blocks, with the recipe's formats), ``"fake_quant:FMT"`` or
+        ``"compute"`` (the compute dtype, no quantization); at least one, no repeats. The
+        default moves a GEMM to finer scaling first, then, if its operands still cross a
+        threshold there, to the compute dtype. (Under a recipe that is blockwise already
+        the first rung changes nothing: give ``("compute",)``.)
       tensors: the operands watched, from ``("activation", "weight", "output_grad")``.
       pattern: the module pattern of the GEMMs watched (``fmtkit.debug.Rule.pattern``;
         ``""``: all).
@@ -157,14 +165,14 @@ class Autopilot:
       >>> st, d = ap.update(st, hot, step=0)
       >>> st, d = ap.update(st, hot, step=1)
       >>> d[0].setting, d[0].stat, ap.settings(st)
-      ('compute', 'underflow_share', {'Dense_0/dot_general_0': 'compute'})
+      ('blockwise', 'underflow_share', {'Dense_0/dot_general_0': 'blockwise'})
     """
 
     underflow_share: float | None = 0.05
     sqnr_db: float | None = None
     saturation_share: float | None = 0.0
     patience: int = 3
-    ladder: tuple[str, ...] = ("compute",)
+    ladder: tuple[str, ...] = ("blockwise", "compute")
     tensors: tuple[str, ...] = QUANTIZED_TENSORS
     pattern: str = ""
     freq: int = 1
@@ -184,16 +192,18 @@ class Autopilot:
         ladder = (self.ladder,) if isinstance(self.ladder, str) else self.ladder
         if not isinstance(ladder, Sequence) or not ladder:
             raise ValueError(f"ladder must be a non-empty sequence of settings from "
-                             f"['current', 'fake_quant:<format>', 'compute'], got "
-                             f"{self.ladder!r}.")
+                             f"{list(_SETTINGS)}, got {self.ladder!r}.")
         for s in ladder:
+            why = ""
             try:
                 ok = isinstance(s, str) and parse_override(s) is not None
             except (TypeError, ValueError) as err:
-                raise ValueError(f"ladder: unknown setting {s!r} ({err})") from None
+                ok = False
+                if s.startswith("fake_quant:"):  # a known setting with an unknown format
+                    why = f" ({err})"
             if not ok:
-                raise ValueError(f"ladder: unknown setting {s!r}; allowed: 'current', "
-                                 f"'fake_quant:<format>', 'compute'.")
+                raise ValueError(f"ladder: unknown setting {s!r}; allowed: "
+                                 f"{list(_SETTINGS)}{why}.")
         if len(set(ladder)) != len(ladder):
             raise ValueError(f"ladder: a setting appears twice in {list(ladder)}.")
         object.__setattr__(self, "ladder", tuple(ladder))

@@ -3,8 +3,8 @@
 ``capture(config, stats_state, step)`` installs a hook on the policy's GEMMs
 (``fmtkit.policy.intercept_gemms``). For each GEMM a rule matches:
 
-* the override changes how ``run`` computes it (no recipe, a per-tensor current recipe, or
-  quantize-dequantize around the compute-dtype GEMM);
+* the override changes how ``run`` computes it (no recipe, a per-tensor current or a
+  blockwise recipe, or quantize-dequantize around the compute-dtype GEMM);
 * the forward tensors' statistics are computed in the forward pass and the backward tensors'
   in the backward pass, each under ``lax.cond`` on the rule's schedule (NaN on other steps).
   They leave the step as the *gradient* of ``stats_state``: identity functions with a custom
@@ -38,7 +38,7 @@ from fmtkit.debug._config import (
 )
 from fmtkit.debug._stats import Quantization, quant_stats, tensor_stats
 from fmtkit.fp4 import Fp4Recipe
-from fmtkit.fp8 import Fp8Recipe
+from fmtkit.fp8 import RECIPES, Fp8Recipe
 from fmtkit.policy import GemmSite, intercept_gemms
 from fmtkit.scaling import TensorScaling, qdq
 
@@ -65,6 +65,17 @@ def _current(recipe: Any) -> Fp8Recipe:
         return base
     return Fp8Recipe("current", x_format=recipe.x_format, w_format=recipe.w_format,
                      grad_format=recipe.grad_format)
+
+
+def _blockwise(recipe: Any) -> Fp8Recipe:
+    """Fine-grained scaling (DeepSeek-V3's 1x128 activation and gradient tiles, 128x128
+    weight blocks: the named "blockwise" recipe) with the formats of ``recipe`` (the named
+    recipe's E4M3 throughout without one)."""
+    base = RECIPES["blockwise"]
+    if recipe is None:
+        return base
+    return dataclasses.replace(base, x_format=recipe.x_format, w_format=recipe.w_format,
+                               grad_format=recipe.grad_format)
 
 
 def _quantizations(recipe: Any, fake: str | None, history: Any
@@ -101,8 +112,9 @@ def _plan(config: DebugConfig, site: GemmSite) -> _Plan | None:
         kind, fmt = override
         if kind == "compute":
             recipe = None
-        elif kind == "current":
-            recipe = _current(site.fp8) if site.fp8_capable else None
+        elif kind in ("current", "blockwise"):
+            make = _current if kind == "current" else _blockwise
+            recipe = make(site.fp8) if site.fp8_capable else None
         else:
             recipe, fake = None, fmt
     # (quantization statistics replay a dot_general's operand layout; none for convolutions)

@@ -45,10 +45,13 @@ STATS: tuple[str, ...] = BASE_STATS + QUANT_STATS
 QUANTIZED_TENSORS: tuple[str, ...] = ("activation", "weight", "output_grad")
 """The tensors a quantizing GEMM quantizes (``QUANT_STATS`` apply to these only)."""
 
-OVERRIDES: tuple[str, ...] = ("compute", "current", "fake_quant:<format>")
+OVERRIDES: tuple[str, ...] = ("compute", "current", "blockwise", "fake_quant:<format>")
 """Overrides a rule can set: ``"compute"`` runs the GEMM in its compute dtype without
 quantization; ``"current"`` quantizes with per-tensor current scaling (the recipe's
-formats, or E4M3 forward / E5M2 gradients for a GEMM without a recipe); ``"fake_quant:FMT"``
+formats, or E4M3 forward / E5M2 gradients for a GEMM without a recipe); ``"blockwise"``
+quantizes with fine-grained current scaling, DeepSeek-V3's 1x128 activation and gradient
+tiles and 128x128 weight blocks (``fmtkit.fp8.RECIPES["blockwise"]``, with the recipe's
+formats, or that recipe's E4M3 throughout for a GEMM without one); ``"fake_quant:FMT"``
 quantizes and dequantizes the activation, the weight (forward) and the output gradient
 (backward) to the fmtkit format FMT with per-tensor current scaling around a GEMM in the
 compute dtype."""
@@ -85,7 +88,7 @@ def parse_override(value: str | None) -> tuple[str, str | None] | None:
     if not isinstance(value, str):
         raise TypeError(f"override must be a string from {list(OVERRIDES)} or None, got "
                         f"{type(value).__name__}.")
-    if value in ("compute", "current"):
+    if value in ("compute", "current", "blockwise"):
         return value, None
     if value.startswith("fake_quant:"):
         fmt = value.removeprefix("fake_quant:")

@@ -96,8 +96,9 @@ def test_config_names_the_moved_gemm_exactly():
     state, _ = ap.update(state, {"Dense_1": {"dot_general_0": {
         "activation": {"underflow_share": 1.0}}}}, 0)
     rules = ap.config(state).rules
+    # The default ladder's first rung: fine-grained scaling.
     assert [(r.pattern, r.gemm, r.override) for r in rules] == [
-        ("^Dense_1$", "^dot_general_0$", "compute"), ("", None, None)]
+        ("^Dense_1$", "^dot_general_0$", "blockwise"), ("", None, None)]
     assert hash(ap.config(state)) == hash(ap.config(state))
 
 
@@ -113,12 +114,26 @@ def test_config_names_the_moved_gemm_exactly():
     ({"ladder": ("fake_quant:e9m9",)}, "ladder"),
     ({"ladder": ()}, "ladder"),
     ({"ladder": ("compute", "compute")}, "ladder"),
+    ({"ladder": ("blockwise", "blockwise")}, "ladder"),
+    ({"ladder": ("blockwise", "fake_quant:e9m9")}, "ladder"),
     ({"tensors": ("output",)}, "tensors"),
     ({"freq": 0}, "freq"),
 ])
 def test_bad_arguments_raise_naming_the_argument(kwargs, arg):
     with pytest.raises(ValueError, match=arg):
         debug.Autopilot(**kwargs)
+
+
+def test_an_unknown_ladder_setting_lists_the_allowed_ones():
+    assert debug.Autopilot().ladder == ("blockwise", "compute")
+    with pytest.raises(ValueError, match=r"unknown setting 'block-wise'.*'current', "
+                                         r"'blockwise', 'fake_quant:<format>', 'compute'"):
+        debug.Autopilot(ladder=("block-wise", "compute"))
+    with pytest.raises(ValueError, match=r"ladder must be a non-empty sequence of settings "
+                                         r"from \['current', 'blockwise'"):
+        debug.Autopilot(ladder=())
+    with pytest.raises(ValueError, match=r"ladder: unknown setting None"):
+        debug.Autopilot(ladder=(None,))
 
 
 def test_bad_threshold_type_and_bad_update_arguments():
@@ -152,14 +167,14 @@ other entries (|x| ~ 1) fall below half the smallest subnormal 2**-10 after scal
 of them underflow, as in the large-outlier regime."""
 
 
-def _problem():
+def _problem(d_in=64):
     model = with_policy(lambda w, x: jnp.tanh(jnp.tanh(x @ w["w1"]) @ w["w2"]) @ w["w3"],
                         "fp8-current")
     k = jax.random.split(jax.random.key(0), 4)
-    x = jax.random.normal(k[0], (32, 64)).at[:, 0].set(OUTLIER)
+    x = jax.random.normal(k[0], (32, d_in)).at[:, 0].set(OUTLIER)
     # The first GEMM's weight row that reads the outlier channel is zero (and kept there):
     # the second GEMM does not see the outlier.
-    w = {"w1": (jax.random.normal(k[1], (64, 64)) / 8).at[0].set(0.0),
+    w = {"w1": (jax.random.normal(k[1], (d_in, 64)) / 8).at[0].set(0.0),
          "w2": jax.random.normal(k[2], (64, 64)) / 8,
          "w3": jax.random.normal(k[3], (64, 8)) / 8}
     y = jax.random.normal(jax.random.key(5), (32, 8))
@@ -210,7 +225,7 @@ def _restore(path, template):
 
 def test_training_moves_the_outlier_gemm_recompiles_once_and_resumes_bit_for_bit(tmp_path):
     loss, w0 = _problem()
-    ap = debug.Autopilot(underflow_share=0.1, patience=2)
+    ap = debug.Autopilot(underflow_share=0.1, patience=2, ladder=("compute",))
     state0 = ap.init(debug.init(ap.config(), loss, w0))
     # The head (the last GEMM) is not quantized by fp8-current: not watched.
     assert sorted(state0.rung) == ["/dot_general_0", "/dot_general_1"]
@@ -223,7 +238,7 @@ def test_training_moves_the_outlier_gemm_recompiles_once_and_resumes_bit_for_bit
     # One compile for the first configuration, one for the decision; 8 steps.
     assert len(traces) == 2 and traces[0] != traces[1]
     # Running the GEMM in the compute dtype lowers the loss against staying in FP8.
-    frozen = debug.Autopilot(underflow_share=1.0, patience=2)
+    frozen = debug.Autopilot(underflow_share=1.0, patience=2, ladder=("compute",))
     _, _, fp8_losses, none = _train(frozen, loss, w0, frozen.init(debug.init(
         frozen.config(), loss, w0)), 0, 8, [])
     assert none == [] and losses[-1] < fp8_losses[-1]
@@ -245,3 +260,37 @@ def test_training_moves_the_outlier_gemm_recompiles_once_and_resumes_bit_for_bit
     # the moved GEMM in FP8 again, and the losses differ.
     _, _, l_lost, _ = _train(ap, loss, w_r, state0, 4, 8, [])
     assert not np.array_equal(np.stack(l_a + l_lost), np.stack(losses))
+
+
+@pytest.mark.slow  # 16 training steps, three configurations compiled per run
+def test_the_default_ladder_moves_a_gemm_to_finer_scaling_then_to_the_compute_dtype():
+    # 256 input channels: two 1x128 tiles per row, the outlier in the first.
+    loss, w0 = _problem(d_in=256)
+    ap = debug.Autopilot(underflow_share=0.1, patience=2)
+    state0 = ap.init(debug.init(ap.config(), loss, w0))
+    traces = []
+    w, state, losses, decisions = _train(ap, loss, w0, state0, 0, 6, traces)
+    # Steps 0, 1 per tensor: the outlier's scale flushes almost every other entry -> finer
+    # scaling. Steps 2, 3 blockwise: the tile without the outlier keeps its entries, the one
+    # with it still flushes them, about half of all -> the compute dtype.
+    assert [(d.step, d.gemm, d.setting, d.tensor, d.stat) for d in decisions] == [
+        (1, "dot_general_0", "blockwise", "activation", "underflow_share"),
+        (3, "dot_general_0", "compute", "activation", "underflow_share")]
+    assert decisions[0].value > 0.9 and 0.4 < decisions[1].value < 0.6
+    assert ap.settings(state) == {"/dot_general_0": "compute"}
+    assert [[r.override for r in c.rules] for c in traces] == [
+        [None], ["blockwise", None], ["compute", None]]
+    # The second GEMM never crosses: it stays per tensor.
+    assert int(state.rung["/dot_general_1"]) == 0
+    # Deterministic: a second run takes the same decisions with the same values and ends
+    # in the same state, bit for bit.
+    w2, state2, losses2, decisions2 = _train(ap, loss, w0, state0, 0, 6, [])
+    assert decisions2 == decisions
+    assert np.array_equal(np.stack(losses2), np.stack(losses))
+    for x, y in zip(jax.tree.leaves((w2, state2)), jax.tree.leaves((w, state))):
+        assert np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+    # Negative control: straight to the compute dtype, the losses of steps 2 and 3 differ.
+    direct = debug.Autopilot(underflow_share=0.1, patience=2, ladder=("compute",))
+    _, _, l_direct, _ = _train(direct, loss, w0, state0, 0, 4, [])
+    assert np.array_equal(np.stack(l_direct[:2]), np.stack(losses[:2]))
+    assert not np.array_equal(np.stack(l_direct[2:]), np.stack(losses[2:4]))

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_utils import dot_operand_dtypes
+from jaxpr_utils import dot_operand_dtypes, iter_eqns
 
 import fmtkit.debug as debug
+import fmtkit.fp8
 from fmtkit import with_policy
 from fmtkit.policy import Rules, get_preset, intercept_gemms
 
@@ -227,6 +228,93 @@ def test_fake_quantization_quantizes_operands_and_the_output_gradient():
                                                     jax.tree.leaves(want[1])))
     e4m3, bf16 = ["float8_e4m3fn"] * 2, ["bfloat16"] * 2
     assert _forward_dots(with_override, v) == [e4m3, bf16, bf16]
+
+
+class Wide(nn.Module):
+    """Two 256-wide layers and a head: contractions of two 128-blocks."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jax.nn.relu(nn.Dense(256)(x))
+        h = jax.nn.relu(nn.Dense(256)(h))
+        return nn.Dense(8)(h)
+
+
+def _amax_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """Output shapes of the reductions that give the scales (``reduce_max``), in program
+    order: ``()`` for a per-tensor scale, one element per tile or block otherwise."""
+    return [tuple(e.outvars[0].aval.shape) for e in iter_eqns(jaxpr)
+            if e.primitive.name == "reduce_max"]
+
+
+def _fp8_cast_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """Input shapes of the casts to an FP8 format, in program order: the quantized operands,
+    laid out by tile (``[rows, tiles, 128]``, ``[blocks, 128, blocks, 128]``) or whole."""
+    return [tuple(e.invars[0].aval.shape) for e in iter_eqns(jaxpr)
+            if e.primitive.name == "convert_element_type"
+            and jnp.dtype(e.params["new_dtype"]).name.startswith("float8")]
+
+
+def test_the_blockwise_override_scales_its_gemm_per_tile_and_block():
+    model = with_policy(Wide(), "fp8-current")
+    x = jax.random.normal(jax.random.key(1), (8, 256)).at[:, 3].mul(1e3)  # an outlier channel
+    v = model.init(jax.random.key(0), x)
+
+    def loss_of(model):
+        return lambda v: jnp.mean(jnp.square(model.apply(v, x).astype(jnp.float32)))
+
+    loss = loss_of(model)
+    cfg = debug.DebugConfig([debug.Rule("^Dense_0$", tensors=(), override="blockwise")])
+
+    def with_override(v):
+        with debug.capture(cfg):
+            return loss(v)
+
+    fwd = jax.make_jaxpr(with_override)(v)
+    # Forward: Dense_0's activation [8, 256] gets one scale per 1x128 tile, [8, 2], and its
+    # weight [256, 256] one per 128x128 block, [2, 2]; Dense_1 keeps one scale per operand;
+    # the head (bf16 under the preset) none.
+    assert [s for s in _amax_shapes(fwd) if s] == [(8, 2), (2, 2)]
+    assert _fp8_cast_shapes(fwd) == [(8, 2, 128), (2, 128, 2, 128), (8, 256), (256, 256)]
+    assert [s for s in _amax_shapes(jax.make_jaxpr(loss)(v)) if s] == []
+    # Backward (after the forward's two): Dense_0's output gradient [8, 256] in 1x128 tiles
+    # along its 256 columns for the data gradient, [8, 2]; for the weight gradient it and
+    # the activation are tiled along their 8 rows (the contraction, zero-padded to one
+    # 128-tile): one scale per column each, [256]. Dense_1's gradients stay per tensor.
+    bwd = _amax_shapes(jax.make_jaxpr(jax.grad(with_override))(v))
+    assert [s for s in bwd if s] == [(8, 2), (2, 2), (8, 2), (256,), (256,)]
+    # The loss and gradients of a policy whose recipe for Dense_0 is DeepSeek-V3's
+    # fine-grained scaling with fp8-current's formats, written out by hand.
+    preset = get_preset("fp8-current").default
+    fine = dataclasses.replace(preset, fp8=fmtkit.fp8.Fp8Recipe(
+        "fine", x_format="e4m3", w_format="e4m3", grad_format="e5m2", x_tile="1x128",
+        w_tile="128x128", grad_tile="1x128"))
+    ref = loss_of(with_policy(Wide(), _rules_with("fp8-current", "^Dense_0$", fine)))
+    got = jax.jit(jax.value_and_grad(with_override))(v)
+    want = jax.jit(jax.value_and_grad(ref))(v)
+    assert got[0] == want[0] != jax.jit(loss)(v)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_blockwise_override_of_a_gemm_without_a_recipe_is_e4m3_throughout():
+    # Under bf16-mixed no GEMM has a recipe: the override gives Dense_0 DeepSeek-V3's,
+    # E4M3 activations, weights and gradients.
+    model = with_policy(Wide(), "bf16-mixed")
+    x = jax.random.normal(jax.random.key(1), (8, 256))
+    v = model.init(jax.random.key(0), x)
+    cfg = debug.DebugConfig([debug.Rule("^Dense_0$", tensors=(), override="blockwise")])
+
+    def with_override(v):
+        with debug.capture(cfg):
+            return jnp.mean(jnp.square(model.apply(v, x).astype(jnp.float32)))
+
+    e4m3, bf16 = ["float8_e4m3fn"] * 2, ["bfloat16"] * 2
+    assert _forward_dots(with_override, v) == [e4m3, bf16, bf16]
+    assert [s for s in _amax_shapes(jax.make_jaxpr(with_override)(v)) if s] == [(8, 2), (2, 2)]
+    grad = jax.make_jaxpr(jax.grad(with_override))(v)
+    formats = {jnp.dtype(d).name for dots in dot_operand_dtypes(grad) for d in dots}
+    assert formats == {"float8_e4m3fn", "bfloat16"}  # no E5M2 gradient
 
 
 def test_a_pattern_that_matches_no_gemm_names_it_and_lists_the_gemms():
