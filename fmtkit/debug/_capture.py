@@ -206,9 +206,10 @@ def _slot_mask(site: GemmSite):
     outside loops."""
     if not site.loop_lengths:
         return None
-    mask = jnp.asarray(True)
+    mask = jnp.ones((), bool)
     for i, n in zip(site.loop_index, site.loop_lengths):
-        mask = mask[..., None] & (jnp.arange(n, dtype=jnp.int32) == i)
+        hit = jnp.arange(n, dtype=jnp.int32) == i
+        mask = mask[..., None] & hit.reshape((1,) * mask.ndim + (n,))
     return mask
 
 
