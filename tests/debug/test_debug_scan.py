@@ -382,3 +382,72 @@ def test_a_state_without_the_layer_axis_raises():
 
     with pytest.raises(ValueError, match=r"shape \(\).*trip counts \(3,\)"):
         jax.grad(f, argnums=(0, 1))(params, state)
+
+
+def test_logs_hold_one_tag_per_layer_and_the_summary_names_the_worst_layer(tmp_path,
+                                                                            capsys):
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fmtkit.debuglog import StatsLogger, flatten_stats
+    from studies.cli import main
+
+    loss, params, *_ = _function_case("bf16-mixed")
+    cfg = debug.DebugConfig([debug.Rule("", gemm="dot_general_0", tensors=("activation",),
+                                        stats=("amax", "l2_norm"))])
+    state, _, _, stats = _stats(loss, params, cfg)
+    got = stats[""]["dot_general_0"]["activation"]
+    with StatsLogger(tmp_path, layers=state) as log:
+        assert log.write(0, stats) == 2 * LAYERS
+    want = {f"[{i}]/dot_general_0/activation/{s}": float(got[s][i])
+            for s in ("amax", "l2_norm") for i in range(LAYERS)}
+    assert flatten_stats(stats, layers=state) == want
+    # Without the layers, the layer axis counts as shards (reduced to one value).
+    assert set(flatten_stats(stats)) == {"dot_general_0/activation/amax",
+                                         "dot_general_0/activation/l2_norm"}
+    (line,) = (tmp_path / "stats.jsonl").read_text().splitlines()
+    assert json.loads(line)["stats"] == want
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == set(want)
+    for tag, v in want.items():
+        assert [(e.step, e.value) for e in acc.Scalars(tag)] == [(0, float(np.float32(v)))]
+    assert main(["debug", str(tmp_path), "--metric", "amax", "--top", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["amax"]
+    worst = int(np.argmax(np.asarray(got["amax"])))
+    assert (row["module"], row["value"]) == (f"[{worst}]", float(got["amax"][worst]))
+    with pytest.raises(ValueError, match=r"shape \(3,\).*trip counts \(2,\)"):
+        flatten_stats(stats, layers=jax.tree.map(lambda a: a[:2], state))
+
+
+def test_the_worst_layer_moves_the_stacked_gemm():
+    ap = debug.Autopilot(underflow_share=0.1, patience=1)
+    key = ("layers/Dense_0", "dot_general_0")
+    st = ap.init({key[0]: {key[1]: {}}})
+    quiet = {key[0]: {key[1]: {"activation": {"underflow_share": np.array([0.0, 0.05, 0.0]),
+                                              "nonfinite_count": np.zeros(3)}}}}
+    st, d = ap.update(st, quiet, step=0)
+    assert d == []
+    nan = jax.tree.map(lambda a: np.full_like(a, np.nan), quiet)
+    st, d = ap.update(st, nan, step=1)
+    assert d == []
+    hot = {key[0]: {key[1]: {"activation": {"underflow_share": np.array([0.0, 0.5, 0.25]),
+                                            "nonfinite_count": np.zeros(3)}}}}
+    st, d = ap.update(st, hot, step=2)
+    assert [(x.module, x.gemm, x.stat, x.value) for x in d] == [
+        (*key, "underflow_share", 0.5)]
+    # Its override names the stacked GEMM: the whole scan runs in the compute dtype.
+    loss, params, *_ = _function_case("fp8-current")
+    moved = ap.init({"": {"dot_general_0": {}}})
+    moved, _ = ap.update(moved, {"": {"dot_general_0": hot[key[0]][key[1]]}}, step=0)
+
+    def jaxpr(cfg):  # (the scanned GEMM is the only FP8 one: the head's weight is no param)
+        def f(p):
+            with debug.capture(cfg):
+                return loss(p)
+
+        return str(jax.make_jaxpr(f)(params))
+
+    assert "f8_e4m3" in jaxpr(ap.config())  # (control: FP8 before the move)
+    assert "f8_e4m3" not in jaxpr(ap.config(moved))
