@@ -15,6 +15,12 @@
 
 ``init(config, fn, *args)`` traces ``fn`` abstractly to find the GEMMs and returns the
 zero-valued state (the pytree the statistics fill), raising on a rule that matches none.
+
+A GEMM in a scan body (a scanned layer stack) has state leaves shaped by the trip counts of
+the scans around it (``GemmSite.loop_lengths``); the policy hands the GEMM the iteration
+index (``GemmSite.loop_index``), and the taps return the statistics at that iteration's
+slot and 0 elsewhere (``_in_slot``): the state is a value the scan body closes over, whose
+cotangent the scan's transpose adds up over the iterations, which stacks the slots.
 """
 
 from __future__ import annotations
@@ -396,7 +402,9 @@ def _matches_rule(config: DebugConfig, i: int, site: GemmSite) -> bool:
 
 def init(config: DebugConfig, fn: Callable, *args: Any, **kwargs: Any) -> dict:
     """The statistics state of ``fn(*args, **kwargs)`` under ``config``: zeros with the
-    structure of the statistics, ``{module_path: {gemm: {tensor: {stat: f32[]}}}}``.
+    structure of the statistics, ``{module_path: {gemm: {tensor: {stat: f32[]}}}}``; a GEMM
+    in a scan body has ``f32[L]`` leaves, one slot per iteration (``f32[L1, L2]`` for nested
+    scans).
 
     ``fn`` is the function whose GEMMs are logged, called as the training step calls it (a
     loss of a policied model, or the policied model itself); it is traced abstractly
@@ -404,7 +412,7 @@ def init(config: DebugConfig, fn: Callable, *args: Any, **kwargs: Any) -> dict:
 
     Raises:
       ValueError: a rule matches no GEMM (the message names the pattern and lists the
-        GEMMs), or a logged GEMM runs inside a loop.
+        GEMMs), or a logged GEMM runs inside a ``while_loop`` (no static trip count).
       TypeError: ``config`` is not a ``DebugConfig``.
     """
     _check_config(config)
@@ -441,11 +449,14 @@ def capture(config: DebugConfig, stats_state: Mapping | None = None,
       per distinct set (two with one schedule), and quiet steps cost what the step costs
       without ``fmtkit.debug``.
 
-    Without ``stats_state`` only the overrides apply.
+    Without ``stats_state`` only the overrides apply. A GEMM in a scan body writes each
+    iteration's statistics to its own slot of its ``f32[L]`` leaves (NaN in every slot on a
+    step that does not log).
 
     Raises:
       ValueError: ``stats_state`` with neither or both of ``step`` and ``active``; a rule
-        that matches none of the GEMMs the block ran.
+        that matches none of the GEMMs the block ran; a logged GEMM inside a
+        ``while_loop``, or a state entry whose shape is not the loops' trip counts.
     """
     _check_config(config)
     if stats_state is not None and (step is None) == (active is None):
