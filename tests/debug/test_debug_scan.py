@@ -451,3 +451,36 @@ def test_the_worst_layer_moves_the_stacked_gemm():
 
     assert "f8_e4m3" in jaxpr(ap.config())  # (control: FP8 before the move)
     assert "f8_e4m3" not in jaxpr(ap.config(moved))
+
+
+@pytest.mark.slow
+def test_delayed_scaling_statistics_per_layer_use_that_layers_history():
+    from test_debug_stats import DELAYED_AMAX
+
+    from fmtkit import TensorScaling
+
+    loss, v, unrolled, vu, layers, (path, gemm) = _linen_case("fp8-delayed")
+    # Layer i's history holds DELAYED_AMAX * (i + 1): distinct scales per layer.
+    hist = jnp.stack([jnp.zeros((3, 1024)).at[:, 3].set(jnp.asarray(DELAYED_AMAX) * (i + 1))
+                      for i in range(LAYERS)])
+    assert v["fp8_state"]["layers/Dense_0:dot0"].shape == hist.shape
+    v = {**v, "fp8_state": {**v["fp8_state"], "layers/Dense_0:dot0": hist}}
+    vu = {**vu, "fp8_state": {f"layers_{i}/Dense_0:dot0": hist[i] for i in range(LAYERS)}}
+    cfg = debug.DebugConfig([debug.Rule("layers", tensors=("activation", "weight", "output_grad"),
+                                        stats=("saturation_share", "scale_max", "sqnr_db"))])
+    _, _, _, stats = _stats(loss, v, cfg)
+    got = stats[path][gemm]
+    captured = _captured(unrolled, vu)
+    for i, key in layers.items():
+        site, tensors = captured[key]
+        recipe = site.fp8
+        for t, x2, fmt, row in (("activation", tensors["activation"], recipe.x_format, 0),
+                                ("weight", tensors["weight"].T, recipe.w_format, 1),
+                                ("output_grad", tensors["output_grad"], recipe.grad_format,
+                                 2)):
+            want = _np_quant(x2, fmt, TensorScaling(recipe.power_of_two, recipe.margin),
+                             jnp.float32(DELAYED_AMAX[row] * (i + 1)))
+            for s in ("saturation_share", "scale_max", "sqnr_db"):
+                np.testing.assert_allclose(float(got[t][s][i]), want[s], rtol=RTOL,
+                                           atol=SQNR_ATOL if s == "sqnr_db" else 0,
+                                           err_msg=f"layer {i}: {t}/{s}")
