@@ -4,6 +4,10 @@ shardings), ``cond``/``switch`` (outputs in the widest dtype the branches give),
 ``scan`` (each body interpreted and rebuilt), and bodies the policy cannot interpret
 (``pallas_call``, unknown primitives: run as traced, with a warning).
 
+Under ``intercept_gemms`` a GEMM in a loop body learns the loops around it
+(``GemmSite.loop_lengths``, ``GemmSite.loop_index``): a rebuilt scan then also scans an
+``arange`` of its length, each iteration's index (unused, JAX drops it from the scan).
+
 ``ControlFlow`` is mixed into ``_interpreter.Interpreter`` and uses its ``_walk``, ``path``,
 ``_warn``, ``record`` and ``analysis``.
 """
