@@ -5,7 +5,9 @@ The statistics of a debugged training step are a nested dict
     {module_path: {gemm_name: {tensor: {stat: scalar}}}}
 
 (``module_path`` is the policy's module path and may contain ``"/"``, ``""`` for the root;
-``gemm_name``, ``tensor`` and ``stat`` never do). ``StatsLogger`` writes each logged step as
+``gemm_name``, ``tensor`` and ``stat`` never do; a GEMM in a loop body has an array per
+statistic, one value per iteration, see ``flatten_stats``). ``StatsLogger`` writes each
+logged step as
 
 * ``stats.jsonl``: one JSON object per logged step, ``{"step": 10, "stats": {tag: value}}``;
 * TensorBoard event files (``events.out.tfevents.*``, written with tensorboardX, no
@@ -13,8 +15,10 @@ The statistics of a debugged training step are a nested dict
 * ``decisions.jsonl``: one JSON object per precision decision (``log_decision``).
 
 A tag is ``"module_path/gemm_name/tensor/stat"`` (``"gemm_name/tensor/stat"`` for the root
-module, whose path is empty); ``split_tag`` takes it apart from the right. Entries that are
-NaN (steps that do not log hold NaN everywhere) are skipped, so a step without a logged
+module, whose path is empty); ``split_tag`` takes it apart from the right. A GEMM in a loop
+body (a scanned layer stack) logs one tag per iteration, its module path followed by
+``"[i]"``, when the logger is given the statistics state (``layers``). Entries that are NaN
+(steps that do not log hold NaN everywhere) are skipped, so a step without a logged
 statistic writes nothing. JSON has no infinity: the file holds ``Infinity`` / ``-Infinity``
 as Python's ``json`` writes and reads them (an exact quantization has ``sqnr_db = inf``).
 
@@ -192,25 +196,40 @@ def reduce_stat(stat: str, values: Any, *, means: Any = None) -> float:
     return float(np.sqrt(max(var, 0.0)))
 
 
-def flatten_stats(stats: Mapping[str, Any]) -> dict[str, float]:
+def flatten_stats(stats: Mapping[str, Any], *, layers: Mapping[str, Any] | None = None
+                  ) -> dict[str, float]:
     """The statistics pytree as ``{tag: float}``, per-shard values reduced, NaN entries dropped.
 
     Args:
       stats: ``{module_path: {gemm_name: {tensor: {stat: value}}}}``; a value is a scalar
         (Python, NumPy or JAX) or per-shard values (an array with a leading device axis, a
         list), reduced by ``reduce_stat``.
+      layers: for GEMMs in loop bodies (``nn.scan``, ``nnx.scan``, ``lax.scan`` layer
+        stacks): the statistics state of ``fmtkit.debug.init`` (or any pytree keyed the same
+        way), whose leaf shapes are the loops' trip counts (``()`` outside loops). A value
+        whose entry there has shape ``(L,)`` holds one statistic per iteration in its last
+        axis (after any shard axes), logged as one tag per iteration with the module path
+        ``f"{module_path}[{i}]"`` (nested loops ``(L1, L2)``: ``"[i,j]"``). Without it
+        every array axis counts as a shard axis.
 
     Returns:
       ``{"module_path/gemm_name/tensor/stat": value}`` in the pytree's order, without NaN.
 
     Raises:
       TypeError: if ``stats`` is not a dict nested four levels deep.
-      ValueError: if a GEMM, tensor or statistic name is empty or contains ``"/"``.
+      ValueError: if a GEMM, tensor or statistic name is empty or contains ``"/"``, or a
+        value does not end in the shape its entry in ``layers`` has.
 
     Example:
       >>> flatten_stats({"Dense_0": {"dot_general_0": {"weight": {"amax": 2.0,
       ...                                                          "min": float("nan")}}}})
       {'Dense_0/dot_general_0/weight/amax': 2.0}
+      >>> import numpy as np
+      >>> scanned = {"layers/Dense_0": {"dot_general_0": {"weight": {"amax":
+      ...     np.array([1.0, 3.0])}}}}
+      >>> flatten_stats(scanned, layers=scanned)
+      {'layers/Dense_0[0]/dot_general_0/weight/amax': 1.0, \
+'layers/Dense_0[1]/dot_general_0/weight/amax': 3.0}
     """
     stats = jax.device_get(stats)
     out: dict[str, float] = {}
@@ -226,12 +245,46 @@ def flatten_stats(stats: Mapping[str, Any]) -> dict[str, float]:
                         raise TypeError(f"{where}[{stat!r}] is a dict; stats is nested "
                                         "{module_path: {gemm_name: {tensor: {stat: value}}}}")
                     means = entries.get("mean") if stat == "std" else None
-                    if means is not None and _values(means).shape != _values(value).shape:
-                        means = None  # not given per shard like the std: no pooling
-                    x = reduce_stat(stat, value, means=means)
-                    if not math.isnan(x):
-                        out[_tag(module, gemm, tensor, stat)] = x
+                    loops = _loop_shape(layers, module, gemm, tensor, stat)
+                    for suffix, v, m in _per_iteration(value, means, loops, f"{where}"
+                                                       f"[{stat!r}]"):
+                        if m is not None and _values(m).shape != _values(v).shape:
+                            m = None  # not given per shard like the std: no pooling
+                        x = reduce_stat(stat, v, means=m)
+                        if not math.isnan(x):
+                            out[_tag(module + suffix, gemm, tensor, stat)] = x
     return out
+
+
+def _loop_shape(layers: Mapping[str, Any] | None, module: str, gemm: str, tensor: str,
+                stat: str) -> tuple[int, ...]:
+    """The trip counts of the loops around a statistic's GEMM, from ``layers``."""
+    if layers is None:
+        return ()
+    leaf = layers.get(module, {}).get(gemm, {}).get(tensor, {}).get(stat)
+    if leaf is None:
+        return ()
+    return tuple(leaf.shape) if hasattr(leaf, "shape") else tuple(np.shape(leaf))
+
+
+def _per_iteration(value: Any, means: Any, loops: tuple[int, ...], where: str):
+    """``(module path suffix, values, means)`` per loop iteration (one, ``""``, outside
+    loops); the trailing ``loops`` axes index the iterations, the leading ones are shards."""
+    if not loops:
+        yield "", value, means
+        return
+    v = np.asarray(value, np.float64)
+    m = None if means is None else np.asarray(means, np.float64)
+    k = len(loops)
+    if v.shape[v.ndim - k:] != loops or v.ndim < k:
+        raise ValueError(f"{where} has shape {v.shape}, but its GEMM runs in loops of trip "
+                         f"counts {loops} (the shape of its entry in layers): one value per "
+                         "iteration in the last axes")
+    if m is not None and m.shape[m.ndim - k:] != loops:
+        m = None
+    for idx in np.ndindex(*loops):
+        yield (f"[{','.join(map(str, idx))}]", v[(..., *idx)],
+               None if m is None else m[(..., *idx)])
 
 
 def _items(d: Any, where: str):
@@ -263,6 +316,10 @@ class StatsLogger:
       jsonl: write ``stats.jsonl`` (one line per logged step).
       process_index: the process this logger runs in; ``None`` asks
         ``jax.process_index()``.
+      layers: the statistics state of ``fmtkit.debug.init``, for models whose GEMMs run in
+        loop bodies (scanned layer stacks): each iteration of a stacked statistic is logged
+        under its own tag, ``f"{module_path}[{i}]/{gemm}/{tensor}/{stat}"`` (see
+        ``flatten_stats``). Without it an array value counts as per-shard values.
 
     Example:
       >>> import tempfile, pathlib
@@ -279,10 +336,14 @@ class StatsLogger:
     """
 
     def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True,
-                 jsonl: bool = True, process_index: int | None = None):
+                 jsonl: bool = True, process_index: int | None = None,
+                 layers: Mapping[str, Any] | None = None):
         if not (tensorboard or jsonl):
             raise ValueError("StatsLogger needs tensorboard=True or jsonl=True")
         self.logdir = Path(logdir)
+        # (the shapes only: the logger keeps no arrays of the state)
+        self._layers = None if layers is None else jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), np.float32), layers)
         if process_index is None:
             process_index = jax.process_index()
         self.writes = process_index == 0
@@ -321,7 +382,7 @@ class StatsLogger:
         if not self.writes:
             return 0
         step = _int_step(step)
-        flat = flatten_stats(stats)
+        flat = flatten_stats(stats, layers=self._layers)
         if not flat:
             return 0
         if self._jsonl is not None:

@@ -136,8 +136,13 @@ def summarize(records, metrics: Sequence[str], top: int) -> dict[str, list[dict]
 
 
 def _safe_name(module: str) -> str:
-    if not module:
-        return "root"
+    """A file name for a module's plots: ``"Block_0/Dense_1"`` -> ``"Block_0.Dense_1"``; one
+    layer of a scanned stack ``"layers/Dense_0[3]"`` -> ``"layers.Dense_0_3"`` (the root's
+    ``"[3]"`` -> ``"root_3"``)."""
+    if not module or module.startswith("["):
+        module = "root" + module
+    module = re.sub(r"\[(\d+(?:,\d+)*)\]", lambda m: "_" + m.group(1).replace(",", "_"),
+                    module)
     return re.sub(r"[^\w.-]+", ".", module)
 
 

@@ -20,7 +20,17 @@ path is the policy's (``""`` for the root or a plain function); the GEMM name is
 run; tensors are ``TENSORS``: the GEMM ``output = activation · weight`` (its lhs and rhs as
 the GEMM receives them, in the compute dtype, before quantization), ``output_grad``,
 ``dgrad`` (cotangent of the activation) and ``wgrad`` (cotangent of the weight). A log tag is
-``f"{module_path}/{gemm_name}/{tensor}/{stat}"``. Statistics (f32, computed in f32):
+``f"{module_path}/{gemm_name}/{tensor}/{stat}"``.
+
+GEMMs in loop bodies (layer stacks under ``nn.scan``, ``nnx.scan``, ``lax.scan``, a
+``fori_loop`` with static bounds) have one value per iteration: their leaves are
+``f32[L]`` for a scan of length ``L`` (``f32[L1, L2]`` for nested scans, outermost first),
+entry ``i`` the statistic of iteration ``i`` (in the order of the scanned inputs, also for a
+reverse scan), still keyed by module path and GEMM name; with the state as ``layers``,
+``fmtkit.debuglog.StatsLogger`` logs each iteration under its own tag,
+``f"{module_path}[{i}]/{gemm_name}/{tensor}/{stat}"``. Statistics of a GEMM inside a
+``while_loop`` (no static trip count) raise ``ValueError``. Statistics (f32, computed in
+f32):
 
 * ``min``, ``max``, ``mean``, ``std`` (population), ``l1_norm`` = sum |x|, ``l2_norm`` =
   sqrt(sum x^2), ``amax`` = max |x|;

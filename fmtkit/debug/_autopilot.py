@@ -20,6 +20,12 @@ module path and GEMM name, so the model is not edited. A changed override change
 compiled program: a step jitted with the configuration as a static argument compiles once
 per distinct configuration, i.e. once at the start and once per step with a decision.
 
+A GEMM in a loop body (a layer of an ``nn.scan`` / ``nnx.scan`` / ``lax.scan`` stack) has one
+value per iteration of each statistic, and one override for all its iterations (a rule
+names the GEMM, not an iteration): the worst layer decides for the stacked GEMM (the largest
+non-finite count, saturation or underflow share, the smallest SQNR over the layers; a
+decision records that value), and the whole stack moves.
+
 Everything the controller knows is ``AutopilotState``, a pytree of NumPy arrays (counts,
 rungs, and per rung the step, the triggering tensor and statistic and its value), so it
 checkpoints with the training state and a resumed run takes the same decisions bit for bit.
@@ -119,6 +125,17 @@ class Decision:
                             f"{self.tensor}/{self.stat}", self.value)
 
 
+def _worst(value: Any, sign: int) -> float:
+    """A statistic's value, or for a GEMM in a loop body (one value per iteration) the worst
+    iteration's: the largest (``sign > 0``) or smallest, NaN iterations ignored (NaN if all
+    are)."""
+    v = np.asarray(value, np.float32).reshape(-1)
+    v = v[~np.isnan(v)]
+    if v.size == 0:
+        return math.nan
+    return float(v.max() if sign > 0 else v.min())
+
+
 def _threshold(value: Any, arg: str, lo: float, hi: float) -> float | None:
     if value is None:
         return None
@@ -156,7 +173,9 @@ class Autopilot:
         ``""``: all).
       freq, start_step: when the statistics are logged (``fmtkit.debug.Rule``).
 
-    A non-finite operand (``nonfinite_count > 0``) always moves its GEMM at once.
+    A non-finite operand (``nonfinite_count > 0``) always moves its GEMM at once. A GEMM in
+    a scanned layer stack (one value per layer) moves as a whole when its worst layer
+    crosses a threshold (overrides apply to every iteration of a loop body).
 
     Example:
       >>> ap = Autopilot(underflow_share=0.1, patience=2)
@@ -290,7 +309,7 @@ class Autopilot:
             for t in TENSORS:
                 if t not in self.tensors or t not in ops or stat not in ops[t]:
                     continue
-                v = float(np.asarray(ops[t][stat], np.float32))
+                v = _worst(ops[t][stat], sign)
                 if math.isnan(v):
                     continue
                 if (v > limit) if sign > 0 else (v < limit):
@@ -331,9 +350,8 @@ class Autopilot:
             ops = stats.get(path, {}).get(gemm)
             if not ops:
                 continue
-            leaves = [float(np.asarray(v, np.float32)) for t in ops.values()
-                      for v in t.values()]
-            if all(math.isnan(v) for v in leaves):
+            if all(np.isnan(np.asarray(v, np.float32)).all() for t in ops.values()
+                   for v in t.values()):
                 continue
             rung = int(new.rung[key])
             if rung >= len(self.ladder):

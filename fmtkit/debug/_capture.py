@@ -15,6 +15,12 @@
 
 ``init(config, fn, *args)`` traces ``fn`` abstractly to find the GEMMs and returns the
 zero-valued state (the pytree the statistics fill), raising on a rule that matches none.
+
+A GEMM in a scan body (a scanned layer stack) has state leaves shaped by the trip counts of
+the scans around it (``GemmSite.loop_lengths``); the policy hands the GEMM the iteration
+index (``GemmSite.loop_index``), and the taps return the statistics at that iteration's
+slot and 0 elsewhere (``_in_slot``): the state is a value the scan body closes over, whose
+cotangent the scan's transpose adds up over the iterations, which stacks the slots.
 """
 
 from __future__ import annotations
@@ -191,23 +197,68 @@ def _cond_stats(static_on, on, fn, like, *xs):
     return lax.cond(on, fn, lambda *_: _nans(like), *xs)
 
 
+# -- loop bodies: one slot of the state per iteration --------------------------------------
+def _check_loops(pattern: str, site: GemmSite, leaves: Any) -> None:
+    """Statistics of a GEMM in a loop need every loop's trip count (a scan's, not a
+    ``while`` loop's), and its state leaves shaped by them."""
+    if any(n is None for n in site.loop_lengths):
+        raise ValueError(
+            f"fmtkit.debug: the rule {pattern!r} logs statistics of GEMM {site.path!r}/"
+            f"{site.name}, which runs inside a while loop (lax.while_loop, or lax.fori_loop "
+            "with a bound known only at run time): its trip count is unknown, so its "
+            "iterations have no slots in the statistics (and a while loop is not "
+            "reverse-differentiable). Give the loop static bounds (fori_loop with Python int "
+            "bounds becomes a scan) or write it with lax.scan / nn.scan, or give this rule "
+            "tensors=() to keep only its override.")
+    shapes = {tuple(jnp.shape(x)) for x in jax.tree.leaves(leaves)}
+    if shapes and shapes != {tuple(site.loop_lengths)}:
+        raise ValueError(
+            f"fmtkit.debug.capture: the stats_state entry of GEMM {site.path!r}/{site.name} "
+            f"has shape {sorted(shapes)[0]}, but the GEMM runs in loops of trip counts "
+            f"{tuple(site.loop_lengths)} (one slot per iteration): make the state with "
+            "fmtkit.debug.init from the same configuration, function and argument shapes.")
+
+
+def _slot_mask(site: GemmSite):
+    """bool[*loop_lengths], true at the current iteration of each loop around the GEMM; None
+    outside loops."""
+    if not site.loop_lengths:
+        return None
+    mask = jnp.ones((), bool)
+    for i, n in zip(site.loop_index, site.loop_lengths):
+        hit = jnp.arange(n, dtype=jnp.int32) == i
+        mask = mask[..., None] & hit.reshape((1,) * mask.ndim + (n,))
+    return mask
+
+
+def _in_slot(stats, slot):
+    """The statistics (scalars) as the cotangent of the state's leaves: in a loop body, at the
+    current iteration's slot and 0 elsewhere, so that the loop's transpose, which sums the
+    cotangent of a closed-over value over the iterations, stacks them (a NaN stays in its
+    slot: ``where``, not a product)."""
+    if slot is None:
+        return stats
+    zero = jnp.zeros((), jnp.float32)
+    return jax.tree.map(lambda s: jnp.where(slot, s.astype(jnp.float32), zero), stats)
+
+
 # -- taps: identities whose cotangent for the state's leaves is the statistics ---------------
 def _grad_tap(plan, site, tensor, shapes, static_on):
     """``x -> x``; its backward returns (stats of the cotangent of x, ...)."""
 
     @jax.custom_vjp
-    def tap(leaves, on, x):
+    def tap(leaves, on, slot, x):
         return x
 
-    def fwd(leaves, on, x):
-        return x, (on, leaves)
+    def fwd(leaves, on, slot, x):
+        return x, (on, slot, leaves)
 
     def bwd(res, g):
-        on, leaves = res
+        on, slot, leaves = res
         stats = _cond_stats(static_on, on,
                             lambda gg: _compute(plan, site, {tensor: gg}, shapes)[tensor],
                             leaves, g)
-        return stats, None, g
+        return _in_slot(stats, slot), None, None, g
 
     tap.defvjp(fwd, bwd)
     return tap
@@ -218,10 +269,10 @@ def _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on):
     the output gradient's in its backward; both returned as the state leaves' cotangent."""
 
     @jax.custom_vjp
-    def tap(leaves, on, hist, lhs, rhs, y):
+    def tap(leaves, on, slot, hist, lhs, rhs, y):
         return y
 
-    def fwd(leaves, on, hist, lhs, rhs, y):
+    def fwd(leaves, on, slot, hist, lhs, rhs, y):
         vals = {"activation": lhs, "weight": rhs, "output": y}
         like = {t: leaves[t] for t in fwd_tensors}
 
@@ -230,17 +281,17 @@ def _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on):
 
         stats = _cond_stats(static_on, on, compute, like, hist,
                             *(vals[t] for t in fwd_tensors))
-        return y, (on, hist, stats, leaves.get("output_grad"))
+        return y, (on, slot, hist, stats, leaves.get("output_grad"))
 
     def bwd(res, g):
-        on, hist, stats, g_like = res
+        on, slot, hist, stats, g_like = res
         stats = dict(stats)
         if grad_logged:
             def compute(h, gg):
                 return _compute(plan, site, {"output_grad": gg}, shapes, h)["output_grad"]
 
             stats["output_grad"] = _cond_stats(static_on, on, compute, g_like, hist, g)
-        return stats, None, None, None, None, g
+        return _in_slot(stats, slot), None, None, None, None, None, g
 
     tap.defvjp(fwd, bwd)
     return tap
@@ -288,13 +339,8 @@ class _Session:
                     f"fmtkit.debug.capture: GEMM {site.path!r}/{site.name} logs statistics "
                     "but has no entry in stats_state: make the state with fmtkit.debug.init "
                     "from the same configuration, function and argument shapes.")
-        if logged and site.in_loop:
-            raise ValueError(
-                f"fmtkit.debug: the rule {self.config.rules[plan.rule].pattern!r} logs "
-                f"statistics of GEMM {site.path!r}/{site.name}, which runs inside a scan or "
-                "while loop (nn.scan, nnx.scan, lax.scan): per-iteration statistics are not "
-                "supported; log the GEMMs outside loops (e.g. scan_layers=False), or give "
-                "this rule tensors=() to keep only its override.")
+        if logged:
+            _check_loops(self.config.rules[plan.rule].pattern, site, leaves)
         if leaves is None:
             return self._run(plan, run, lhs, rhs)
         if self.active is not None:
@@ -302,11 +348,12 @@ class _Session:
         else:
             static_on, on = None, self.config.rules[plan.rule].logs_at(self.step)
         shapes = (lhs.shape, rhs.shape)
+        slot = _slot_mask(site)
         a, b = lhs, rhs
         if "dgrad" in leaves:
-            a = _grad_tap(plan, site, "dgrad", shapes, static_on)(leaves["dgrad"], on, a)
+            a = _grad_tap(plan, site, "dgrad", shapes, static_on)(leaves["dgrad"], on, slot, a)
         if "wgrad" in leaves:
-            b = _grad_tap(plan, site, "wgrad", shapes, static_on)(leaves["wgrad"], on, b)
+            b = _grad_tap(plan, site, "wgrad", shapes, static_on)(leaves["wgrad"], on, slot, b)
         y = self._run(plan, run, a, b)
         fwd_tensors = tuple(t for t in _FWD if t in leaves)
         grad_logged = "output_grad" in leaves
@@ -318,7 +365,7 @@ class _Session:
                 hist = jnp.asarray(site.fp8_history, jnp.float32)
                 hist = lax.stop_gradient(hist.reshape(-1, *hist.shape[-2:]))  # [B, 3, H]
             y = _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on)(
-                sub, on, hist, lax.stop_gradient(lhs), lax.stop_gradient(rhs), y)
+                sub, on, slot, hist, lax.stop_gradient(lhs), lax.stop_gradient(rhs), y)
         return y
 
     @staticmethod
@@ -349,10 +396,11 @@ class _Session:
 
     def state_tree(self) -> dict:
         tree: dict = {}
-        for (path, name), (_, plan) in self.sites.items():
+        for (path, name), (site, plan) in self.sites.items():
             if plan is None:
                 continue
-            entry = {t: {s: jnp.zeros((), jnp.float32) for s in stats}
+            shape = tuple(site.loop_lengths)
+            entry = {t: {s: jnp.zeros(shape, jnp.float32) for s in stats}
                      for t, stats in plan.stats.items() if stats}
             if entry:
                 tree.setdefault(path, {})[name] = entry
@@ -366,7 +414,9 @@ def _matches_rule(config: DebugConfig, i: int, site: GemmSite) -> bool:
 
 def init(config: DebugConfig, fn: Callable, *args: Any, **kwargs: Any) -> dict:
     """The statistics state of ``fn(*args, **kwargs)`` under ``config``: zeros with the
-    structure of the statistics, ``{module_path: {gemm: {tensor: {stat: f32[]}}}}``.
+    structure of the statistics, ``{module_path: {gemm: {tensor: {stat: f32[]}}}}``; a GEMM
+    in a scan body has ``f32[L]`` leaves, one slot per iteration (``f32[L1, L2]`` for nested
+    scans).
 
     ``fn`` is the function whose GEMMs are logged, called as the training step calls it (a
     loss of a policied model, or the policied model itself); it is traced abstractly
@@ -374,7 +424,7 @@ def init(config: DebugConfig, fn: Callable, *args: Any, **kwargs: Any) -> dict:
 
     Raises:
       ValueError: a rule matches no GEMM (the message names the pattern and lists the
-        GEMMs), or a logged GEMM runs inside a loop.
+        GEMMs), or a logged GEMM runs inside a ``while_loop`` (no static trip count).
       TypeError: ``config`` is not a ``DebugConfig``.
     """
     _check_config(config)
@@ -411,11 +461,14 @@ def capture(config: DebugConfig, stats_state: Mapping | None = None,
       per distinct set (two with one schedule), and quiet steps cost what the step costs
       without ``fmtkit.debug``.
 
-    Without ``stats_state`` only the overrides apply.
+    Without ``stats_state`` only the overrides apply. A GEMM in a scan body writes each
+    iteration's statistics to its own slot of its ``f32[L]`` leaves (NaN in every slot on a
+    step that does not log).
 
     Raises:
       ValueError: ``stats_state`` with neither or both of ``step`` and ``active``; a rule
-        that matches none of the GEMMs the block ran.
+        that matches none of the GEMMs the block ran; a logged GEMM inside a
+        ``while_loop``, or a state entry whose shape is not the loops' trip counts.
     """
     _check_config(config)
     if stats_state is not None and (step is None) == (active is None):

@@ -4,6 +4,10 @@ shardings), ``cond``/``switch`` (outputs in the widest dtype the branches give),
 ``scan`` (each body interpreted and rebuilt), and bodies the policy cannot interpret
 (``pallas_call``, unknown primitives: run as traced, with a warning).
 
+Under ``intercept_gemms`` a GEMM in a loop body learns the loops around it
+(``GemmSite.loop_lengths``, ``GemmSite.loop_index``): a rebuilt scan then also scans an
+``arange`` of its length, each iteration's index (unused, JAX drops it from the scan).
+
 ``ControlFlow`` is mixed into ``_interpreter.Interpreter`` and uses its ``_walk``, ``path``,
 ``_warn``, ``record`` and ``analysis``.
 """
@@ -13,10 +17,12 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from fmtkit.policy._analysis import open_jaxpr, scan_counts
 from fmtkit.policy._binding import bind, cast, floating_dtype, wider
+from fmtkit.policy._gemm_hook import active_hook
 
 
 class ControlFlow:
@@ -104,10 +110,12 @@ class ControlFlow:
             return [cast(o, d) for o, d in zip(outs, dtypes)]
 
         self._loop_depth += 1
+        self._loops.append((None, None))
         try:
             return list(lax.while_loop(cond_fn, body_fn, init))
         finally:
             self._loop_depth -= 1
+            self._loops.pop()
 
     def _shard_map(self, eqn, invals, chain, idp, fp8_local):
         """``shard_map``: the body interpreted, rebuilt with the same mesh, specs and manual
@@ -140,19 +148,29 @@ class ControlFlow:
         carry_dtypes = [getattr(x, "dtype", None) for x in init]
         keys = [k for k in self.analysis.scan_sites.get(idp, []) if k in fp8_local]
         n_in = len(invals)
+        length = int(eqn.params["length"])
+        # Under intercept_gemms the body also gets its iteration's index (GemmSite.loop_index)
+        # as one more scanned input, so a reverse scan's index is the original position; the
+        # index is not added otherwise, so the program without a hook is the same.
+        index = [jnp.arange(length, dtype=jnp.int32)] if active_hook() is not None else []
 
         def step(carry, inp):
-            x, hist = inp
+            x, hist, i = inp
             local = {**fp8_local, **dict(zip(keys, hist))}
-            outs = self._walk(body.jaxpr, body.consts, [*consts, *carry, *x], [chain] * n_in,
-                              chain, idp, local)
+            self._loops.append((i[0] if i else None, length))
+            try:
+                outs = self._walk(body.jaxpr, body.consts, [*consts, *carry, *x],
+                                  [chain] * n_in, chain, idp, local)
+            finally:
+                self._loops.pop()
             new = [cast(o, d) if d is not None else o for o, d in zip(outs[:n1], carry_dtypes)]
             return new, outs[n1:]
 
         self._loop_depth += 1
         try:
-            carry, ys = lax.scan(step, list(init), (list(xs), [fp8_local[k] for k in keys]),
-                                 length=int(eqn.params["length"]),
+            carry, ys = lax.scan(step, list(init),
+                                 (list(xs), [fp8_local[k] for k in keys], index),
+                                 length=length,
                                  reverse=eqn.params["reverse"], unroll=eqn.params["unroll"])
         finally:
             self._loop_depth -= 1

@@ -51,6 +51,13 @@ class GemmSite:
         primitives).
       in_loop: whether the GEMM runs inside a ``scan`` or ``while`` body (its operands are
         then one iteration's).
+      loop_lengths: the trip counts of the loops around the GEMM, outermost first (``()``
+        outside loops): a ``scan``'s length (``fori_loop`` with static bounds is a scan), or
+        None for a ``while`` loop.
+      loop_index: the current iteration of each of those loops (int32 scalars traced in the
+        loop bodies, in the original order of the iterations also for a reverse scan; None
+        for a ``while`` loop). A hook that keeps per-iteration results writes iteration
+        ``loop_index`` of arrays shaped ``loop_lengths``.
       fp8_history: the amax history a delayed recipe quantizes this GEMM with
         (f32[*batch, 3, history], rows x, w, grad; see ``fmtkit.fp8``), or None.
       call: a number that identifies the policied call (one model or function call) that
@@ -71,6 +78,8 @@ class GemmSite:
     in_loop: bool
     call: int
     fp8_history: Any = None
+    loop_lengths: tuple[int | None, ...] = ()
+    loop_index: tuple[Any, ...] = ()
 
 
 Hook = Callable[[GemmSite, Callable[..., Any], Any, Any], Any]

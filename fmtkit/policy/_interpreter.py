@@ -161,6 +161,9 @@ class Interpreter(ControlFlow, CustomRules):
         self._gemm_names: dict[tuple, str] = {}
         self._gemm_counts: dict[str, int] = {}
         self._loop_depth = 0
+        # (iteration index, trip count) of the loop bodies being interpreted, outermost first
+        # (None, None for a while loop); indices only while a hook is active.
+        self._loops: list[tuple[Any, int | None]] = []
         self._call = next(GEMM_CALLS)
         # Rules that change nothing ("fp32"): every op as traced, no exit casts.
         self.identity = is_identity(plan.rules)
@@ -434,6 +437,8 @@ class Interpreter(ControlFlow, CustomRules):
             dimension_numbers=eqn.params.get("dimension_numbers")
             if eqn.primitive.name == "dot_general" else None,
             in_loop=self._loop_depth > 0, call=self._call,
+            loop_lengths=tuple(n for _, n in self._loops),
+            loop_index=tuple(i for i, _ in self._loops),
             fp8_history=fp8_local.get(self.analysis.sites.get(idp))
             if capable and recipe is not None and recipe.delayed else None)
 

@@ -156,3 +156,18 @@ def test_bad_input_names_the_argument(tmp_path, capsys):
     assert "--metric 'mse' is not in stats.jsonl" in capsys.readouterr().err
     assert main(["debug", str(tmp_path / "run"), "--top", "0"]) == 2
     assert "--top" in capsys.readouterr().err
+
+
+def test_a_scanned_stack_is_ranked_and_plotted_layer_by_layer(tmp_path, capsys):
+    # One stacked GEMM, three layers (the statistics state's f32[3] leaves), layer 1 worst.
+    stats = {"layers/Dense_0": {"dot_general_0": {"activation": {
+        "underflow_share": np.array([0.01, 0.5, 0.02], np.float32)}}}}
+    with StatsLogger(tmp_path, layers=stats) as log:
+        assert log.write(0, stats) == 3
+    got = summary(capsys, tmp_path, "--metric", "underflow_share", "--top", "2")
+    assert [(r["module"], r["value"]) for r in got["underflow_share"]] == [
+        ("layers/Dense_0[1]", float(np.float32(0.5))),
+        ("layers/Dense_0[2]", float(np.float32(0.02)))]
+    assert main(["debug", str(tmp_path), "--metric", "underflow_share", "--plots"]) == 0
+    assert sorted(p.name for p in (tmp_path / "plots").glob("*.png")) == [
+        f"layers.Dense_0_{i}.png" for i in range(3)]
