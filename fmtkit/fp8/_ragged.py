@@ -27,8 +27,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, widened_operands
 from fmtkit.fp8._operands import Operand, Tile, padded_c, quantize_operand, recipe_tiles
@@ -159,25 +159,26 @@ def _forward(recipe, x, w, group_sizes):
     return _grouped_gemm(xq, wq, 1, group_sizes)[:m, :n]
 
 
-def _backward(recipe, x, w, group_sizes, g):
+def _backward(recipe, x, w, group_sizes, g, need_dx: bool, need_dw: bool):
     tx, tw, tg = recipe_tiles(recipe)
     m, k = x.shape
     ng, _, n = w.shape
     amax_g = _amax(g, recipe)
-    # dgrad: dx [M, K] = dy [M, N] · w[g]ᵀ, contracting N.
-    np_ = padded_c(n, tg, tw)
-    gq_n = quantize_operand(g, recipe.grad_format, tg, recipe, _given(tg, amax_g), np_)
-    wq_n = _quantize_stack(w, recipe.w_format, tw, recipe, np_, contract_n=True)
-    with jax.named_scope(DGRAD_SCOPE):
-        dx = _grouped_gemm(gq_n, wq_n, 2, group_sizes)[:m, :k]
-    # wgrad: dw[g] [K, N] = x_gᵀ · dy_g, contracting each group's tokens.
-    mp = padded_c(m, tg, tx)
-    xq_m = quantize_operand(x, recipe.x_format, tx, recipe, _given(tx, _amax(x, recipe)), mp,
-                            cmajor=True)
-    gq_m = quantize_operand(g, recipe.grad_format, tg, recipe, _given(tg, amax_g), mp,
-                            cmajor=True)
-    with jax.named_scope(WGRAD_SCOPE):
-        dw = _grouped_wgrad(xq_m, gq_m, group_sizes, ng)[:, :k, :n]
+    dx = dw = None
+    if need_dx:  # dgrad: dx [M, K] = dy [M, N] · w[g]ᵀ, contracting N.
+        np_ = padded_c(n, tg, tw)
+        gq_n = quantize_operand(g, recipe.grad_format, tg, recipe, _given(tg, amax_g), np_)
+        wq_n = _quantize_stack(w, recipe.w_format, tw, recipe, np_, contract_n=True)
+        with jax.named_scope(DGRAD_SCOPE):
+            dx = _grouped_gemm(gq_n, wq_n, 2, group_sizes)[:m, :k]
+    if need_dw:  # wgrad: dw[g] [K, N] = x_gᵀ · dy_g, contracting each group's tokens.
+        mp = padded_c(m, tg, tx)
+        xq_m = quantize_operand(x, recipe.x_format, tx, recipe, _given(tx, _amax(x, recipe)),
+                                mp, cmajor=True)
+        gq_m = quantize_operand(g, recipe.grad_format, tg, recipe, _given(tg, amax_g), mp,
+                                cmajor=True)
+        with jax.named_scope(WGRAD_SCOPE):
+            dw = _grouped_wgrad(xq_m, gq_m, group_sizes, ng)[:, :k, :n]
     return dx, dw
 
 
@@ -187,18 +188,25 @@ def _core(recipe, out_dtype, x, w, group_sizes):
 
 
 def _core_fwd(recipe, out_dtype, x, w, group_sizes):
-    return _core(recipe, out_dtype, x, w, group_sizes), (x, w, group_sizes)
+    # (symbolic zeros: the GEMM of an operand that needs no gradient, data or a frozen
+    # weight, is not traced; the flags travel as the residuals' structure, None or ())
+    y = _core(recipe, out_dtype, x.value, w.value, group_sizes.value)
+    flags = tuple(() if p.perturbed else None for p in (x, w))
+    return y, (x.value, w.value, group_sizes.value, flags)
 
 
 def _core_bwd(recipe, out_dtype, res, g):
     del out_dtype
-    x, w, group_sizes = res
-    dx, dw = _backward(recipe, x, w, group_sizes, g.astype(jnp.float32))
-    return (dx.astype(x.dtype), dw.astype(w.dtype),
-            np.zeros(group_sizes.shape, jax.dtypes.float0))
+    x, w, group_sizes, (need_dx, need_dw) = res
+    if isinstance(g, SymbolicZero):  # an output nobody differentiates
+        return None, None, None
+    dx, dw = _backward(recipe, x, w, group_sizes, g.astype(jnp.float32),
+                       need_dx is not None, need_dw is not None)
+    return (None if dx is None else dx.astype(x.dtype),
+            None if dw is None else dw.astype(w.dtype), None)
 
 
-_core.defvjp(_core_fwd, _core_bwd)
+_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
 
 
 def _check(lhs, rhs, group_sizes) -> None:
