@@ -57,9 +57,9 @@ from fmtkit.fp8._backends import on_blackwell as on_blackwell
 from fmtkit.fp8._dot import dot_general, dot_general_fn
 from fmtkit.fp8._gemm import DGRAD_SCOPE as DGRAD_SCOPE
 from fmtkit.fp8._gemm import PARTIALS_BUDGET_BYTES, scaled_matmul
-from fmtkit.fp8._ragged import ragged_dot
 from fmtkit.fp8._gemm import WGRAD_SCOPE as WGRAD_SCOPE
 from fmtkit.fp8._gemm import WIDENED_SCOPE as WIDENED_SCOPE
+from fmtkit.fp8._ragged import ragged_dot
 from fmtkit.fp8._recipe import RECIPES, Fp8Recipe, get_recipe
 from fmtkit.fp8._state import combine_observations, init_state, update_state
 from fmtkit.scaling import DelayedScalingState as _DelayedScalingState
