@@ -236,3 +236,22 @@ def test_moe_layer_routing_negative_control(monkeypatch):
     with pytest.warns(UserWarning, match="ragged_dot .* runs on bfloat16"):
         closed = jax.make_jaxpr(jax.grad(_loss(policied), argnums=(0, 1)))(MOE, TOKENS)
     assert {(a, b) for a, b, _ in _ragged_operands(closed)} == {("bfloat16", "bfloat16")}
+
+
+def test_gemm_hook_sees_the_grouped_gemm_as_fp8():
+    """Under intercept_gemms, a hook that runs what the policy would (site.fp8) computes the
+    same bits as the policy without a hook; the ragged sites carry the FP8 recipe."""
+    from fmtkit.policy import intercept_gemms
+
+    sites = []
+
+    def hook(site, run, lhs, rhs):
+        sites.append((site.primitive, site.fp8_capable, getattr(site.fp8, "name", None)))
+        return run(lhs, rhs, site.fp8)
+
+    policied = jax.jit(with_policy(moe_layer, "fp8-current"))
+    want = policied(MOE, TOKENS)
+    with intercept_gemms(hook):
+        got = jax.jit(with_policy(moe_layer, "fp8-current"))(MOE, TOKENS)
+    assert sites == [("ragged_dot_general", True, "current")] * 2
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

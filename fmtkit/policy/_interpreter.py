@@ -412,8 +412,10 @@ class Interpreter(ControlFlow, CustomRules):
             n = self._gemm_counts.get(path, 0)
             self._gemm_counts[path] = n + 1
             self._gemm_names[key] = f"{eqn.primitive.name}_{n}"
+        # (a grouped GEMM of lax.ragged_dot's form takes FP8 recipes too: fmtkit.fp8.ragged_dot)
         capable = (not head and target == cdt and info is not None and info.projection
-                   and eqn.primitive.name == "dot_general")
+                   and (eqn.primitive.name == "dot_general"
+                        or (_ragged_dot_form(eqn) and not isinstance(recipe, fp4.Fp4Recipe))))
         type_names = () if module is None else self.registry.modules[module].type_names
         site = GemmSite(
             path=path, type_names=type_names,
@@ -424,7 +426,8 @@ class Interpreter(ControlFlow, CustomRules):
             if eqn.primitive.name == "dot_general" else None,
             in_loop=self._loop_depth > 0, call=self._call,
             fp8_history=fp8_local.get(self.analysis.sites.get(idp))
-            if capable and recipe is not None and recipe.delayed else None)
+            if capable and recipe is not None and recipe.delayed
+            and eqn.primitive.name == "dot_general" else None)
 
         def run(a, b, new_recipe=None):
             return self._compute(eqn, a, b, rest, new_recipe, idp, module, info, head, cdt,
@@ -462,9 +465,7 @@ class Interpreter(ControlFlow, CustomRules):
         or None (it then runs on the compute dtype) with a warning saying why: an FP4 recipe,
         or a ragged dot of another form than ``lax.ragged_dot``'s [M, K] x [G, K, N]."""
         path = self.path(module)
-        plain = (_is_ragged_dot(eqn.params["ragged_dot_dimension_numbers"])
-                 and eqn.params.get("group_offset") is None and target == cdt
-                 and eqn.invars[0].aval.ndim == 2 and eqn.invars[1].aval.ndim == 3)
+        plain = _ragged_dot_form(eqn) and target == cdt
         why = None
         if isinstance(recipe, fp4.Fp4Recipe):
             why = "the FP4 recipes have no grouped GEMM"
@@ -535,6 +536,15 @@ class Interpreter(ControlFlow, CustomRules):
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(msg, UserWarning, stacklevel=2)
+
+
+def _ragged_dot_form(eqn) -> bool:
+    """Whether a ``ragged_dot_general`` is ``lax.ragged_dot``'s [M, K] x [G, K, N] GEMM (what
+    ``fmtkit.fp8.ragged_dot`` computes)."""
+    return (eqn.primitive.name == "ragged_dot_general"
+            and _is_ragged_dot(eqn.params["ragged_dot_dimension_numbers"])
+            and eqn.params.get("group_offset") is None
+            and eqn.invars[0].aval.ndim == 2 and eqn.invars[1].aval.ndim == 3)
 
 
 def _is_ragged_dot(rd) -> bool:
