@@ -255,3 +255,14 @@ def test_gemm_hook_sees_the_grouped_gemm_as_fp8():
         got = jax.jit(with_policy(moe_layer, "fp8-current"))(MOE, TOKENS)
     assert sites == [("ragged_dot_general", True, "current")] * 2
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_moe_layer_under_a_delayed_preset_runs_current_scaling_with_one_warning():
+    policied = with_policy(moe_layer, "fp8-delayed")
+    state = policied.init_fp8_state(MOE, TOKENS)
+    with pytest.warns(UserWarning, match="runs with current scaling: the grouped FP8 GEMM "
+                                         "keeps no amax history") as caught:
+        got = policied(MOE, TOKENS, fp8_state=state)
+    assert len(caught) == 1  # one warning for the module, not one per grouped GEMM
+    want = with_policy(moe_layer, "fp8-current")(MOE, TOKENS)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
