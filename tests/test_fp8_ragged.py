@@ -266,3 +266,13 @@ def test_moe_layer_under_a_delayed_preset_runs_current_scaling_with_one_warning(
     assert len(caught) == 1  # one warning for the module, not one per grouped GEMM
     want = with_policy(moe_layer, "fp8-current")(MOE, TOKENS)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_empty_operands_give_zeros():
+    gs = jnp.zeros((3,), jnp.int32)
+    w = jnp.ones((3, 130, 20))
+    y, pullback = jax.vjp(lambda a, b: fp8.ragged_dot(a, b, gs, "blockwise"),
+                          jnp.zeros((0, 130)), w)
+    dx, dw = pullback(jnp.zeros((0, 20)))
+    assert (y.shape, dx.shape, dw.shape) == ((0, 20), (0, 130), (3, 130, 20))
+    assert not np.asarray(dw).any()

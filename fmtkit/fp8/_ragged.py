@@ -239,8 +239,9 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
     ``lhs [M, K]`` holds the tokens sorted by group: rows ``[start_g, start_g +
     group_sizes[g])`` meet ``rhs[g] [K, N]`` (rows past ``sum(group_sizes)`` give zeros, as
-    in ``lax.ragged_dot``). Each of the three GEMMs runs on FP8 operands quantized along the
-    axis it contracts, with the recipe's formats and tiles, as in ``dot_general``:
+    in ``lax.ragged_dot``; empty operands give its zeros). Each of the three GEMMs runs on
+    FP8 operands quantized along the axis it contracts, with the recipe's formats and tiles,
+    as in ``dot_general``:
 
     * forward ``y = x · w[g]`` and dgrad ``dx = dy · w[g]ᵀ``: one ``lax.ragged_dot_general``
       per block of the contraction, with the blocks' scales applied to its f32 partials;
@@ -302,5 +303,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"preferred_element_type must be a floating dtype, got "
                         f"{out_dtype.name}.")
+    if lhs.size == 0 or rhs.size == 0:  # no products to quantize: lax.ragged_dot's zeros
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
     return _core(recipe, out_dtype, lhs, rhs, group_sizes.astype(jnp.int32))
 
