@@ -34,6 +34,7 @@ One concept per module (all private; the public names are the ones below):
     _gemm         scaled_matmul: per-block dots, widening off GPUs, kernel dispatch
     _vjp          the FP8 custom-VJP core (forward, dgrad, wgrad)
     _dot          dot_general_fn and dot_general (lax.dot_general's signature)
+    _ragged       ragged_dot: the grouped FP8 GEMM (lax.ragged_dot, MoE experts)
     _fp4_quant, _hadamard, _fp4_vjp   the FP4 family (public path: fmtkit.fp4)
 
 Deprecated spellings (they warn with a ``DeprecationWarning`` naming the replacement):
@@ -58,6 +59,7 @@ from fmtkit.fp8._gemm import DGRAD_SCOPE as DGRAD_SCOPE
 from fmtkit.fp8._gemm import PARTIALS_BUDGET_BYTES, scaled_matmul
 from fmtkit.fp8._gemm import WGRAD_SCOPE as WGRAD_SCOPE
 from fmtkit.fp8._gemm import WIDENED_SCOPE as WIDENED_SCOPE
+from fmtkit.fp8._ragged import ragged_dot
 from fmtkit.fp8._recipe import RECIPES, Fp8Recipe, get_recipe
 from fmtkit.fp8._state import combine_observations, init_state, update_state
 from fmtkit.scaling import DelayedScalingState as _DelayedScalingState
@@ -74,6 +76,7 @@ __all__ = [
     "get_recipe",
     "init_state",
     "limited_precision_matmul",
+    "ragged_dot",
     "register_gemm_backend",
     "scaled_matmul",
     "update_state",

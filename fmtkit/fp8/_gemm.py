@@ -272,6 +272,19 @@ def _emulated_dot(a: Operand, b: Operand, av: jax.Array, bv: jax.Array, dims) ->
         return _wide_dot(av.astype(_WIDE_DTYPE), bv.astype(_WIDE_DTYPE), dims)
 
 
+def widened_operands(av: jax.Array, bv: jax.Array, fmt_a: str, fmt_b: str
+                     ) -> tuple[jax.Array, jax.Array, str | None]:
+    """Stored FP8 values ``av`` and ``bv`` as a GEMM outside this module (the grouped GEMM,
+    ``fmtkit.fp8.ragged_dot``) feeds them to its dot: off GPUs widened exactly to bf16 with
+    the ``WIDENED_SCOPE`` scope name that tells a jaxpr reader their formats (``fmt_a``,
+    ``fmt_b``: the formats' names), as ``_emulated_dot`` does; on a GPU (or a format bf16
+    does not hold) unchanged, with no scope (None)."""
+    if not (_widens(av) and _widens(bv)):
+        return av, bv, None
+    return (av.astype(_WIDE_DTYPE), bv.astype(_WIDE_DTYPE),
+            f"{WIDENED_SCOPE}-{fmt_a}-{fmt_b}")
+
+
 def _wide_dot(av: jax.Array, bv: jax.Array, dims) -> jax.Array:
     """``lax.dot_general(av, bv, dims)`` of bf16 operands into f32, in a form XLA:CPU runs.
 

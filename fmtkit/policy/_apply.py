@@ -60,7 +60,8 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
       dot algorithm that excludes the compute dtype (honoured, with a warning naming the
       module); FFT, linear algebra (``eigh``, ``svd``, solves) and host callbacks run in
       their traced dtypes; complex matmuls as traced; ``lax.ragged_dot`` (grouped GEMMs) on
-      the compute dtype; a one-hot embedding lookup is not a projection (never FP8);
+      the compute dtype, as ``fmtkit.fp8.ragged_dot`` under FP8 presets; a one-hot
+      embedding lookup is not a projection (never FP8);
     * ``custom_vjp``/``custom_jvp`` rules are interpreted too (their matmuls on the compute
       dtype), and a policied function called inside another keeps its own policy;
     * the output head (the matmul that produces the model's outputs: lm1b's ``logitdense``, a

@@ -45,7 +45,9 @@ class GemmSite:
       fp8: the FP8/FP4 recipe the GEMM runs with, or None where it runs in the compute dtype
         (a policy without ``fp8``, the head, a matmul without a parameter operand).
       fp8_capable: whether ``run`` applies a recipe given to it (a ``dot_general`` with a
-        parameter operand, not the head); elsewhere it computes in the compute dtype.
+        parameter operand, not the head; a ``lax.ragged_dot`` with parameter experts, as
+        ``fmtkit.fp8.ragged_dot``, FP8 recipes only); elsewhere it computes in the compute
+        dtype.
       head: whether the GEMM is the model's output head.
       dimension_numbers: the GEMM's dimension numbers (``dot_general``'s; None for other
         primitives).

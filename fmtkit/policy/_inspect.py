@@ -183,7 +183,8 @@ class PolicyReport:
         Convolutions are not counted: the FP8 recipes target matmuls (``dot_general``), and
         convolutions run on the compute dtype under FP8 presets (``str(report)`` lists their
         FLOPs on a line of their own, and the policied call warns, naming their modules).
-        Grouped GEMMs (``lax.ragged_dot``) are counted, as not FP8 (the policy warns about
+        Grouped GEMMs (``lax.ragged_dot``) are counted: as FP8 under FP8 presets
+        (``fmtkit.fp8.ragged_dot``), as not FP8 under FP4 presets (the policy warns about
         them).
 
         Example: ``assert inspect_policy(model, x).fp8_fraction("dgrad") >= 0.95``.

@@ -17,6 +17,7 @@ Equations are bound through ``_binding``'s shared jits.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from fmtkit import fp8
+from fmtkit import fp4, fp8
 from fmtkit.policy import _ops
 from fmtkit.policy._analysis import (
     BODIES,
@@ -426,8 +427,10 @@ class Interpreter(ControlFlow, CustomRules):
             n = self._gemm_counts.get(path, 0)
             self._gemm_counts[path] = n + 1
             self._gemm_names[key] = f"{eqn.primitive.name}_{n}"
+        # (a grouped GEMM of lax.ragged_dot's form takes FP8 recipes too: fmtkit.fp8.ragged_dot)
         capable = (not head and target == cdt and info is not None and info.projection
-                   and eqn.primitive.name == "dot_general")
+                   and (eqn.primitive.name == "dot_general"
+                        or (_ragged_dot_form(eqn) and not isinstance(recipe, fp4.Fp4Recipe))))
         type_names = () if module is None else self.registry.modules[module].type_names
         site = GemmSite(
             path=path, type_names=type_names,
@@ -440,7 +443,8 @@ class Interpreter(ControlFlow, CustomRules):
             loop_lengths=tuple(n for _, n in self._loops),
             loop_index=tuple(i for i, _ in self._loops),
             fp8_history=fp8_local.get(self.analysis.sites.get(idp))
-            if capable and recipe is not None and recipe.delayed else None)
+            if capable and recipe is not None and recipe.delayed
+            and eqn.primitive.name == "dot_general" else None)
 
         def run(a, b, new_recipe=None):
             return self._compute(eqn, a, b, rest, new_recipe, idp, module, info, head, cdt,
@@ -454,11 +458,10 @@ class Interpreter(ControlFlow, CustomRules):
         else in the operands' dtype (the head's and asked-for wider results kept)."""
         if (recipe is not None and not head and info is not None and info.projection
                 and eqn.primitive.name == "ragged_dot_general"):
-            path = self.path(module)
-            self._warn(f"no-fp8:{path}:{eqn.primitive.name}", (
-                f"lax.ragged_dot (a grouped GEMM) in module {path or '<root>'!r} runs on "
-                f"{cdt.name}, not with the FP8 recipe {recipe.name}: fmtkit's FP8 GEMMs are "
-                "dot_general only. inspect_policy counts it as not FP8."))
+            out = self._fp8_ragged(eqn, lhs, rhs, rest, recipe, module, target, cdt,
+                                   cdt if wide_out is None else wide_out)
+            if out is not None:
+                return out
         if (recipe is not None and not head and target == cdt and info is not None
                 and info.projection and eqn.primitive.name == "dot_general"):
             out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local,
@@ -473,6 +476,36 @@ class Interpreter(ControlFlow, CustomRules):
         if out_dt.itemsize > target.itemsize:
             return _mixed_matmul(eqn, lhs, rhs, out_dt)
         return bind(eqn, [lhs, rhs, *rest], preferred_element_type=out_dt)[0]
+
+    def _fp8_ragged(self, eqn, lhs, rhs, rest, recipe, module, target, cdt, out_dt):
+        """A ``lax.ragged_dot`` projection as the grouped FP8 GEMM (``fmtkit.fp8.ragged_dot``),
+        or None (it then runs on the compute dtype) with a warning saying why: an FP4 recipe,
+        or a ragged dot of another form than ``lax.ragged_dot``'s [M, K] x [G, K, N]."""
+        path = self.path(module)
+        plain = _ragged_dot_form(eqn) and target == cdt
+        why = None
+        if isinstance(recipe, fp4.Fp4Recipe):
+            why = "the FP4 recipes have no grouped GEMM"
+        elif not plain:
+            why = ("fmtkit.fp8.ragged_dot takes lax.ragged_dot's form (lhs [M, K] sorted by "
+                   "group, rhs [G, K, N])")
+        if why is not None:
+            self._warn(f"no-fp8:{path}:{eqn.primitive.name}", (
+                f"lax.ragged_dot (a grouped GEMM) in module {path or '<root>'!r} runs on "
+                f"{cdt.name}, not with the recipe {recipe.name}: {why}. inspect_policy "
+                "counts it as not FP8."))
+            return None
+        if recipe.delayed:  # (fmtkit.fp8.ragged_dot would warn on every trace)
+            self._warn(f"delayed:{path}:{eqn.primitive.name}", (
+                f"lax.ragged_dot (a grouped GEMM) in module {path or '<root>'!r} runs with "
+                f"current scaling: the grouped FP8 GEMM keeps no amax history (the delayed "
+                f"recipe {recipe.name}'s formats, per-tensor scales from this step)."))
+            recipe = dataclasses.replace(recipe, delayed=False)
+        try:
+            return fp8.ragged_dot(lhs, rhs, rest[0], recipe, preferred_element_type=out_dt)
+        except ValueError as err:
+            raise ValueError(f"FP8 grouped GEMM in module {path or '<root>'!r} (recipe "
+                             f"{recipe}): {err}") from None
 
     def _fp8_matmul(self, eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt):
         path = self.path(module)
@@ -544,3 +577,19 @@ class Interpreter(ControlFlow, CustomRules):
             warnings.warn(msg, UserWarning, stacklevel=2)
 
 
+def _ragged_dot_form(eqn) -> bool:
+    """Whether a ``ragged_dot_general`` is ``lax.ragged_dot``'s [M, K] x [G, K, N] GEMM (what
+    ``fmtkit.fp8.ragged_dot`` computes)."""
+    return (eqn.primitive.name == "ragged_dot_general"
+            and _is_ragged_dot(eqn.params["ragged_dot_dimension_numbers"])
+            and eqn.params.get("group_offset") is None
+            and eqn.invars[0].aval.ndim == 2 and eqn.invars[1].aval.ndim == 3)
+
+
+def _is_ragged_dot(rd) -> bool:
+    """Whether ragged dot dimension numbers are ``lax.ragged_dot``'s: lhs [M, K] ragged
+    along M, rhs [G, K, N] grouped along G, contracting K."""
+    return (tuple(map(tuple, rd.dot_dimension_numbers[0])) == ((1,), (1,))
+            and tuple(map(tuple, rd.dot_dimension_numbers[1])) == ((), ())
+            and tuple(rd.lhs_ragged_dimensions) == (0,)
+            and tuple(rd.rhs_group_dimensions) == (0,))

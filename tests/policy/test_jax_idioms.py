@@ -18,6 +18,7 @@ from jaxpr_utils import iter_eqns, matmul_flops, operand_dtypes
 from fmtkit.policy import _interpreter, _scopes, inspect_policy, with_policy
 
 BF16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
+E4M3, E5M2 = jnp.dtype("float8_e4m3fn"), jnp.dtype("float8_e5m2")
 MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 RNG = np.random.default_rng(0)
 X = jnp.asarray(RNG.standard_normal((4, 8)), jnp.float32)
@@ -442,10 +443,21 @@ def test_ragged_dot_runs_on_the_compute_dtype_and_is_counted():
         matmul_flops(e) for e in iter_eqns(closed) if e.primitive.name in MATMULS)
 
 
-def test_ragged_dot_under_fp8_runs_on_the_compute_dtype_with_a_warning():
+def test_ragged_dot_under_fp8_is_an_fp8_grouped_gemm():
     policied = with_policy(moe_model, "fp8-current")
+    closed = _grad_jaxpr(policied, EXPERTS, X)
+    # forward and wgrad (x is data) on FP8 operands (fmtkit.fp8.ragged_dot)
+    assert sorted(_ragged(closed)) == sorted([(E4M3, E4M3), (E4M3, E5M2)])
+    report = inspect_policy(policied, EXPERTS, X, argnums=0)
+    grouped = [m for m in report.matmul_ops if m.primitive == "ragged_dot_general"]
+    assert [(m.kind, m.low_precision, m.groups) for m in grouped] == [
+        ("forward", True, 2), ("wgrad", True, 2)]
+
+
+def test_ragged_dot_under_fp4_runs_on_the_compute_dtype_with_a_warning():
+    policied = with_policy(moe_model, "nvfp4")
     with pytest.warns(UserWarning, match="ragged_dot .*module '<root>' runs on bfloat16, "
-                                         "not with the FP8 recipe"):
+                                         "not with the recipe nvfp4: the FP4 recipes"):
         closed = _grad_jaxpr(policied, EXPERTS, X)
     assert _ragged(closed) == [(BF16, BF16)] * 2
     with pytest.warns(UserWarning, match="ragged_dot"):

@@ -1,0 +1,309 @@
+"""The grouped FP8 GEMM: ``ragged_dot``, ``lax.ragged_dot`` (the GEMM of an MoE layer's experts,
+megablox style) with FP8 operands and a custom VJP.
+
+Tokens are sorted by group: rows ``[start_g, start_g + group_sizes[g])`` of ``lhs [M, K]``
+meet group g's weights ``rhs[g] [K, N]``. The three GEMMs, each on FP8 operands quantized
+along the axis it contracts, with the dense FP8 GEMM's quantizers (``_operands``):
+
+    forward   y  [M, N]    = x · w[g(m)]            ragged_dot, contracts K
+    dgrad     dx [M, K]    = dy · w[g(m)]ᵀ          ragged_dot, contracts N
+    wgrad     dw [G, K, N] = x_gᵀ · dy_g per group  ragged_dot_general, ragged contraction
+
+The activation and the gradient get the recipe's tiles as in the dense GEMM (per tensor: one
+scale for all tokens of all groups; "1x128": 128 elements of a row along the contraction).
+The weight stack is quantized group by group: one scale per group for a per-tensor tile
+(experts differ in range), one per 128x128 block of each group for "128x128". Scales are
+applied per block of the contraction (DeepSeek-V3's promotion into f32); the wgrad's token
+blocks (of the activation's and gradient's tiles along the tokens) follow the sorted token
+order and may span two groups: each group's part of a block is scaled by that block's scales.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, widened_operands
+from fmtkit.fp8._operands import Operand, Tile, padded_c, quantize_operand, recipe_tiles
+from fmtkit.fp8._recipe import RECIPES, Fp4Recipe, Fp8Recipe, get_recipe
+from fmtkit.scaling import ScaledArray
+
+
+def _amax(t: jax.Array, recipe: Fp8Recipe, axes=None) -> jax.Array:
+    """max |t| (over ``axes``) in f32, reduced over the recipe's mesh axes."""
+    amax = jnp.max(jnp.abs(t), axis=axes).astype(jnp.float32)
+    for axis in recipe.amax_reduce_axes:
+        amax = lax.pmax(amax, axis)
+    return amax
+
+
+def _given(tile: Tile, amax: jax.Array) -> jax.Array | None:
+    """The amax a per-tensor tile is quantized with (None: the tiles' own)."""
+    return amax if tile.kind == "tensor" else None
+
+
+def _repeat_to(s: jax.Array, rows: int, cols: int) -> jax.Array:
+    """A 2-D per-block scale ``[r, c]`` repeated to ``[rows, cols]`` (r | rows, c | cols)."""
+    s = s.astype(jnp.float32)
+    return jnp.repeat(jnp.repeat(s, rows // s.shape[0], axis=0), cols // s.shape[1], axis=1)
+
+
+def _group_of_rows(group_sizes: jax.Array, m: int, g: int) -> jax.Array:
+    """The group of each of ``m`` sorted rows (rows past the last group: the last group,
+    whose products there are zero)."""
+    ends = jnp.cumsum(group_sizes)
+    gid = jnp.sum(jnp.arange(m, dtype=ends.dtype)[:, None] >= ends[None, :], axis=1)
+    return jnp.minimum(gid, g - 1)
+
+
+def _quantize_stack(w: jax.Array, fmt: str, tile: Tile, recipe: Fp8Recipe, c_to: int, *,
+                    contract_n: bool) -> ScaledArray:
+    """The weight stack ``w [G, K, N]`` quantized group by group (one scale per group for a
+    per-tensor tile), stored ``[G, K', N']``: each group as the operand ``[N, K]`` stored
+    contraction-major (forward: contracts K), or (``contract_n``) as ``[K, N]`` (dgrad)."""
+    amax = _amax(w, recipe, axes=(1, 2))
+
+    def one(wg, a):
+        return quantize_operand(wg, fmt, tile, recipe, _given(tile, a), c_to,
+                                cmajor=not contract_n).sa
+
+    return jax.vmap(one)(w, amax)
+
+
+def _grouped_gemm(a: Operand, b: ScaledArray, caxis: int, group_sizes: jax.Array
+                  ) -> jax.Array:
+    """f32 ``out [M', F]``, row m: ``a[m] · b[g(m)]`` contracting a's C with b's axis
+    ``caxis`` (1: b stored ``[G, C, F]``; 2: ``[G, F, C]``), the scales applied per block of
+    the smaller contraction tile (one ragged dot per block)."""
+    av, bv = a.sa.values, b.values
+    mp, c = av.shape
+    ng, f = bv.shape[0], bv.shape[3 - caxis]
+    blk = min(c // a.sa.scale.shape[1], c // b.scale.shape[caxis])
+    nb = c // blk
+    sa = _repeat_to(a.sa.scale, mp, nb)  # [M', nb]
+    sb = b.scale if caxis == 1 else jnp.swapaxes(b.scale, 1, 2)
+    sb = jax.vmap(lambda s: _repeat_to(s, nb, f))(sb)  # [G, nb, F]
+    gid = _group_of_rows(group_sizes, mp, ng)
+    av, bv, scope = widened_operands(av, bv, a.sa.fmt.name, b.fmt.name)
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (caxis,)), ((), ())),
+        lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+
+    def block(i):
+        pa = lax.dynamic_slice_in_dim(av, i * blk, blk, axis=1)
+        pb = lax.dynamic_slice_in_dim(bv, i * blk, blk, axis=caxis)
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+            part = lax.ragged_dot_general(pa, pb, group_sizes, dims,
+                                          preferred_element_type=jnp.float32)
+        s1 = lax.dynamic_slice_in_dim(sa, i, 1, axis=1)  # [M', 1]
+        s2 = lax.dynamic_index_in_dim(sb, i, axis=1, keepdims=False)[gid]  # [M', F]
+        return part * s1 * s2
+
+    if nb == 1:
+        return block(0)
+    return lax.scan(lambda acc, i: (acc + block(i), None), jnp.zeros((mp, f), jnp.float32),
+                    jnp.arange(nb))[0]
+
+
+def _grouped_wgrad(a: Operand, b: Operand, group_sizes: jax.Array, ng: int) -> jax.Array:
+    """f32 ``dw [G, F1, F2]``: per group, ``a_gᵀ · b_g`` over its tokens, of ``a`` and ``b``
+    stored token-major (``[T', F1]``, ``[T', F2]``), the scales applied per token block (the
+    smaller token tile of the two); a block's rows of each group are that group's share."""
+    av, bv = a.sa.values, b.sa.values
+    t, f1 = av.shape
+    f2 = bv.shape[1]
+    blk = min(t // a.sa.scale.shape[0], t // b.sa.scale.shape[0])
+    nb = t // blk
+    sa = _repeat_to(a.sa.scale, nb, f1)  # [nb, F1]
+    sb = _repeat_to(b.sa.scale, nb, f2)  # [nb, F2]
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    av, bv, scope = widened_operands(av, bv, a.sa.fmt.name, b.sa.fmt.name)
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=(0,), rhs_group_dimensions=())
+
+    def block(i):
+        lo = i * blk
+        local = (jnp.clip(ends, lo, lo + blk) - jnp.clip(starts, lo, lo + blk)
+                 ).astype(group_sizes.dtype)  # each group's rows in this block
+        pa = lax.dynamic_slice_in_dim(av, lo, blk, axis=0)
+        pb = lax.dynamic_slice_in_dim(bv, lo, blk, axis=0)
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+            part = lax.ragged_dot_general(pa, pb, local, dims,
+                                          preferred_element_type=jnp.float32)
+        s1 = lax.dynamic_index_in_dim(sa, i, axis=0, keepdims=False)
+        s2 = lax.dynamic_index_in_dim(sb, i, axis=0, keepdims=False)
+        return part * s1[None, :, None] * s2[None, None, :]
+
+    if nb == 1:
+        return block(0)
+    return lax.scan(lambda acc, i: (acc + block(i), None),
+                    jnp.zeros((ng, f1, f2), jnp.float32), jnp.arange(nb))[0]
+
+
+def _forward(recipe, x, w, group_sizes):
+    tx, tw, _ = recipe_tiles(recipe)
+    m, k = x.shape
+    n = w.shape[2]
+    kp = padded_c(k, tx, tw)
+    xq = quantize_operand(x, recipe.x_format, tx, recipe, _given(tx, _amax(x, recipe)), kp)
+    wq = _quantize_stack(w, recipe.w_format, tw, recipe, kp, contract_n=False)
+    return _grouped_gemm(xq, wq, 1, group_sizes)[:m, :n]
+
+
+def _backward(recipe, x, w, group_sizes, g, need_dx: bool, need_dw: bool):
+    tx, tw, tg = recipe_tiles(recipe)
+    m, k = x.shape
+    ng, _, n = w.shape
+    amax_g = _amax(g, recipe)
+    dx = dw = None
+    if need_dx:  # dgrad: dx [M, K] = dy [M, N] · w[g]ᵀ, contracting N.
+        np_ = padded_c(n, tg, tw)
+        gq_n = quantize_operand(g, recipe.grad_format, tg, recipe, _given(tg, amax_g), np_)
+        wq_n = _quantize_stack(w, recipe.w_format, tw, recipe, np_, contract_n=True)
+        with jax.named_scope(DGRAD_SCOPE):
+            dx = _grouped_gemm(gq_n, wq_n, 2, group_sizes)[:m, :k]
+    if need_dw:  # wgrad: dw[g] [K, N] = x_gᵀ · dy_g, contracting each group's tokens.
+        mp = padded_c(m, tg, tx)
+        xq_m = quantize_operand(x, recipe.x_format, tx, recipe, _given(tx, _amax(x, recipe)),
+                                mp, cmajor=True)
+        gq_m = quantize_operand(g, recipe.grad_format, tg, recipe, _given(tg, amax_g), mp,
+                                cmajor=True)
+        with jax.named_scope(WGRAD_SCOPE):
+            dw = _grouped_wgrad(xq_m, gq_m, group_sizes, ng)[:, :k, :n]
+    return dx, dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _core(recipe, out_dtype, x, w, group_sizes):
+    return _forward(recipe, x, w, group_sizes).astype(out_dtype)
+
+
+def _core_fwd(recipe, out_dtype, x, w, group_sizes):
+    # (symbolic zeros: the GEMM of an operand that needs no gradient, data or a frozen
+    # weight, is not traced; the flags travel as the residuals' structure, None or ())
+    y = _core(recipe, out_dtype, x.value, w.value, group_sizes.value)
+    flags = tuple(() if p.perturbed else None for p in (x, w))
+    return y, (x.value, w.value, group_sizes.value, flags)
+
+
+def _core_bwd(recipe, out_dtype, res, g):
+    del out_dtype
+    x, w, group_sizes, (need_dx, need_dw) = res
+    if isinstance(g, SymbolicZero):  # an output nobody differentiates
+        return None, None, None
+    dx, dw = _backward(recipe, x, w, group_sizes, g.astype(jnp.float32),
+                       need_dx is not None, need_dw is not None)
+    return (None if dx is None else dx.astype(x.dtype),
+            None if dw is None else dw.astype(w.dtype), None)
+
+
+_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
+
+
+def _check(lhs, rhs, group_sizes) -> None:
+    for arg, t, rank in (("lhs", lhs, 2), ("rhs", rhs, 3)):
+        dtype = getattr(t, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"{arg} must be a real floating array, got "
+                            f"{getattr(dtype, 'name', type(t).__name__)}.")
+        if t.ndim != rank:
+            what = ("[M, K], tokens sorted by group" if rank == 2
+                    else "[G, K, N], one [K, N] weight per group")
+            raise ValueError(f"{arg} must be {rank}-D ({what}), got shape {tuple(t.shape)}.")
+    gdt = getattr(group_sizes, "dtype", None)
+    if gdt is None or not jnp.issubdtype(gdt, jnp.integer):
+        raise TypeError("group_sizes must be an integer array (int32, as lax.ragged_dot "
+                        f"takes), got {getattr(gdt, 'name', type(group_sizes).__name__)}.")
+    if group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(f"group_sizes must have shape (G,) = ({rhs.shape[0]},), one size per "
+                         f"group of rhs, got {tuple(group_sizes.shape)}.")
+    if lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"lhs [M, K] and rhs [G, K, N] must share K: lhs has "
+                         f"{lhs.shape[1]}, rhs has {rhs.shape[1]}.")
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+               recipe: str | Fp8Recipe = "blockwise", *,
+               preferred_element_type: jax.typing.DTypeLike | None = None) -> jax.Array:
+    """``lax.ragged_dot`` as a grouped FP8 GEMM (an MoE layer's experts), with FP8 dgrad and
+    wgrad.
+
+    ``lhs [M, K]`` holds the tokens sorted by group: rows ``[start_g, start_g +
+    group_sizes[g])`` meet ``rhs[g] [K, N]`` (rows past ``sum(group_sizes)`` give zeros, as
+    in ``lax.ragged_dot``; empty operands give its zeros). Each of the three GEMMs runs on
+    FP8 operands quantized along the axis it contracts, with the recipe's formats and tiles,
+    as in ``dot_general``:
+
+    * forward ``y = x · w[g]`` and dgrad ``dx = dy · w[g]ᵀ``: one ``lax.ragged_dot_general``
+      per block of the contraction, with the blocks' scales applied to its f32 partials;
+    * wgrad ``dw[g] = x_gᵀ · dy_g`` ``[G, K, N]``: ``lax.ragged_dot_general`` with a ragged
+      contraction (the tokens), per block of the token tiles.
+
+    Scales: the activation and the gradient as in the dense GEMM (per tensor: one scale for
+    all tokens of all groups; "blockwise": 1x128 tiles of a row along the contraction, and
+    128 tokens x 1 column in the wgrad, blocks that follow the sorted token order across
+    group boundaries). The weight stack is quantized per group: per tensor, one scale for
+    each group (``amax(w[g]) / fmt.max``: experts differ in range); "128x128", the blocks of
+    each group. K and N of any size: a dimension the tiles block is zero-padded inside each
+    GEMM (exact) as in the dense GEMM.
+
+    Delayed recipes run as the current recipe of the same formats, with a warning: an amax
+    history per group would need a state per expert that no policy threads. FP4 recipes and
+    an emulated accumulator (``accum_mantissa_bits``) are refused. Registered GEMM kernels
+    (``use_kernel``) are not used: the grouped GEMM is ``lax.ragged_dot_general`` on FP8
+    operands (widened exactly to bf16 off GPUs, in the ``WIDENED_SCOPE`` scope, as the dense
+    emulation). Forward-mode AD is not defined (a ``jax.custom_vjp``).
+
+    Args:
+      lhs: ``[M, K]`` floating, tokens sorted by group.
+      rhs: ``[G, K, N]`` floating, one weight per group.
+      group_sizes: int ``[G]``, the rows of each group (zero allowed), ``sum <= M``.
+      recipe: a name from ``RECIPES`` or an ``Fp8Recipe``.
+      preferred_element_type: the output dtype (default: the operands' promoted dtype);
+        the GEMMs accumulate in f32.
+
+    Returns:
+      ``[M, N]`` of ``preferred_element_type``.
+
+    Raises:
+      TypeError: non-floating ``lhs``/``rhs``, non-integer ``group_sizes``.
+      ValueError: ``lhs`` not 2-D, ``rhs`` not 3-D, ``group_sizes`` not of shape ``(G,)``,
+        K differing, an FP4 recipe or ``accum_mantissa_bits`` set.
+
+    Example:
+      >>> x, w = jnp.ones((256, 128)), jnp.ones((4, 128, 64))
+      >>> ragged_dot(x, w, jnp.array([100, 0, 56, 100], jnp.int32), "current").shape
+      (256, 64)
+    """
+    _check(lhs, rhs, group_sizes)
+    recipe = get_recipe(recipe)
+    if isinstance(recipe, Fp4Recipe):
+        raise ValueError(f"recipe={recipe.name!r}: FP4 recipes have no grouped GEMM; use an "
+                         f"FP8 recipe ({', '.join(RECIPES)}).")
+    if recipe.accum_mantissa_bits is not None:
+        raise ValueError(f"recipe {recipe}: accum_mantissa_bits (an emulated accumulator) is "
+                         "not supported by the grouped GEMM; set it to None.")
+    if recipe.delayed:
+        warnings.warn(
+            f"fmtkit.fp8.ragged_dot: the delayed recipe {recipe} runs as current scaling "
+            "(per-tensor scales from this step's amaxes; one per group for the weights): the "
+            "grouped GEMM keeps no amax history.", UserWarning, stacklevel=2)
+        recipe = dataclasses.replace(recipe, delayed=False)
+    out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
+                          else jnp.result_type(lhs, rhs))
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"preferred_element_type must be a floating dtype, got "
+                        f"{out_dtype.name}.")
+    if lhs.size == 0 or rhs.size == 0:  # no products to quantize: lax.ragged_dot's zeros
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    return _core(recipe, out_dtype, lhs, rhs, group_sizes.astype(jnp.int32))
+
