@@ -142,13 +142,20 @@ class Config:
 
 def gemm_flops(model: Any, variables: Any, tokens: jax.Array) -> dict[str, tuple[float, bool]]:
     """``{f"{module_path}/{gemm}": (forward FLOPs, runs in FP8)}`` of every GEMM the policied
-    ``model`` runs on ``tokens`` (traced abstractly): 2 x output size x contraction size."""
+    ``model`` runs on ``tokens`` (traced abstractly): 2 x output size x contraction size
+    (for a grouped GEMM the contraction of one row with its group's matrix)."""
     out: dict[str, tuple[float, bool]] = {}
 
     def hook(site, run, lhs, rhs):
         y = run(lhs, rhs, site.fp8)
-        (lc, _), _ = site.dimension_numbers
-        k = math.prod(lhs.shape[d] for d in lc)
+        if site.primitive == "ragged_dot_general":  # each row meets one group's matrix
+            k = lhs.shape[-1]
+        elif site.dimension_numbers is None:
+            raise ValueError(f"GEMM {site.path!r}/{site.name}: the autopilot study counts "
+                             "matmul FLOPs only (no convolutions).")
+        else:
+            (lc, _), _ = site.dimension_numbers
+            k = math.prod(lhs.shape[d] for d in lc)
         out[f"{site.path}/{site.name}"] = (2.0 * math.prod(y.shape) * k, site.fp8 is not None)
         return y
 

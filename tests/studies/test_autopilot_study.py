@@ -125,3 +125,25 @@ def test_a_killed_study_resumes_bit_for_bit(tmp_path):
         la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
         assert len(la) == len(lb) > 0
         assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def test_gemm_flops_counts_a_grouped_gemm_row_by_row():
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from fmtkit.policy import with_policy
+
+    class MoE(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("experts", nn.initializers.normal(), (4, 128, 256))
+            h = jax.lax.ragged_dot(x, w, jnp.array([8, 0, 16, 8], jnp.int32))
+            return nn.Dense(8, name="head")(h)
+
+    x = jnp.ones((32, 128))
+    model = MoE()
+    flops = autopilot.gemm_flops(with_policy(model, "fp8-current"),
+                                 model.init(jax.random.key(0), x), x)
+    # 32 tokens x 128 inputs x 256 outputs, each token through one expert (2 FLOPs per MAC).
+    assert flops["/ragged_dot_general_0"] == (2.0 * 32 * 128 * 256, True)
+    assert flops["head/dot_general_0"] == (2.0 * 32 * 256 * 8, False)
