@@ -56,6 +56,12 @@ class GemmSite:
       call: a number that identifies the policied call (one model or function call) that
         runs the GEMM: two calls of the same model under one hook give the same names
         with different ``call`` numbers.
+      weight_operand: which operand is the GEMM's weight (the other is its activation): 0
+        (``lhs``) where only the left operand is a view of a parameter (Equinox's
+        ``weight @ x``, a function's ``params["w"] @ x``), else 1 (``rhs``, as in
+        ``x @ w``, and for GEMMs of two activations or two parameters). An FP8 recipe gives
+        this operand its weight format, tiling and amax-history row, and its gradient is
+        the weight gradient (wgrad), whichever side it is written on.
     """
 
     path: str
@@ -71,6 +77,7 @@ class GemmSite:
     in_loop: bool
     call: int
     fp8_history: Any = None
+    weight_operand: int = 1
 
 
 Hook = Callable[[GemmSite, Callable[..., Any], Any, Any], Any]
