@@ -134,3 +134,78 @@ def test_delayed_history_records_the_weight_in_its_row():
     assert _bf16_amax(X) != _bf16_amax(LINEAR.weight)
     assert row[0] == _bf16_amax(X) and row[1] == _bf16_amax(LINEAR.weight), row
     assert row[2] > 0
+
+
+# An explicit-sharding mesh (4 simulated devices, in a subprocess): the traced out_sharding
+# of a weight-on-the-left GEMM is laid out for the swapped GEMM and holds again for the
+# result transposed back.
+_EXPLICIT_MESH_SCRIPT = r'''
+import json, os
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4"
+                           " --xla_allow_excess_precision=false")  # (as tests/conftest.py)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from fmtkit.policy import with_policy
+
+mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+rng = np.random.default_rng(0)
+X = rng.standard_normal((16, 384)).astype(np.float32)
+PARAMS = {"w": (rng.standard_normal((256, 384)) / 16).astype(np.float32),
+          "o": (rng.standard_normal((3, 256)) / 8).astype(np.float32)}
+
+def left(p, x):  # w @ x.T asked to come out [features over "model", tokens over "data"]
+    h = jnp.matmul(p["w"], x.T, out_sharding=P("model", "data")).T
+    return jnp.tanh(h) @ p["o"].T
+
+def right(p, x):
+    return jnp.tanh(jnp.matmul(x, p["w"].T, out_sharding=P("data", "model"))) @ p["o"].T
+
+def run(model, preset, p, x):
+    f = with_policy(model, preset)
+    value, grads = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(f(p, x) ** 2)))(p, x)
+    return jax.jit(f)(p, x), value, grads
+
+def transposed_back(closed):
+    # the specs of the [256, 16] results of transposes of [16, 256] values
+    found = []
+    def walk(j):
+        for e in j.eqns:
+            if (e.primitive.name == "transpose" and e.invars[0].aval.shape == (16, 256)
+                    and e.outvars[0].aval.shape == (256, 16)):
+                found.append(str(e.outvars[0].aval.sharding.spec))
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(getattr(sub, "jaxpr", sub))
+    walk(closed.jaxpr)
+    return found
+
+out = {}
+with jax.set_mesh(mesh):
+    x = jax.device_put(X, NamedSharding(mesh, P("data")))
+    p = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+    for preset in ("fp8-current", "fp8-blockwise"):
+        a, b = run(left, preset, p, x), run(right, preset, p, x)
+        out[preset] = {
+            "specs": transposed_back(jax.make_jaxpr(with_policy(left, preset))(p, x)),
+            "exact": all(np.array_equal(np.asarray(u), np.asarray(w))
+                         for u, w in zip(jax.tree.leaves(a), jax.tree.leaves(b)))}
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_explicit_sharding_mesh_keeps_the_traced_out_sharding():
+    """The weight-on-the-left GEMM's traced out_sharding ([256, 16] as P("model", "data"))
+    is what its result has after the swapped FP8 GEMM's [16, 256] result is transposed back;
+    output, loss and gradients equal the activation-first model's on the same mesh."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", _EXPLICIT_MESH_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for preset, got in out.items():
+        assert got == {"specs": ["P('model', 'data')"], "exact": True}, (preset, got)
