@@ -11,6 +11,11 @@ statistics and overrides on this hook.
 
 Without a hook nothing changes: the interpreter takes the same path as before, so the
 lowered program is the same.
+
+Each ``intercept_gemms`` block is part of ``jax.jit``'s cache key (a ``jax.make_user_context``
+value, one per block): a function traced before the block (``jax.jit(f)``,
+``jax.make_jaxpr(f)`` of the same function object) is traced again inside it, so the hook
+sees every GEMM, and a trace made inside a block is not reused outside it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import jax
 
 from fmtkit.policy._policy import Policy
 
@@ -90,6 +97,12 @@ class _Active(threading.local):
 _ACTIVE = _Active()
 # Numbers of policied calls (interpreters), for GemmSite.call.
 CALLS = itertools.count()
+# Which intercept_gemms block is active (None: none), in jax.jit's cache key: a trace of the
+# same function outside the block, or in another block, is not reused (the hook would be
+# skipped, or applied where it is not active). One number per block, never reused, so a
+# hook that is garbage-collected cannot alias a later one.
+_BLOCK = jax.make_user_context(default_value=None)
+_BLOCKS = itertools.count()
 
 
 @contextlib.contextmanager
@@ -99,7 +112,10 @@ def intercept_gemms(hook: Hook) -> Iterator[None]:
     Entered inside the function being traced (the loss a ``jax.grad`` differentiates, the
     step ``jax.jit`` compiles): the hook acts while the policied model is interpreted, and
     what it computes is part of that trace. Hooks do not nest: an inner one replaces the
-    outer one until it exits.
+    outer one until it exits. A function that ``jax.jit`` or ``jax.make_jaxpr`` traced
+    before is traced again in the block (each block is part of ``jax.jit``'s cache key), so
+    the hook is never skipped by a cached trace; the price is one trace (and compilation)
+    per block of each jitted function called in it.
 
     Args:
       hook: ``hook(site: GemmSite, run, lhs, rhs) -> result``, where ``run(lhs, rhs,
@@ -127,7 +143,8 @@ def intercept_gemms(hook: Hook) -> Iterator[None]:
     prev = _ACTIVE.hook
     _ACTIVE.hook = hook
     try:
-        yield
+        with _BLOCK(next(_BLOCKS)):
+            yield
     finally:
         _ACTIVE.hook = prev
 
