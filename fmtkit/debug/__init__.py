@@ -17,8 +17,10 @@ the work.
 The statistics pytree: ``{module_path: {gemm_name: {tensor: {stat: f32[]}}}}``. The module
 path is the policy's (``""`` for the root or a plain function); the GEMM name is
 ``"<primitive>_<i>"`` (``"dot_general_0"``), numbered per module in the order the GEMMs
-run; tensors are ``TENSORS``: the GEMM ``output = activation · weight`` (its lhs and rhs as
-the GEMM receives them, in the compute dtype, before quantization), ``output_grad``,
+run; tensors are ``TENSORS``: the GEMM ``output = activation · weight`` (its operands as
+the GEMM receives them, in the compute dtype, before quantization; the weight is the
+operand that is a view of a parameter, whichever side it is written on: the left one in
+Equinox's ``weight @ x``; else the right one), ``output_grad``,
 ``dgrad`` (cotangent of the activation) and ``wgrad`` (cotangent of the weight). A log tag is
 ``f"{module_path}/{gemm_name}/{tensor}/{stat}"``.
 

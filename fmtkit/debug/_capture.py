@@ -156,17 +156,24 @@ def _as3(x, batch, free, contract):
 def _canonical(site: GemmSite, tensor: str, x, lhs_shape, rhs_shape):
     """An operand as its GEMM quantizes it, ``[B, free, contraction]``: the activation
     contracting K, the weight ``[N, K]``, the output gradient ``[M, N]`` contracting N (its
-    data-gradient GEMM)."""
+    data-gradient GEMM). The weight is the operand ``site.weight_operand`` names (the left
+    one for Equinox's ``weight @ x``), as the FP8 GEMM takes it."""
     lhs = jax.ShapeDtypeStruct(lhs_shape, x.dtype)
     rhs = jax.ShapeDtypeStruct(rhs_shape, x.dtype)
     lb, lf, lc, rb, rf, rc = _dims(site, lhs, rhs)
+    act, weight = (lb, lf, lc), (rb, rf, rc)
+    if site.weight_operand == 0:
+        act, weight = weight, act
     if tensor == "activation":
-        return _as3(x, lb, lf, lc)
+        return _as3(x, *act)
     if tensor == "weight":
-        return _as3(x, rb, rf, rc)
+        return _as3(x, *weight)
+    # The output is laid out [batch, lhs free, rhs free]; M is the activation's free axes.
     nb = len(lb)
-    return _as3(x, tuple(range(nb)), tuple(range(nb, nb + len(lf))),
-                tuple(range(nb + len(lf), x.ndim)))
+    lhs_free = tuple(range(nb, nb + len(lf)))
+    rhs_free = tuple(range(nb + len(lf), x.ndim))
+    m, n = (rhs_free, lhs_free) if site.weight_operand == 0 else (lhs_free, rhs_free)
+    return _as3(x, tuple(range(nb)), m, n)
 
 
 def _compute(plan: _Plan, site: GemmSite, tensors: Mapping[str, jax.Array], shapes,
@@ -269,11 +276,11 @@ def _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on):
     the output gradient's in its backward; both returned as the state leaves' cotangent."""
 
     @jax.custom_vjp
-    def tap(leaves, on, slot, hist, lhs, rhs, y):
+    def tap(leaves, on, slot, hist, act, weight, y):
         return y
 
-    def fwd(leaves, on, slot, hist, lhs, rhs, y):
-        vals = {"activation": lhs, "weight": rhs, "output": y}
+    def fwd(leaves, on, slot, hist, act, weight, y):
+        vals = {"activation": act, "weight": weight, "output": y}
         like = {t: leaves[t] for t in fwd_tensors}
 
         def compute(h, *xs):
@@ -349,11 +356,16 @@ class _Session:
             static_on, on = None, self.config.rules[plan.rule].logs_at(self.step)
         shapes = (lhs.shape, rhs.shape)
         slot = _slot_mask(site)
-        a, b = lhs, rhs
+        # (the activation and the weight by role: site.weight_operand is 0 where the weight
+        # is the left operand, Equinox's weight @ x)
+        act, weight = (rhs, lhs) if site.weight_operand == 0 else (lhs, rhs)
+        a, b = act, weight
         if "dgrad" in leaves:
             a = _grad_tap(plan, site, "dgrad", shapes, static_on)(leaves["dgrad"], on, slot, a)
         if "wgrad" in leaves:
             b = _grad_tap(plan, site, "wgrad", shapes, static_on)(leaves["wgrad"], on, slot, b)
+        if site.weight_operand == 0:
+            a, b = b, a
         y = self._run(plan, run, a, b)
         fwd_tensors = tuple(t for t in _FWD if t in leaves)
         grad_logged = "output_grad" in leaves
@@ -365,7 +377,7 @@ class _Session:
                 hist = jnp.asarray(site.fp8_history, jnp.float32)
                 hist = lax.stop_gradient(hist.reshape(-1, *hist.shape[-2:]))  # [B, 3, H]
             y = _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on)(
-                sub, on, slot, hist, lax.stop_gradient(lhs), lax.stop_gradient(rhs), y)
+                sub, on, slot, hist, lax.stop_gradient(act), lax.stop_gradient(weight), y)
         return y
 
     @staticmethod

@@ -27,7 +27,8 @@ __all__ = ["BASE_STATS", "OVERRIDES", "QUANT_STATS", "STATS", "TENSORS", "DebugC
            "Rule"]
 
 TENSORS: tuple[str, ...] = ("activation", "weight", "output", "output_grad", "dgrad", "wgrad")
-"""The six tensors of a GEMM ``output = activation · weight`` (its lhs and rhs), with the
+"""The six tensors of a GEMM ``output = activation · weight`` (the weight is the operand
+that is a view of a parameter, the left one in Equinox's ``weight @ x``; else the rhs), with the
 cotangents of the output (``output_grad``), of the activation (``dgrad``) and of the weight
 (``wgrad``)."""
 

@@ -11,6 +11,11 @@ statistics and overrides on this hook.
 
 Without a hook nothing changes: the interpreter takes the same path as before, so the
 lowered program is the same.
+
+Each ``intercept_gemms`` block is part of ``jax.jit``'s cache key (a ``jax.make_user_context``
+value, one per block): a function traced before the block (``jax.jit(f)``,
+``jax.make_jaxpr(f)`` of the same function object) is traced again inside it, so the hook
+sees every GEMM, and a trace made inside a block is not reused outside it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import jax
 
 from fmtkit.policy._policy import Policy
 
@@ -65,6 +72,12 @@ class GemmSite:
       call: a number that identifies the policied call (one model or function call) that
         runs the GEMM: two calls of the same model under one hook give the same names
         with different ``call`` numbers.
+      weight_operand: which operand is the GEMM's weight (the other is its activation): 0
+        (``lhs``) where only the left operand is a view of a parameter (Equinox's
+        ``weight @ x``, a function's ``params["w"] @ x``), else 1 (``rhs``, as in
+        ``x @ w``, and for GEMMs of two activations or two parameters). An FP8 recipe gives
+        this operand its weight format, tiling and amax-history row, and its gradient is
+        the weight gradient (wgrad), whichever side it is written on.
     """
 
     path: str
@@ -82,6 +95,7 @@ class GemmSite:
     fp8_history: Any = None
     loop_lengths: tuple[int | None, ...] = ()
     loop_index: tuple[Any, ...] = ()
+    weight_operand: int = 1
 
 
 Hook = Callable[[GemmSite, Callable[..., Any], Any, Any], Any]
@@ -94,6 +108,12 @@ class _Active(threading.local):
 _ACTIVE = _Active()
 # Numbers of policied calls (interpreters), for GemmSite.call.
 CALLS = itertools.count()
+# Which intercept_gemms block is active (None: none), in jax.jit's cache key: a trace of the
+# same function outside the block, or in another block, is not reused (the hook would be
+# skipped, or applied where it is not active). One number per block, never reused, so a
+# hook that is garbage-collected cannot alias a later one.
+_BLOCK = jax.make_user_context(default_value=None)
+_BLOCKS = itertools.count()
 
 
 @contextlib.contextmanager
@@ -103,7 +123,10 @@ def intercept_gemms(hook: Hook) -> Iterator[None]:
     Entered inside the function being traced (the loss a ``jax.grad`` differentiates, the
     step ``jax.jit`` compiles): the hook acts while the policied model is interpreted, and
     what it computes is part of that trace. Hooks do not nest: an inner one replaces the
-    outer one until it exits.
+    outer one until it exits. A function that ``jax.jit`` or ``jax.make_jaxpr`` traced
+    before is traced again in the block (each block is part of ``jax.jit``'s cache key), so
+    the hook is never skipped by a cached trace; the price is one trace (and compilation)
+    per block of each jitted function called in it.
 
     Args:
       hook: ``hook(site: GemmSite, run, lhs, rhs) -> result``, where ``run(lhs, rhs,
@@ -131,7 +154,8 @@ def intercept_gemms(hook: Hook) -> Iterator[None]:
     prev = _ACTIVE.hook
     _ACTIVE.hook = hook
     try:
-        yield
+        with _BLOCK(next(_BLOCKS)):
+            yield
     finally:
         _ACTIVE.hook = prev
 

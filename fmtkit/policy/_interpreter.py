@@ -58,6 +58,34 @@ from fmtkit.policy._scopes import (
 from fmtkit.scaling import DelayedScalingState
 
 
+def _swapped(lhs, rhs, dims, sharding):
+    """``dot_general(lhs, rhs, dims)`` as ``dot_general(rhs, lhs, dims')``: the swapped
+    operands and dimension numbers, the permutation that takes the swapped result (batch,
+    rhs free, lhs free) back to the traced layout (batch, lhs free, rhs free), and the
+    traced ``out_sharding`` laid out for the swapped result (None where it was None, or is
+    a sharding without a spec to permute: the caller reshards the transposed result)."""
+    (lc, rc), (lb, rb) = dims
+    nb = len(lb)
+    nlf = lhs.ndim - len(lc) - nb
+    nrf = rhs.ndim - len(rc) - len(rb)
+    back = (*range(nb), *range(nb + nrf, nb + nrf + nlf), *range(nb, nb + nrf))
+    spec = (sharding if isinstance(sharding, jax.sharding.PartitionSpec)
+            else getattr(sharding, "spec", None)
+            if isinstance(sharding, jax.sharding.NamedSharding) else None)
+    new = None
+    if spec is not None:
+        full = (*spec, *(None,) * (len(back) - len(spec)))
+        permuted = [None] * len(back)
+        for i, k in enumerate(back):  # traced axis i is the swapped result's axis k
+            permuted[k] = full[i]
+        extra = {a: getattr(spec, a) for a in ("unreduced", "reduced")
+                 if getattr(spec, a, None)}
+        new = jax.sharding.PartitionSpec(*permuted, **extra)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            new = jax.sharding.NamedSharding(sharding.mesh, new)
+    return rhs, lhs, ((rc, lc), (rb, lb)), back, new
+
+
 def _mixed_matmul(eqn, lhs, rhs, out_dtype, forward: dict | None = None):
     """A matmul on narrow operands with a wider result (the head's f32 logits), whose two
     backward GEMMs also run on the narrow dtype (the cotangent is cast down first), as a
@@ -410,16 +438,25 @@ class Interpreter(ControlFlow, CustomRules):
         else:
             wide_out = None
         recipe = policy.fp8
+        weight = self._weight_operand(eqn, idprefix)
         hook = active_hook()
         if hook is not None:
             return self._hooked(hook, eqn, lhs, rhs, invals[2:], recipe, idp, module, info,
                                 head, policy, cdt, target, out_dt, wide_out, algorithm,
-                                fp8_local)
+                                fp8_local, weight)
         return self._compute(eqn, lhs, rhs, invals[2:], recipe, idp, module, info, head,
-                             cdt, target, out_dt, wide_out, algorithm, fp8_local)
+                             cdt, target, out_dt, wide_out, algorithm, fp8_local, weight)
+
+    def _weight_operand(self, eqn, idprefix) -> int:
+        """Which operand of a matmul is its weight: 0 where only the left one is a view of a
+        parameter (Equinox's ``weight @ x``, a function's ``params["w"] @ x``), else 1 (the
+        right one, as in ``x @ w``; also where both or neither are parameters)."""
+        lhs, rhs = (not isinstance(v, jex.Literal) and self.analysis.is_param(idprefix, v)
+                    for v in eqn.invars[:2])
+        return 0 if lhs and not rhs else 1
 
     def _hooked(self, hook, eqn, lhs, rhs, rest, recipe, idp, module, info, head, policy,
-                cdt, target, out_dt, wide_out, algorithm, fp8_local):
+                cdt, target, out_dt, wide_out, algorithm, fp8_local, weight):
         """The GEMM handed to ``intercept_gemms``'s hook (``_gemm_hook``)."""
         path = self.path(module)
         key = (path, idp)
@@ -444,16 +481,17 @@ class Interpreter(ControlFlow, CustomRules):
             loop_index=tuple(i for i, _ in self._loops),
             fp8_history=fp8_local.get(self.analysis.sites.get(idp))
             if capable and recipe is not None and recipe.delayed
-            and eqn.primitive.name == "dot_general" else None)
+            and eqn.primitive.name == "dot_general" else None,
+            weight_operand=weight)
 
         def run(a, b, new_recipe=None):
             return self._compute(eqn, a, b, rest, new_recipe, idp, module, info, head, cdt,
-                                 target, out_dt, wide_out, algorithm, fp8_local)
+                                 target, out_dt, wide_out, algorithm, fp8_local, weight)
 
         return hook(site, run, lhs, rhs)
 
     def _compute(self, eqn, lhs, rhs, rest, recipe, idp, module, info, head, cdt, target,
-                 out_dt, wide_out, algorithm, fp8_local):
+                 out_dt, wide_out, algorithm, fp8_local, weight=1):
         """The GEMM on operands already in their dtype: FP8 by ``recipe`` where it applies,
         else in the operands' dtype (the head's and asked-for wider results kept)."""
         if (recipe is not None and not head and info is not None and info.projection
@@ -465,7 +503,7 @@ class Interpreter(ControlFlow, CustomRules):
         if (recipe is not None and not head and target == cdt and info is not None
                 and info.projection and eqn.primitive.name == "dot_general"):
             out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local,
-                                   cdt if wide_out is None else wide_out)
+                                   cdt if wide_out is None else wide_out, weight)
             if out is not None:
                 return out
         if not (is_float_value(lhs) and is_float_value(rhs)):
@@ -507,7 +545,13 @@ class Interpreter(ControlFlow, CustomRules):
             raise ValueError(f"FP8 grouped GEMM in module {path or '<root>'!r} (recipe "
                              f"{recipe}): {err}") from None
 
-    def _fp8_matmul(self, eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt):
+    def _fp8_matmul(self, eqn, lhs, rhs, recipe, idp, module, info, fp8_local, cdt,
+                    weight=1):
+        """The FP8 GEMM, its weight (``weight``: the operand index) in the recipe's weight
+        slot: ``fmtkit.fp8`` takes (x, w) as (lhs, rhs), so a parameter on the left runs with
+        the operands swapped and the result transposed back to the traced layout (the
+        weight's format, tiling and amax history row, and the gradients' dgrad/wgrad roles
+        follow the parameter, not its position)."""
         path = self.path(module)
         kwargs = {}
         if recipe.delayed:
@@ -519,16 +563,25 @@ class Interpreter(ControlFlow, CustomRules):
                                  f"{path or '<root>'!r}: {reason}; it runs in {cdt.name}.")
                 return None
             kwargs["fp8_state"] = DelayedScalingState(fp8_local[key])
+        dims, sharding = eqn.params["dimension_numbers"], eqn.params.get("out_sharding")
+        back = None
+        if weight == 0:
+            lhs, rhs, dims, back, sharding = _swapped(lhs, rhs, dims, sharding)
         try:
             # (the traced out_sharding: the FP8 GEMMs give y, and their gradients give x and
             # w, the shardings the traced dot and its transposes would)
-            return fp8.dot_general_fn(recipe)(lhs, rhs, eqn.params["dimension_numbers"], None,
-                                              preferred_element_type=cdt,
-                                              out_sharding=eqn.params.get("out_sharding"),
-                                              **kwargs)
+            y = fp8.dot_general_fn(recipe)(lhs, rhs, dims, None, preferred_element_type=cdt,
+                                           out_sharding=sharding, **kwargs)
         except ValueError as err:
             raise ValueError(f"FP8 matmul in module {path or '<root>'!r} (recipe "
                              f"{recipe}): {err}") from None
+        if back is None:
+            return y
+        y = jnp.transpose(y, back)
+        out_sharding = eqn.params.get("out_sharding")
+        if out_sharding is not None and sharding is None:  # a sharding _swapped cannot permute
+            y = jax.sharding.reshard(y, out_sharding)
+        return y
 
     def _record(self, eqn, chain, idp):
         module = chain[-1] if chain else None
