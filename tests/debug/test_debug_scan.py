@@ -417,7 +417,7 @@ def test_logs_hold_one_tag_per_layer(tmp_path):
 
 
 def test_the_worst_layer_moves_the_stacked_gemm():
-    ap = debug.Autopilot(underflow_share=0.1, patience=1)
+    ap = debug.Autopilot(underflow_share=0.1, patience=1, ladder=("compute",))
     key = ("layers/Dense_0", "dot_general_0")
     st = ap.init({key[0]: {key[1]: {}}})
     quiet = {key[0]: {key[1]: {"activation": {"underflow_share": np.array([0.0, 0.05, 0.0]),
