@@ -4,17 +4,27 @@
 an operand against its quantization by a scaling recipe (``Quantization``: the format and the
 ``fmtkit.scaling`` recipe of the GEMM that quantizes it, laid out ``[free, contraction]``).
 The definitions are in ``fmtkit.debug``'s module docstring.
+
+Cost: each function reads its tensor in as few passes as the definitions allow, every
+requested reduction of a pass being one operand of a single variadic ``lax.reduce`` (XLA
+emits one loop for it, where separate ``jnp.sum``/``jnp.max`` calls are one loop each; on
+CPU the separate form made a logging step of the study transformer about three times as
+slow). ``tensor_stats`` reduces each 1xTILE tile first and then the tiles, so the blockwise
+dynamic range, the whole-tensor one and the sums come out of the same pass (the standard
+deviation needs the mean, so it takes a second); ``quant_stats`` quantizes the operand once
+and shares it among its statistics.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fmtkit.casting import cast
 from fmtkit.formats import get_format
@@ -24,46 +34,93 @@ from fmtkit.scaling import BlockScaling, MXScaling, delayed_amax_of, dequantize,
 # blockwise FP8 recipe (section 3.3.1) and of Transformer Engine's blockwise recipe.
 TILE = 128
 
+_ADD, _MIN, _MAX = "add", "min", "max"
+_COMBINE: dict[str, Callable[[Any, Any], Any]] = {_ADD: lax.add, _MIN: lax.min,
+                                                 _MAX: lax.max}
 
-def _dynamic_range(a: jax.Array, axis: Any = None) -> jax.Array:
-    """log2(max |x| / min nonzero |x|) of ``a = |x|`` (f32) over ``axis``; 0 without a
-    nonzero element."""
-    amax = jnp.max(a, axis=axis)
-    nz = jnp.min(jnp.where(a > 0, a, jnp.inf), axis=axis)
+
+def _identity_of(kind: str, dtype: Any) -> jax.Array:
+    if kind == _ADD:
+        return jnp.zeros((), dtype)
+    return jnp.asarray(jnp.inf if kind == _MIN else -jnp.inf, dtype)
+
+
+def _reduce(parts: dict[str, tuple[jax.Array, str]], axes: Sequence[int]
+            ) -> dict[str, jax.Array]:
+    """``{name: (array, kind)}`` reduced over ``axes`` (kind: add, min or max), all in one
+    variadic ``lax.reduce`` (the arrays share a shape)."""
+    names = list(parts)
+    kinds = [parts[k][1] for k in names]
+
+    def combine(a, b):
+        return tuple(_COMBINE[k](u, v) for k, u, v in zip(kinds, a, b, strict=True))
+
+    out = lax.reduce(tuple(parts[k][0] for k in names),
+                     tuple(_identity_of(k, parts[n][0].dtype) for k, n in zip(kinds, names)),
+                     combine, tuple(axes))
+    return dict(zip(names, out, strict=True))
+
+
+def _log2_ratio(amax: jax.Array, nz: jax.Array) -> jax.Array:
+    """log2(amax / nz) for ``nz`` the smallest nonzero magnitude (inf without one: 0)."""
     has = jnp.isfinite(nz)
     return jnp.where(has, jnp.log2(amax / jnp.where(has, nz, 1.0)), 0.0)
+
+
+def _tiles(x: jax.Array) -> jax.Array:
+    """``x`` as ``[rows, tiles, width]``: 1xTILE tiles along the last axis (zero-padded to a
+    whole tile; a last axis up to TILE long is one tile of its own length, the zeros a pad
+    would add changing no statistic of the absolute values)."""
+    last = x.shape[-1] if x.ndim else 1
+    rows = x.reshape(-1, last)
+    if last > TILE and last % TILE:
+        rows = jnp.pad(rows, ((0, 0), (0, -last % TILE)))
+    return rows.reshape(rows.shape[0], -1, min(last, TILE))
 
 
 def tensor_stats(x: jax.Array, stats: Sequence[str]) -> dict[str, jax.Array]:
     """``BASE_STATS`` of ``x`` named in ``stats`` (f32 scalars)."""
     x = jnp.asarray(x).astype(jnp.float32)
-    a = jnp.abs(x)
-    out: dict[str, jax.Array] = {}
-    mean = jnp.mean(x)
+    want = set(stats)
+    t = _tiles(x)
+    a = jnp.abs(t)
+    parts: dict[str, tuple[jax.Array, str]] = {}
+    if want & {"amax", "dynamic_range", "max_blockwise_dynamic_range"}:
+        parts["amax"] = (a, _MAX)
+        parts["nz"] = (jnp.where(a > 0, a, jnp.inf), _MIN)  # smallest nonzero |x|
+    if "min" in want:
+        parts["min"] = (t, _MIN)
+    if "max" in want:
+        parts["max"] = (t, _MAX)
+    if want & {"mean", "std"}:
+        parts["sum"] = (t, _ADD)
+    if "l1_norm" in want:
+        parts["l1"] = (a, _ADD)
+    if "l2_norm" in want:
+        parts["sq"] = (jnp.square(t), _ADD)
+    if not parts:
+        return {}
+    tile = _reduce(parts, (2,))  # per tile, [rows, tiles]
+    tot = _reduce({k: (v, parts[k][1]) for k, v in tile.items()}, (0, 1))
+    n = x.size
+
+    def std():
+        mean = tot["sum"] / n
+        return jnp.sqrt(jnp.sum(jnp.square(x - mean)) / n)
+
     fns = {
-        "min": lambda: jnp.min(x),
-        "max": lambda: jnp.max(x),
-        "mean": lambda: mean,
-        "std": lambda: jnp.sqrt(jnp.mean(jnp.square(x - mean))),
-        "l1_norm": lambda: jnp.sum(a),
-        "l2_norm": lambda: jnp.sqrt(jnp.sum(jnp.square(x))),
-        "amax": lambda: jnp.max(a),
-        "dynamic_range": lambda: _dynamic_range(a),
-        "max_blockwise_dynamic_range": lambda: _blockwise_dr(a),
+        "min": lambda: tot["min"],
+        "max": lambda: tot["max"],
+        "mean": lambda: tot["sum"] / n,
+        "std": std,
+        "l1_norm": lambda: tot["l1"],
+        "l2_norm": lambda: jnp.sqrt(tot["sq"]),
+        "amax": lambda: tot["amax"],
+        "dynamic_range": lambda: _log2_ratio(tot["amax"], tot["nz"]),
+        "max_blockwise_dynamic_range": lambda: jnp.max(_log2_ratio(tile["amax"],
+                                                                   tile["nz"])),
     }
-    for s in stats:
-        if s in fns:
-            out[s] = fns[s]().astype(jnp.float32)
-    return out
-
-
-def _blockwise_dr(a: jax.Array) -> jax.Array:
-    """The largest dynamic range of a 1xTILE tile along the last axis (zero-padded)."""
-    rows = a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
-    pad = -rows.shape[1] % TILE
-    rows = jnp.pad(rows, ((0, 0), (0, pad)))
-    tiles = rows.reshape(rows.shape[0], -1, TILE)
-    return jnp.max(_dynamic_range(tiles, axis=-1))
+    return {s: fns[s]().astype(jnp.float32) for s in stats if s in fns}
 
 
 @dataclasses.dataclass(frozen=True)
