@@ -145,17 +145,32 @@ def _block(recipe: Any) -> tuple[int, int]:
     return (1, 1)
 
 
+# The statistics quant_stats computes (fmtkit.debug's QUANT_STATS; not imported from the
+# configuration module, which names them for users).
+_QUANT_STATS = ("underflow_share", "saturation_share", "nonfinite_count", "scale_min",
+                "scale_max", "sqnr_db", "mse")
+
+
 def quantized(x3: jax.Array, q: Quantization, history: Any = None
               ) -> tuple[jax.Array, jax.Array]:
     """(dequantized f32 ``[B, F, C]``, scales f32) of ``x3 [B, F, C]`` under ``q``; each
     dimension a block does not divide is zero-padded for the quantization, as the GEMMs do,
     and sliced back."""
-    fmt = get_format(q.fmt)
     _, f, c = x3.shape
+    _, deq, scale = _quantized_padded(x3, q, history)
+    return deq[:, :f, :c], scale
+
+
+def _quantized_padded(x3: jax.Array, q: Quantization, history: Any = None
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the f32 operand zero-padded to whole blocks, its quantize-dequantize, the scales
+    ``[B, blocks along F, blocks along C]``) of ``x3 [B, F, C]`` under ``q``."""
+    fmt = get_format(q.fmt)
+    x = x3.astype(jnp.float32)
     if q.recipe is None:
-        deq = cast(jnp.clip(x3.astype(jnp.float32), -fmt.max, fmt.max), fmt).astype(
-            jnp.float32)
-        return deq, jnp.ones((1,), jnp.float32)
+        deq = cast(jnp.clip(x, -fmt.max, fmt.max), fmt).astype(jnp.float32)
+        return x, deq, jnp.ones((x.shape[0], 1, 1), jnp.float32)
+    _, f, c = x3.shape
     bf, bc = _block(q.recipe)
     padded = jnp.pad(x3, ((0, 0), (0, -f % bf), (0, -c % bc)))
 
@@ -171,7 +186,8 @@ def quantized(x3: jax.Array, q: Quantization, history: Any = None
         deq, scale = jax.vmap(lambda t: one(t, None))(padded)
     else:
         deq, scale = jax.vmap(one)(padded, history[:, q.row])
-    return deq[:, :f, :c], scale
+    b = x3.shape[0]
+    return padded.astype(jnp.float32), deq, scale.reshape(b, scale.shape[-2], scale.shape[-1])
 
 
 def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: Any = None
@@ -183,28 +199,41 @@ def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: A
     #(x != 0 and d == 0) / #(x != 0); saturation_share = #(|x| / s > clip_threshold(fmt)) /
     size (clipped at the format's largest value); nonfinite_count = #(not finite x);
     scale_min / scale_max over s; sqnr_db = 10 log10(sum x^2 / sum (x - d)^2); mse =
-    mean((x - d)^2)."""
-    want = [s for s in stats if s in ("underflow_share", "saturation_share",
-                                       "nonfinite_count", "scale_min", "scale_max",
-                                       "sqnr_db", "mse")]
+    mean((x - d)^2).
+
+    The element statistics are reduced over the operand as quantized, zero-padded to whole
+    blocks: a padding zero is finite, not counted as nonzero, quantizes to zero (no error)
+    and stays below the clipping threshold, so it changes no count or sum."""
+    want = [s for s in stats if s in _QUANT_STATS]
     if not want:
         return {}
-    x = x3.astype(jnp.float32)
-    deq, scale = quantized(x3, q, history)
+    x, deq, scale = _quantized_padded(x3, q, history)
     fmt = get_format(q.fmt)
-    err = jnp.square(x - deq)
+    n = math.prod(x3.shape)
+    parts: dict[str, tuple[jax.Array, str]] = {}
     nz = x != 0
-    n_nz = jnp.sum(nz)
+    if "underflow_share" in want:
+        parts["n_nz"] = (nz.astype(jnp.int32), _ADD)
+        parts["under"] = ((nz & (deq == 0)).astype(jnp.int32), _ADD)
+    if "saturation_share" in want:
+        parts["sat"] = ((jnp.abs(x) / _element_scale(scale, x.shape) > clip_threshold(fmt)
+                         ).astype(jnp.int32), _ADD)
+    if "nonfinite_count" in want:
+        parts["nonfinite"] = ((~jnp.isfinite(x)).astype(jnp.int32), _ADD)
+    if "sqnr_db" in want:
+        parts["signal"] = (jnp.square(x), _ADD)
+    if {"sqnr_db", "mse"} & set(want):
+        parts["err"] = (jnp.square(x - deq), _ADD)
+    tot = _reduce(parts, (0, 1, 2)) if parts else {}
     out = {
         "underflow_share": lambda: jnp.where(
-            n_nz > 0, jnp.sum(nz & (deq == 0)) / jnp.maximum(n_nz, 1), 0.0),
-        "saturation_share": lambda: jnp.mean(
-            jnp.abs(x) / _element_scale(scale, x3.shape, q) > clip_threshold(fmt)),
-        "nonfinite_count": lambda: jnp.sum(~jnp.isfinite(x)),
+            tot["n_nz"] > 0, tot["under"] / jnp.maximum(tot["n_nz"], 1), 0.0),
+        "saturation_share": lambda: tot["sat"].astype(jnp.float32) / n,
+        "nonfinite_count": lambda: tot["nonfinite"],
         "scale_min": lambda: jnp.min(scale),
         "scale_max": lambda: jnp.max(scale),
-        "sqnr_db": lambda: _sqnr(jnp.sum(jnp.square(x)), jnp.sum(err)),
-        "mse": lambda: jnp.mean(err),
+        "sqnr_db": lambda: _sqnr(tot["signal"], tot["err"]),
+        "mse": lambda: tot["err"] / n,
     }
     return {s: out[s]().astype(jnp.float32) for s in want}
 
@@ -216,18 +245,13 @@ def clip_threshold(fmt) -> float:
     return float(fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits - 1))
 
 
-def _element_scale(scale: jax.Array, shape: tuple[int, int, int], q: Quantization
-                   ) -> jax.Array:
-    """The scales ``[B, sf, sc]`` of ``quantized`` broadcast to each element of the operand
-    ``[B, F, C]`` (``shape``)."""
+def _element_scale(scale: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
+    """The scales ``[B, sf, sc]`` of ``_quantized_padded`` broadcast to each element of the
+    padded operand ``[B, F, C]`` (``shape``; sf divides F and sc divides C)."""
     b, f, c = shape
-    if q.recipe is None:
-        return jnp.ones(shape, jnp.float32)
-    bf, bc = _block(q.recipe)
-    s = scale.reshape(b, scale.shape[-2], scale.shape[-1])
-    s = jnp.repeat(s, (f + -f % bf) // s.shape[1], axis=1)
-    s = jnp.repeat(s, (c + -c % bc) // s.shape[2], axis=2)
-    return s[:, :f, :c]
+    sf, sc = scale.shape[1], scale.shape[2]
+    s = jnp.broadcast_to(scale[:, :, None, :, None], (b, sf, f // sf, sc, c // sc))
+    return s.reshape(shape)
 
 
 def _sqnr(signal: jax.Array, noise: jax.Array) -> jax.Array:
