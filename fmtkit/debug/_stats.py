@@ -87,6 +87,7 @@ def tensor_stats(x: jax.Array, stats: Sequence[str]) -> dict[str, jax.Array]:
     parts: dict[str, tuple[jax.Array, str]] = {}
     if want & {"amax", "dynamic_range", "max_blockwise_dynamic_range"}:
         parts["amax"] = (a, _MAX)
+    if want & {"dynamic_range", "max_blockwise_dynamic_range"}:
         parts["nz"] = (jnp.where(a > 0, a, jnp.inf), _MIN)  # smallest nonzero |x|
     if "min" in want:
         parts["min"] = (t, _MIN)
@@ -208,6 +209,10 @@ def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: A
     if not want:
         return {}
     x, deq, scale = _quantized_padded(x3, q, history)
+    # The quantize-dequantize is materialized once (an elementwise loop XLA vectorizes):
+    # fused into the reduction below, its rounding to the element format would run in that
+    # loop's scalar code instead, which made these statistics twice as slow on CPU.
+    deq = lax.optimization_barrier(deq)
     fmt = get_format(q.fmt)
     n = math.prod(x3.shape)
     parts: dict[str, tuple[jax.Array, str]] = {}
