@@ -8,11 +8,11 @@ The definitions are in ``fmtkit.debug``'s module docstring.
 Cost: each function reads its tensor in as few passes as the definitions allow, every
 requested reduction of a pass being one operand of a single variadic ``lax.reduce`` (XLA
 emits one loop for it, where separate ``jnp.sum``/``jnp.max`` calls are one loop each; on
-CPU the separate form made a logging step of the study transformer about three times as
-slow). ``tensor_stats`` reduces each 1xTILE tile first and then the tiles, so the blockwise
-dynamic range, the whole-tensor one and the sums come out of the same pass (the standard
-deviation needs the mean, so it takes a second); ``quant_stats`` quantizes the operand once
-and shares it among its statistics.
+CPU, computed on their own for every tensor of the study transformer's GEMMs, the separate
+form took about three times as long). ``tensor_stats`` reduces each 1xTILE tile first and
+then the tiles, so the blockwise dynamic range, the whole-tensor one and the sums come out
+of the same pass (the standard deviation needs the mean, so it takes a second);
+``quant_stats`` quantizes the operand once and shares it among its statistics.
 """
 
 from __future__ import annotations
