@@ -4,17 +4,27 @@
 an operand against its quantization by a scaling recipe (``Quantization``: the format and the
 ``fmtkit.scaling`` recipe of the GEMM that quantizes it, laid out ``[free, contraction]``).
 The definitions are in ``fmtkit.debug``'s module docstring.
+
+Cost: each function reads its tensor in as few passes as the definitions allow, every
+requested reduction of a pass being one operand of a single variadic ``lax.reduce`` (XLA
+emits one loop for it, where separate ``jnp.sum``/``jnp.max`` calls are one loop each; on
+CPU, computed on their own for every tensor of the study transformer's GEMMs, the separate
+form took about three times as long). ``tensor_stats`` reduces each 1xTILE tile first and
+then the tiles, so the blockwise dynamic range, the whole-tensor one and the sums come out
+of the same pass (the standard deviation needs the mean, so it takes a second);
+``quant_stats`` quantizes the operand once and shares it among its statistics.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fmtkit.casting import cast
 from fmtkit.formats import get_format
@@ -24,46 +34,94 @@ from fmtkit.scaling import BlockScaling, MXScaling, delayed_amax_of, dequantize,
 # blockwise FP8 recipe (section 3.3.1) and of Transformer Engine's blockwise recipe.
 TILE = 128
 
+_ADD, _MIN, _MAX = "add", "min", "max"
+_COMBINE: dict[str, Callable[[Any, Any], Any]] = {_ADD: lax.add, _MIN: lax.min,
+                                                 _MAX: lax.max}
 
-def _dynamic_range(a: jax.Array, axis: Any = None) -> jax.Array:
-    """log2(max |x| / min nonzero |x|) of ``a = |x|`` (f32) over ``axis``; 0 without a
-    nonzero element."""
-    amax = jnp.max(a, axis=axis)
-    nz = jnp.min(jnp.where(a > 0, a, jnp.inf), axis=axis)
+
+def _identity_of(kind: str, dtype: Any) -> jax.Array:
+    if kind == _ADD:
+        return jnp.zeros((), dtype)
+    return jnp.asarray(jnp.inf if kind == _MIN else -jnp.inf, dtype)
+
+
+def _reduce(parts: dict[str, tuple[jax.Array, str]], axes: Sequence[int]
+            ) -> dict[str, jax.Array]:
+    """``{name: (array, kind)}`` reduced over ``axes`` (kind: add, min or max), all in one
+    variadic ``lax.reduce`` (the arrays share a shape)."""
+    names = list(parts)
+    kinds = [parts[k][1] for k in names]
+
+    def combine(a, b):
+        return tuple(_COMBINE[k](u, v) for k, u, v in zip(kinds, a, b, strict=True))
+
+    out = lax.reduce(tuple(parts[k][0] for k in names),
+                     tuple(_identity_of(k, parts[n][0].dtype) for k, n in zip(kinds, names)),
+                     combine, tuple(axes))
+    return dict(zip(names, out, strict=True))
+
+
+def _log2_ratio(amax: jax.Array, nz: jax.Array) -> jax.Array:
+    """log2(amax / nz) for ``nz`` the smallest nonzero magnitude (inf without one: 0)."""
     has = jnp.isfinite(nz)
     return jnp.where(has, jnp.log2(amax / jnp.where(has, nz, 1.0)), 0.0)
+
+
+def _tiles(x: jax.Array) -> jax.Array:
+    """``x`` as ``[rows, tiles, width]``: 1xTILE tiles along the last axis (zero-padded to a
+    whole tile; a last axis up to TILE long is one tile of its own length, the zeros a pad
+    would add changing no statistic of the absolute values)."""
+    last = x.shape[-1] if x.ndim else 1
+    rows = x.reshape(-1, last)
+    if last > TILE and last % TILE:
+        rows = jnp.pad(rows, ((0, 0), (0, -last % TILE)))
+    return rows.reshape(rows.shape[0], -1, min(last, TILE))
 
 
 def tensor_stats(x: jax.Array, stats: Sequence[str]) -> dict[str, jax.Array]:
     """``BASE_STATS`` of ``x`` named in ``stats`` (f32 scalars)."""
     x = jnp.asarray(x).astype(jnp.float32)
-    a = jnp.abs(x)
-    out: dict[str, jax.Array] = {}
-    mean = jnp.mean(x)
+    want = set(stats)
+    t = _tiles(x)
+    a = jnp.abs(t)
+    parts: dict[str, tuple[jax.Array, str]] = {}
+    if want & {"amax", "dynamic_range", "max_blockwise_dynamic_range"}:
+        parts["amax"] = (a, _MAX)
+    if want & {"dynamic_range", "max_blockwise_dynamic_range"}:
+        parts["nz"] = (jnp.where(a > 0, a, jnp.inf), _MIN)  # smallest nonzero |x|
+    if "min" in want:
+        parts["min"] = (t, _MIN)
+    if "max" in want:
+        parts["max"] = (t, _MAX)
+    if want & {"mean", "std"}:
+        parts["sum"] = (t, _ADD)
+    if "l1_norm" in want:
+        parts["l1"] = (a, _ADD)
+    if "l2_norm" in want:
+        parts["sq"] = (jnp.square(t), _ADD)
+    if not parts:
+        return {}
+    tile = _reduce(parts, (2,))  # per tile, [rows, tiles]
+    tot = _reduce({k: (v, parts[k][1]) for k, v in tile.items()}, (0, 1))
+    n = x.size
+
+    def std():
+        mean = tot["sum"] / n
+        return jnp.sqrt(jnp.sum(jnp.square(x - mean)) / n)
+
     fns = {
-        "min": lambda: jnp.min(x),
-        "max": lambda: jnp.max(x),
-        "mean": lambda: mean,
-        "std": lambda: jnp.sqrt(jnp.mean(jnp.square(x - mean))),
-        "l1_norm": lambda: jnp.sum(a),
-        "l2_norm": lambda: jnp.sqrt(jnp.sum(jnp.square(x))),
-        "amax": lambda: jnp.max(a),
-        "dynamic_range": lambda: _dynamic_range(a),
-        "max_blockwise_dynamic_range": lambda: _blockwise_dr(a),
+        "min": lambda: tot["min"],
+        "max": lambda: tot["max"],
+        "mean": lambda: tot["sum"] / n,
+        "std": std,
+        "l1_norm": lambda: tot["l1"],
+        "l2_norm": lambda: jnp.sqrt(tot["sq"]),
+        "amax": lambda: tot["amax"],
+        "dynamic_range": lambda: _log2_ratio(tot["amax"], tot["nz"]),
+        "max_blockwise_dynamic_range": lambda: jnp.max(_log2_ratio(tile["amax"],
+                                                                   tile["nz"])),
     }
-    for s in stats:
-        if s in fns:
-            out[s] = fns[s]().astype(jnp.float32)
-    return out
-
-
-def _blockwise_dr(a: jax.Array) -> jax.Array:
-    """The largest dynamic range of a 1xTILE tile along the last axis (zero-padded)."""
-    rows = a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
-    pad = -rows.shape[1] % TILE
-    rows = jnp.pad(rows, ((0, 0), (0, pad)))
-    tiles = rows.reshape(rows.shape[0], -1, TILE)
-    return jnp.max(_dynamic_range(tiles, axis=-1))
+    return {s: fns[s]().astype(jnp.float32) for s in stats if s in fns}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,17 +146,32 @@ def _block(recipe: Any) -> tuple[int, int]:
     return (1, 1)
 
 
+# The statistics quant_stats computes (fmtkit.debug's QUANT_STATS; not imported from the
+# configuration module, which names them for users).
+_QUANT_STATS = ("underflow_share", "saturation_share", "nonfinite_count", "scale_min",
+                "scale_max", "sqnr_db", "mse")
+
+
 def quantized(x3: jax.Array, q: Quantization, history: Any = None
               ) -> tuple[jax.Array, jax.Array]:
     """(dequantized f32 ``[B, F, C]``, scales f32) of ``x3 [B, F, C]`` under ``q``; each
     dimension a block does not divide is zero-padded for the quantization, as the GEMMs do,
     and sliced back."""
-    fmt = get_format(q.fmt)
     _, f, c = x3.shape
+    _, deq, scale = _quantized_padded(x3, q, history)
+    return deq[:, :f, :c], scale
+
+
+def _quantized_padded(x3: jax.Array, q: Quantization, history: Any = None
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the f32 operand zero-padded to whole blocks, its quantize-dequantize, the scales
+    ``[B, blocks along F, blocks along C]``) of ``x3 [B, F, C]`` under ``q``."""
+    fmt = get_format(q.fmt)
+    x = x3.astype(jnp.float32)
     if q.recipe is None:
-        deq = cast(jnp.clip(x3.astype(jnp.float32), -fmt.max, fmt.max), fmt).astype(
-            jnp.float32)
-        return deq, jnp.ones((1,), jnp.float32)
+        deq = cast(jnp.clip(x, -fmt.max, fmt.max), fmt).astype(jnp.float32)
+        return x, deq, jnp.ones((x.shape[0], 1, 1), jnp.float32)
+    _, f, c = x3.shape
     bf, bc = _block(q.recipe)
     padded = jnp.pad(x3, ((0, 0), (0, -f % bf), (0, -c % bc)))
 
@@ -114,7 +187,8 @@ def quantized(x3: jax.Array, q: Quantization, history: Any = None
         deq, scale = jax.vmap(lambda t: one(t, None))(padded)
     else:
         deq, scale = jax.vmap(one)(padded, history[:, q.row])
-    return deq[:, :f, :c], scale
+    b = x3.shape[0]
+    return padded.astype(jnp.float32), deq, scale.reshape(b, scale.shape[-2], scale.shape[-1])
 
 
 def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: Any = None
@@ -126,28 +200,45 @@ def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: A
     #(x != 0 and d == 0) / #(x != 0); saturation_share = #(|x| / s > clip_threshold(fmt)) /
     size (clipped at the format's largest value); nonfinite_count = #(not finite x);
     scale_min / scale_max over s; sqnr_db = 10 log10(sum x^2 / sum (x - d)^2); mse =
-    mean((x - d)^2)."""
-    want = [s for s in stats if s in ("underflow_share", "saturation_share",
-                                       "nonfinite_count", "scale_min", "scale_max",
-                                       "sqnr_db", "mse")]
+    mean((x - d)^2).
+
+    The element statistics are reduced over the operand as quantized, zero-padded to whole
+    blocks: a padding zero is finite, not counted as nonzero, quantizes to zero (no error)
+    and stays below the clipping threshold, so it changes no count or sum."""
+    want = [s for s in stats if s in _QUANT_STATS]
     if not want:
         return {}
-    x = x3.astype(jnp.float32)
-    deq, scale = quantized(x3, q, history)
+    x, deq, scale = _quantized_padded(x3, q, history)
+    # The quantize-dequantize is materialized once (an elementwise loop XLA vectorizes):
+    # fused into the reduction below, its rounding to the element format would run in that
+    # loop's scalar code instead, which made these statistics twice as slow on CPU.
+    deq = lax.optimization_barrier(deq)
     fmt = get_format(q.fmt)
-    err = jnp.square(x - deq)
+    n = math.prod(x3.shape)
+    parts: dict[str, tuple[jax.Array, str]] = {}
     nz = x != 0
-    n_nz = jnp.sum(nz)
+    if "underflow_share" in want:
+        parts["n_nz"] = (nz.astype(jnp.int32), _ADD)
+        parts["under"] = ((nz & (deq == 0)).astype(jnp.int32), _ADD)
+    if "saturation_share" in want:
+        parts["sat"] = ((jnp.abs(x) / _element_scale(scale, x.shape) > clip_threshold(fmt)
+                         ).astype(jnp.int32), _ADD)
+    if "nonfinite_count" in want:
+        parts["nonfinite"] = ((~jnp.isfinite(x)).astype(jnp.int32), _ADD)
+    if "sqnr_db" in want:
+        parts["signal"] = (jnp.square(x), _ADD)
+    if {"sqnr_db", "mse"} & set(want):
+        parts["err"] = (jnp.square(x - deq), _ADD)
+    tot = _reduce(parts, (0, 1, 2)) if parts else {}
     out = {
         "underflow_share": lambda: jnp.where(
-            n_nz > 0, jnp.sum(nz & (deq == 0)) / jnp.maximum(n_nz, 1), 0.0),
-        "saturation_share": lambda: jnp.mean(
-            jnp.abs(x) / _element_scale(scale, x3.shape, q) > clip_threshold(fmt)),
-        "nonfinite_count": lambda: jnp.sum(~jnp.isfinite(x)),
+            tot["n_nz"] > 0, tot["under"] / jnp.maximum(tot["n_nz"], 1), 0.0),
+        "saturation_share": lambda: tot["sat"].astype(jnp.float32) / n,
+        "nonfinite_count": lambda: tot["nonfinite"],
         "scale_min": lambda: jnp.min(scale),
         "scale_max": lambda: jnp.max(scale),
-        "sqnr_db": lambda: _sqnr(jnp.sum(jnp.square(x)), jnp.sum(err)),
-        "mse": lambda: jnp.mean(err),
+        "sqnr_db": lambda: _sqnr(tot["signal"], tot["err"]),
+        "mse": lambda: tot["err"] / n,
     }
     return {s: out[s]().astype(jnp.float32) for s in want}
 
@@ -159,18 +250,13 @@ def clip_threshold(fmt) -> float:
     return float(fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits - 1))
 
 
-def _element_scale(scale: jax.Array, shape: tuple[int, int, int], q: Quantization
-                   ) -> jax.Array:
-    """The scales ``[B, sf, sc]`` of ``quantized`` broadcast to each element of the operand
-    ``[B, F, C]`` (``shape``)."""
+def _element_scale(scale: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
+    """The scales ``[B, sf, sc]`` of ``_quantized_padded`` broadcast to each element of the
+    padded operand ``[B, F, C]`` (``shape``; sf divides F and sc divides C)."""
     b, f, c = shape
-    if q.recipe is None:
-        return jnp.ones(shape, jnp.float32)
-    bf, bc = _block(q.recipe)
-    s = scale.reshape(b, scale.shape[-2], scale.shape[-1])
-    s = jnp.repeat(s, (f + -f % bf) // s.shape[1], axis=1)
-    s = jnp.repeat(s, (c + -c % bc) // s.shape[2], axis=2)
-    return s[:, :f, :c]
+    sf, sc = scale.shape[1], scale.shape[2]
+    s = jnp.broadcast_to(scale[:, :, None, :, None], (b, sf, f // sf, sc, c // sc))
+    return s.reshape(shape)
 
 
 def _sqnr(signal: jax.Array, noise: jax.Array) -> jax.Array:
