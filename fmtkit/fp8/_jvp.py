@@ -1,14 +1,15 @@
-"""Forward- and reverse-mode AD of the FP8 / FP4 cores: a ``jax.custom_jvp`` whose tangent is
-one primitive, ``fmtkit_fp8_tangent``, that evaluates the forward-mode tangent and transposes
-to the recipe's own backward GEMMs.
+"""Forward- and reverse-mode AD of the FP8 / FP4 cores (the dense GEMMs and the grouped
+``ragged_dot``): a ``jax.custom_jvp`` whose tangent is one primitive, ``fmtkit_fp8_tangent``,
+that evaluates the forward-mode tangent and transposes to the recipe's own backward GEMMs.
 
 JAX differentiates a ``custom_vjp`` function in reverse mode only, and reverse-differentiates
 a ``custom_jvp`` function by transposing its tangent. The FP8 backward (dgrad and wgrad on
 quantized cotangents, each with its own tiles) is no transpose of any linear map of the
 tangents, so the tangent here is a primitive whose transpose rule *is* that backward:
 
-* ``jax.jvp`` / ``jacfwd`` evaluate the primitive: ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ``, the tangent
-  through the forward GEMM's quantized operands (the quantization's derivative taken as the
+* ``jax.jvp`` / ``jacfwd`` evaluate the primitive: ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` (the grouped
+  GEMM: ``ragged_dot(ẋ, Q(w)) + ragged_dot(Q(x), ẇ)``, its ``product``), the tangent through
+  the forward GEMM's quantized operands (the quantization's derivative taken as the
   identity, as the backward GEMMs take it), in f32, rounded once to the GEMM's output dtype.
 * ``jax.grad`` / ``jax.vjp`` stage the primitive in the linear part and transpose it: the
   backward function the core defines (``_core_bwd``: the recipe's dgrad and wgrad), on the
@@ -16,7 +17,8 @@ tangents, so the tangent here is a primitive whose transpose rule *is* that back
 
 The primitive takes the forward pass's residuals (``jax.tree`` leaves), ``x`` and ``w``
 (read only by the derivative of the backward: a Hessian-vector product; unused, they are
-dead code in a compiled gradient) and the tangents of ``x``, ``w`` and the amax history.
+dead code in a compiled gradient) and the tangents of ``x``, ``w`` and the amax history (the
+grouped GEMM's group sizes, integers, have none).
 Under ``vmap`` it is bound again with one more leading batch axis (``nbatch``), and its
 evaluation and transpose map over those axes.
 """

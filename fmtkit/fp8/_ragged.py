@@ -322,7 +322,11 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     an emulated accumulator (``accum_mantissa_bits``) are refused. Registered GEMM kernels
     (``use_kernel``) are not used: the grouped GEMM is ``lax.ragged_dot_general`` on FP8
     operands (widened exactly to bf16 off GPUs, in the ``WIDENED_SCOPE`` scope, as the dense
-    emulation). Forward-mode AD is not defined (a ``jax.custom_vjp``).
+    emulation). Forward-mode AD (``jax.jvp``, ``jacfwd``, Hessian-vector products) computes
+    the tangent through the forward GEMM's quantized operands, ``ragged_dot(ẋ, Q(w)) +
+    ragged_dot(Q(x), ẇ)`` in f32 (see ``fmtkit.fp8._jvp``); reverse mode runs the three FP8
+    GEMMs above. Under ``vmap`` (``jacfwd``, ``jacrev``) the ragged dots run as a loop over
+    the mapped axis.
 
     Args:
       lhs: ``[M, K]`` floating, tokens sorted by group.
