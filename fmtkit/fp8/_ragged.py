@@ -27,6 +27,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, widened_operands
 from fmtkit.fp8._jvp import fwd_and_bwd_core
@@ -236,31 +238,96 @@ def _core_operands(recipe, res, m, n):
     return xd, wd
 
 
-_ROWS = lax.RaggedDotDimensionNumbers(  # a [M, K] · b[g] [K, N], groups of rows
-    dot_dimension_numbers=(((1,), (1,)), ((), ())),
-    lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
-_ROWS_T = lax.RaggedDotDimensionNumbers(  # ct [M, N] · b[g]ᵀ [N, K]
-    dot_dimension_numbers=(((1,), (2,)), ((), ())),
-    lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
-_TOKENS = lax.RaggedDotDimensionNumbers(  # a_gᵀ · ct_g per group: a ragged contraction
-    dot_dimension_numbers=(((0,), (0,)), ((), ())),
-    lhs_ragged_dimensions=(0,), rhs_group_dimensions=())
+# The f32 grouped products of the forward-mode tangent and of the gradient's tangent: one
+# primitive whose transposes are its other forms (so reverse mode differentiates a tangent:
+# ``jax.grad`` of ``jax.jvp``, ``jax.grad`` of ``jax.grad``) and whose batching is a loop over
+# the mapped axis (``vmap``: ``jacfwd``, ``jax.hessian``). ``kind``:
+#   "rows"   a [M, K] · b[g(m)] [K, N]           -> [M, N]     (lax.ragged_dot)
+#   "rows_t" a [M, N] · b[g(m)]ᵀ, b [G, K, N]     -> [M, K]
+#   "tokens" per group a_gᵀ · b_g, a [M, K], b [M, N] -> [G, K, N] (a ragged contraction)
+_DIMS = {
+    "rows": (((1,), (1,)), (0,), (0,)),
+    "rows_t": (((1,), (2,)), (0,), (0,)),
+    "tokens": (((0,), (0,)), (0,), ()),
+}
+_f32_ragged_p = Primitive("fmtkit_f32_ragged_dot")
 
 
-def _f32_ragged(a, b, group_sizes, dims):
-    return _ragged_dot_general(a.astype(jnp.float32), b.astype(jnp.float32), group_sizes,
-                               dims, precision=lax.Precision.HIGHEST)
+def _f32_ragged(a, b, group_sizes, kind: str) -> jax.Array:
+    return _f32_ragged_p.bind(a.astype(jnp.float32), b.astype(jnp.float32), group_sizes,
+                              kind=kind)
+
+
+def _f32_ragged_impl(a, b, gs, *, kind):
+    contract, lhs_ragged, rhs_group = _DIMS[kind]
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(contract, ((), ())),
+                                         lhs_ragged_dimensions=lhs_ragged,
+                                         rhs_group_dimensions=rhs_group)
+    return lax.ragged_dot_general(a, b, gs, dims, precision=lax.Precision.HIGHEST,
+                                  preferred_element_type=jnp.float32)
+
+
+def _f32_ragged_abstract(a, b, gs, *, kind):
+    if kind == "tokens":
+        shape = (gs.shape[0], a.shape[1], b.shape[1])
+    else:
+        shape = (a.shape[0], b.shape[2 if kind == "rows" else 1])
+    return jax.core.ShapedArray(shape, jnp.float32)
+
+
+def _f32_ragged_jvp(primals, tangents, *, kind):
+    a, b, gs = primals
+    da, db, _ = (ad.instantiate_zeros(t) for t in tangents)
+    return (_f32_ragged_p.bind(a, b, gs, kind=kind),
+            _f32_ragged_p.bind(da, b, gs, kind=kind) + _f32_ragged_p.bind(a, db, gs, kind=kind))
+
+
+# (kind, operand) -> (kind of the transpose, its operands from (ct, other operand))
+_TRANSPOSES = {
+    ("rows", 0): ("rows_t", lambda ct, b: (ct, b)), ("rows", 1): ("tokens", lambda ct, a: (a, ct)),
+    ("rows_t", 0): ("rows", lambda ct, b: (ct, b)),
+    ("rows_t", 1): ("tokens", lambda ct, a: (ct, a)),
+    ("tokens", 0): ("rows_t", lambda ct, b: (b, ct)),
+    ("tokens", 1): ("rows", lambda ct, a: (a, ct)),
+}
+
+
+def _f32_ragged_transpose(ct, a, b, gs, *, kind):
+    if type(ct) is ad.Zero:
+        return None, None, None
+    ct = ad.instantiate_zeros(ct)
+    out = [None, None, None]
+    for i, (t, other) in enumerate(((a, b), (b, a))):
+        if ad.is_undefined_primal(t):
+            tkind, args = _TRANSPOSES[kind, i]
+            out[i] = _f32_ragged_p.bind(*args(ct, other), gs, kind=tkind)
+    return out
+
+
+def _f32_ragged_batch(args, dims, *, kind):
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    moved = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+             for x, d in zip(args, dims)]
+    return lax.map(lambda xs: _f32_ragged_p.bind(*xs, kind=kind), moved), 0
+
+
+_f32_ragged_p.def_impl(_f32_ragged_impl)
+_f32_ragged_p.def_abstract_eval(_f32_ragged_abstract)
+ad.primitive_jvps[_f32_ragged_p] = _f32_ragged_jvp
+ad.primitive_transposes[_f32_ragged_p] = _f32_ragged_transpose
+batching.primitive_batchers[_f32_ragged_p] = _f32_ragged_batch
+mlir.register_lowering(_f32_ragged_p, mlir.lower_fun(_f32_ragged_impl, multiple_results=False))
 
 
 def _ragged_product(res, a, b):
     """``lax.ragged_dot(a [M, K], b [G, K, N], group_sizes)`` in f32 (HIGHEST)."""
-    return _f32_ragged(a, b, res[2], _ROWS)
+    return _f32_ragged(a, b, res[2], "rows")
 
 
 def _ragged_transposes(res, ct, a, b):
     """``_ragged_product``'s transposes applied to ``ct [M, N]``: ``ct · b[g(m)]ᵀ`` per row
     and, per group, ``a_gᵀ · ct_g``, in f32 (``lax.ragged_dot``'s own transposes)."""
-    return _f32_ragged(ct, b, res[2], _ROWS_T), _f32_ragged(a, ct, res[2], _TOKENS)
+    return _f32_ragged(ct, b, res[2], "rows_t"), _f32_ragged(a, ct, res[2], "tokens")
 
 
 _core = fwd_and_bwd_core(_core_fwd, _core_bwd, _core_operands, """\
