@@ -426,3 +426,21 @@ def test_moe_layer_hvp_under_fp8_current_matches_the_f32_finite_difference():
     _, yt = jax.jvp(lambda p: policied(p, TOKENS), (MOE,), (v,))
     _, yt32 = jax.jvp(lambda p: moe_layer(p, TOKENS), (MOE,), (v,))
     assert jnp.linalg.norm(yt - yt32) / jnp.linalg.norm(yt32) < 0.1
+
+
+def test_vmap_is_the_per_example_grouped_gemm():
+    """vmap over a batch of token sets (weights shared, or one stack each) runs the grouped
+    GEMM per example: the same bits as a loop (JAX's own ragged_dot batching maps no
+    operand whose ragged or group axis would move)."""
+    gs = jnp.asarray(np.array([3, 0, 4], np.int32))
+    xs = jnp.asarray(RNG.standard_normal((2, 8, 128)), jnp.float32)
+    ws = jnp.asarray(RNG.standard_normal((2, 3, 128, 16)), jnp.float32)
+
+    def f(a, b):
+        return fp8.ragged_dot(a, b, gs, "blockwise")
+
+    shared = jax.vmap(f, in_axes=(0, None))(xs, ws[0])
+    each = jax.vmap(f)(xs, ws)
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(shared[i]), np.asarray(f(xs[i], ws[0])))
+        np.testing.assert_array_equal(np.asarray(each[i]), np.asarray(f(xs[i], ws[i])))
