@@ -58,15 +58,15 @@ def _f32_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def dense_product(res: Any, a: jax.Array, b: jax.Array) -> jax.Array:
+def _dense_product(res: Any, a: jax.Array, b: jax.Array) -> jax.Array:
     """The dense cores' forward product ``a [M, K] · b [N, K]ᵀ`` in f32 (``res`` unused)."""
     del res
     return _f32_matmul(a, b)
 
 
-def dense_transposes(res: Any, ct: jax.Array, a: jax.Array, b: jax.Array
+def _dense_transposes(res: Any, ct: jax.Array, a: jax.Array, b: jax.Array
                      ) -> tuple[jax.Array, jax.Array]:
-    """``dense_product``'s transposes applied to ``ct [M, N]``: ``ct · b`` [M, K] (in ``a``)
+    """``_dense_product``'s transposes applied to ``ct [M, N]``: ``ct · b`` [M, K] (in ``a``)
     and ``ctᵀ · a`` [N, K] (in ``b``), in f32."""
     del res
     return _f32_matmul(ct, b.T), _f32_matmul(ct.T, a.T)
@@ -112,6 +112,7 @@ def _tangent_jvp(primals, tangents, *, tree, operands, product, bwd, nbatch, out
     lin = _tangent_p.bind(*primals[:n + 2], *tangents[n + 2:], **params)
     dx, dw = primals[n + 2:n + 4]
     x_dot, w_dot = tangents[n:n + 2]
+
     def cross_one(r, a, b, c, d):
         r = jax.tree.unflatten(tree, r)
         return product(r, a, b) + product(r, c, d)
@@ -158,8 +159,8 @@ def _zero_tangent(r: jax.Array) -> jax.Array:
 
 
 def fwd_and_bwd_core(fwd: Callable, bwd: Callable, operands: Callable, doc: str, *,
-                     product: Callable = dense_product,
-                     transposes: Callable = dense_transposes,
+                     product: Callable = _dense_product,
+                     transposes: Callable = _dense_transposes,
                      needs: bool = False) -> Any:
     """A core ``core(recipe, out_dtype, x, w, extra)`` differentiable both ways.
 

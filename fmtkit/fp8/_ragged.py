@@ -84,7 +84,9 @@ def _ragged_dot_general(a: jax.Array, b: jax.Array, group_sizes: jax.Array,
     """``lax.ragged_dot_general`` to f32 (in the named ``scope``), batched under ``vmap`` as
     a loop over the mapped axis (``lax.map``, the unmapped operands shared): JAX's batching
     rule for it maps no operand whose ragged or group axis would move (``jacfwd``,
-    ``jacrev`` and ``vmap`` of the grouped GEMM go through it)."""
+    ``jacrev`` and ``vmap`` of the grouped GEMM go through it). Not transposable: the FP8
+    GEMMs run inside the core's rules, which are never differentiated themselves (the
+    tangents' products are ``_f32_ragged_p``)."""
     @jax.custom_batching.custom_vmap
     def rdg(a, b, gs):
         with jax.named_scope(scope) if scope else contextlib.nullcontext():
