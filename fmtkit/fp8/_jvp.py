@@ -1,14 +1,15 @@
-"""Forward- and reverse-mode AD of the FP8 / FP4 cores: a ``jax.custom_jvp`` whose tangent is
-one primitive, ``fmtkit_fp8_tangent``, that evaluates the forward-mode tangent and transposes
-to the recipe's own backward GEMMs.
+"""Forward- and reverse-mode AD of the FP8 / FP4 cores (the dense GEMMs and the grouped
+``ragged_dot``): a ``jax.custom_jvp`` whose tangent is one primitive, ``fmtkit_fp8_tangent``,
+that evaluates the forward-mode tangent and transposes to the recipe's own backward GEMMs.
 
 JAX differentiates a ``custom_vjp`` function in reverse mode only, and reverse-differentiates
 a ``custom_jvp`` function by transposing its tangent. The FP8 backward (dgrad and wgrad on
 quantized cotangents, each with its own tiles) is no transpose of any linear map of the
 tangents, so the tangent here is a primitive whose transpose rule *is* that backward:
 
-* ``jax.jvp`` / ``jacfwd`` evaluate the primitive: ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ``, the tangent
-  through the forward GEMM's quantized operands (the quantization's derivative taken as the
+* ``jax.jvp`` / ``jacfwd`` evaluate the primitive: ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` (the grouped
+  GEMM: ``ragged_dot(ẋ, Q(w)) + ragged_dot(Q(x), ẇ)``, its ``product``), the tangent through
+  the forward GEMM's quantized operands (the quantization's derivative taken as the
   identity, as the backward GEMMs take it), in f32, rounded once to the GEMM's output dtype.
 * ``jax.grad`` / ``jax.vjp`` stage the primitive in the linear part and transpose it: the
   backward function the core defines (``_core_bwd``: the recipe's dgrad and wgrad), on the
@@ -16,7 +17,8 @@ tangents, so the tangent here is a primitive whose transpose rule *is* that back
 
 The primitive takes the forward pass's residuals (``jax.tree`` leaves), ``x`` and ``w``
 (read only by the derivative of the backward: a Hessian-vector product; unused, they are
-dead code in a compiled gradient) and the tangents of ``x``, ``w`` and the amax history.
+dead code in a compiled gradient) and the tangents of ``x``, ``w`` and the amax history (the
+grouped GEMM's group sizes, integers, have none).
 Under ``vmap`` it is bound again with one more leading batch axis (``nbatch``), and its
 evaluation and transpose map over those axes.
 """
@@ -56,22 +58,37 @@ def _f32_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def _tangent_impl(*args, tree, operands, bwd, nbatch, out_aval):
+def _dense_product(res: Any, a: jax.Array, b: jax.Array) -> jax.Array:
+    """The dense cores' forward product ``a [M, K] · b [N, K]ᵀ`` in f32 (``res`` unused)."""
+    del res
+    return _f32_matmul(a, b)
+
+
+def _dense_transposes(res: Any, ct: jax.Array, a: jax.Array, b: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+    """``_dense_product``'s transposes applied to ``ct [M, N]``: ``ct · b`` [M, K] (in ``a``)
+    and ``ctᵀ · a`` [N, K] (in ``b``), in f32."""
+    del res
+    return _f32_matmul(ct, b.T), _f32_matmul(ct.T, a.T)
+
+
+def _tangent_impl(*args, tree, operands, product, bwd, nbatch, out_aval):
     del bwd
     n = tree.num_leaves
 
     def one(*a):
         dx, dw = a[n + 2:n + 4]
-        xd, wd = operands(jax.tree.unflatten(tree, a[:n]), dx.shape[0], dw.shape[0])
-        return (_f32_matmul(dx, wd) + _f32_matmul(xd, dw)).astype(out_aval.dtype)
+        res = jax.tree.unflatten(tree, a[:n])
+        xd, wd = operands(res, dx.shape[0], dw.shape[0])
+        return (product(res, dx, wd) + product(res, xd, dw)).astype(out_aval.dtype)
 
     return _mapped(one, nbatch)(*args)
 
 
-def _tangent_abstract(*avals, tree, operands, bwd, nbatch, out_aval):
+def _tangent_abstract(*avals, tree, operands, product, bwd, nbatch, out_aval):
     """y's tangent type (its sharding, and under ``shard_map`` the manual axes it varies
     over), with the batch axes of ``vmap`` in front."""
-    del operands, bwd
+    del operands, product, bwd
     if not nbatch:
         return out_aval
     batch = avals[tree.num_leaves + 2].shape[:nbatch]
@@ -82,43 +99,49 @@ def _tangent_abstract(*avals, tree, operands, bwd, nbatch, out_aval):
     return out_aval.update(shape=(*batch, *out_aval.shape), sharding=sharding)
 
 
-def _tangent_jvp(primals, tangents, *, tree, operands, bwd, nbatch, out_aval):
+def _tangent_jvp(primals, tangents, *, tree, operands, product, bwd, nbatch, out_aval):
     """The tangent's own derivative (forward over forward, or reverse over forward): linear
     in ``dx``, ``dw`` (the primitive again, on their tangents) plus ``dx · ẇᵀ + ẋ · dwᵀ``
-    in f32, the quantization's derivative taken as the identity (the residuals' tangents
-    are not read)."""
-    params = dict(tree=tree, operands=operands, bwd=bwd, nbatch=nbatch, out_aval=out_aval)
+    (``product(dx, ẇ) + product(ẋ, dw)``) in f32, the quantization's derivative taken as the
+    identity (the residuals' tangents are not read)."""
+    params = dict(tree=tree, operands=operands, product=product, bwd=bwd, nbatch=nbatch,
+                  out_aval=out_aval)
     n = tree.num_leaves
     out = _tangent_p.bind(*primals, **params)
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     lin = _tangent_p.bind(*primals[:n + 2], *tangents[n + 2:], **params)
     dx, dw = primals[n + 2:n + 4]
     x_dot, w_dot = tangents[n:n + 2]
-    cross = _mapped(lambda a, b, c, d: _f32_matmul(a, b) + _f32_matmul(c, d), nbatch)(
-        dx, w_dot, x_dot, dw)
+
+    def cross_one(r, a, b, c, d):
+        r = jax.tree.unflatten(tree, r)
+        return product(r, a, b) + product(r, c, d)
+
+    cross = _mapped(cross_one, nbatch)(list(primals[:n]), dx, w_dot, x_dot, dw)
     return out, lin + cross.astype(out_aval.dtype)
 
 
-def _tangent_transpose(ct, *args, tree, operands, bwd, nbatch, out_aval):
-    del operands, out_aval
+def _tangent_transpose(ct, *args, tree, operands, product, bwd, nbatch, out_aval):
+    del operands, product, out_aval
     n = tree.num_leaves
     res, (x, w), lin = args[:n], args[n:n + 2], args[n + 2:]
     assert not any(ad.is_undefined_primal(r) for r in (*res, x, w))  # (linear in lin only)
     if type(ct) is ad.Zero:
         return [None] * len(args)
     ct = ad.instantiate_zeros(ct)
-    cts = _mapped(lambda r, a, b, g: bwd(jax.tree.unflatten(tree, r), a, b, g), nbatch)(
+    need = tuple(ad.is_undefined_primal(t) for t in lin)
+    cts = _mapped(lambda r, a, b, g: bwd(need, jax.tree.unflatten(tree, r), a, b, g), nbatch)(
         list(res), x, w, ct)
     return [None] * (n + 2) + [c if ad.is_undefined_primal(t) else None
                                for c, t in zip(cts, lin)]
 
 
-def _tangent_batch(args, dims, *, tree, operands, bwd, nbatch, out_aval):
+def _tangent_batch(args, dims, *, tree, operands, product, bwd, nbatch, out_aval):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     moved = [jnp.broadcast_to(a, (size, *a.shape)) if d is None
              else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    return _tangent_p.bind(*moved, tree=tree, operands=operands, bwd=bwd, nbatch=nbatch + 1,
-                           out_aval=out_aval), 0
+    return _tangent_p.bind(*moved, tree=tree, operands=operands, product=product, bwd=bwd,
+                           nbatch=nbatch + 1, out_aval=out_aval), 0
 
 
 _tangent_p.def_impl(_tangent_impl)
@@ -135,48 +158,73 @@ def _zero_tangent(r: jax.Array) -> jax.Array:
     return np.zeros(r.shape, jax.dtypes.float0)
 
 
-def fwd_and_bwd_core(fwd: Callable, bwd: Callable, operands: Callable, doc: str) -> Any:
-    """A core ``core(recipe, out_dtype, x, w, hist)`` differentiable both ways.
+def fwd_and_bwd_core(fwd: Callable, bwd: Callable, operands: Callable, doc: str, *,
+                     product: Callable = _dense_product,
+                     transposes: Callable = _dense_transposes,
+                     needs: bool = False) -> Any:
+    """A core ``core(recipe, out_dtype, x, w, extra)`` differentiable both ways.
 
     Args:
-      fwd: ``fwd(recipe, out_dtype, x, w, hist) -> (y, residuals)``.
-      bwd: ``bwd(recipe, out_dtype, residuals, g) -> (dx, dw, dhist)``, the reverse-mode rule.
+      fwd: ``fwd(recipe, out_dtype, x, w, extra) -> (y, residuals)``.
+      bwd: ``bwd(recipe, out_dtype, residuals, g) -> (dx, dw, dextra)``, the reverse-mode
+        rule (``needs``: ``bwd(recipe, out_dtype, residuals, g, need)``, ``need`` the tuple
+        of flags saying which of ``x``, ``w`` (and a floating ``extra``) reverse mode asks a
+        gradient for; the others may be None).
       operands: ``operands(recipe, residuals, M, N) -> (Q(x), Q(w))``: the forward GEMM's
-        operands [M, K] and [N, K] as it multiplied them (dequantized, f32).
+        operands as it multiplied them (dequantized, f32; for the dense cores [M, K] and
+        [N, K]).
       doc: the core's docstring.
+      product: ``product(residuals, a, b)``, the forward GEMM's product as a bilinear map in
+        f32 (default: the dense ``a · bᵀ``; the grouped GEMM: ``lax.ragged_dot`` with the
+        group sizes it saves).
+      transposes: ``transposes(residuals, ct, a, b) -> (ct_a, ct_b)``, ``product``'s
+        transposes in each operand applied to ``ct``, in f32.
+      needs: whether ``bwd`` takes the ``need`` flags.
+
+    ``extra`` is the dense cores' f32 amax history (its cotangent: the observed amaxes) or
+    an integer input (the grouped GEMM's group sizes), whose tangent is none (float0).
 
     Returns:
-      The core. Its forward-mode tangent is ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` in f32, rounded
-      once to y's dtype; reverse mode runs ``bwd``. Differentiating the gradient forward
-      (``jax.jvp`` of ``jax.grad``: Hessian-vector products) takes the tangent of
-      ``bwd``'s ``dx = g · w``, ``dw = gᵀ · x`` through the same quantized operands, in f32:
-      ``ġ · Q(w) + g · ẇ`` and ``ġᵀ · Q(x) + gᵀ · ẋ`` (the amax history's tangent: zero).
-      The tangent's own derivative (``jacfwd`` of ``jacfwd``, ``grad`` of ``jvp``) is
-      ``_tangent_jvp``'s.
+      The core. Its forward-mode tangent is ``ẏ = product(ẋ, Q(w)) + product(Q(x), ẇ)``
+      (dense: ``ẋ · Q(w)ᵀ + Q(x) · ẇᵀ``) in f32, rounded once to y's dtype; reverse mode
+      runs ``bwd``. Differentiating the gradient forward (``jax.jvp`` of ``jax.grad``:
+      Hessian-vector products) takes the tangent of ``bwd``'s ``dx``, ``dw`` as ``product``'s
+      transposes through the same quantized operands, in f32: dense, of ``dx = g · w``,
+      ``dw = gᵀ · x``, ``ġ · Q(w) + g · ẇ`` and ``ġᵀ · Q(x) + gᵀ · ẋ`` (the amax history's
+      tangent: zero). The tangent's own derivative (``jacfwd`` of ``jacfwd``, ``grad`` of
+      ``jvp``) is ``_tangent_jvp``'s.
     """
-    @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-    def backward(recipe, out_dtype, res, x, w, g):
+    def run_bwd(recipe, out_dtype, need, res, g):
+        return bwd(recipe, out_dtype, res, g, need) if needs else bwd(recipe, out_dtype, res, g)
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+    def backward(recipe, out_dtype, need, res, x, w, g):
         del x, w  # (their tangents are the backward's tangent's)
-        return bwd(recipe, out_dtype, res, g)
+        return run_bwd(recipe, out_dtype, need, res, g)
 
     @backward.defjvp
-    def _backward_jvp(recipe, out_dtype, primals, tangents):
+    def _backward_jvp(recipe, out_dtype, need, primals, tangents):
         res, _, _, g = primals
         _, x_dot, w_dot, g_dot = tangents
-        dx, dw, dhist = bwd(recipe, out_dtype, res, g)
+        dx, dw, dextra = run_bwd(recipe, out_dtype, need, res, g)
         xd, wd = operands(recipe, res, *g.shape)
-        # [M, N] · [N, K] and [N, M] · [M, K], as a · bᵀ of [F, C] operands.
-        ddx = _f32_matmul(g_dot, wd.T) + _f32_matmul(g, w_dot.T)
-        ddw = _f32_matmul(g_dot.T, xd.T) + _f32_matmul(g.T, x_dot.T)
-        return (dx, dw, dhist), (ddx.astype(dx.dtype), ddw.astype(dw.dtype),
-                                 jnp.zeros_like(dhist))
+        # (dense: [M, N] · [N, K] and [N, M] · [M, K], as a · bᵀ of [F, C] operands)
+        ddx_q, ddw_q = transposes(res, g_dot, xd, wd)
+        ddx_t, ddw_t = transposes(res, g, x_dot, w_dot)
+        ddx, ddw = ddx_q + ddx_t, ddw_q + ddw_t
+        return (dx, dw, dextra), (
+            None if dx is None else ddx.astype(dx.dtype),
+            None if dw is None else ddw.astype(dw.dtype),
+            jax.tree.map(jnp.zeros_like, dextra))
 
     def tangent(recipe, out_dtype, y, res, primals, tangents):
         x, w, _ = primals
         leaves, tree = jax.tree.flatten(res)
+        # (an integer ``extra``'s tangent, float0, is not an input: it has no gradient)
+        tangents = [t for t in tangents if jax.typeof(t).dtype != jax.dtypes.float0]
         return _tangent_p.bind(
             *leaves, x, w, *tangents, tree=tree, nbatch=0,
-            operands=functools.partial(operands, recipe),
+            operands=functools.partial(operands, recipe), product=product,
             bwd=functools.partial(backward, recipe, out_dtype),
             out_aval=jax.typeof(y).to_tangent_aval())
 

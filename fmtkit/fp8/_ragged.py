@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, widened_operands
+from fmtkit.fp8._jvp import fwd_and_bwd_core
 from fmtkit.fp8._operands import Operand, Tile, padded_c, quantize_operand, recipe_tiles
 from fmtkit.fp8._recipe import RECIPES, Fp4Recipe, Fp8Recipe, get_recipe
-from fmtkit.scaling import ScaledArray
+from fmtkit.scaling import ScaledArray, dequantize
 
 
 def _amax(t: jax.Array, recipe: Fp8Recipe, axes=None) -> jax.Array:
@@ -77,6 +78,35 @@ def _quantize_stack(w: jax.Array, fmt: str, tile: Tile, recipe: Fp8Recipe, c_to:
     return jax.vmap(one)(w, amax)
 
 
+def _ragged_dot_general(a: jax.Array, b: jax.Array, group_sizes: jax.Array,
+                        dims: lax.RaggedDotDimensionNumbers, scope: str | None = None,
+                        precision: lax.Precision | None = None) -> jax.Array:
+    """``lax.ragged_dot_general`` to f32 (in the named ``scope``), batched under ``vmap`` as
+    a loop over the mapped axis (``lax.map``, the unmapped operands shared): JAX's batching
+    rule for it maps no operand whose ragged or group axis would move (``jacfwd``,
+    ``jacrev`` and ``vmap`` of the grouped GEMM go through it). Not transposable: the FP8
+    GEMMs run inside the core's rules, which are never differentiated themselves (the
+    tangents' products are ``_f32_ragged_p``)."""
+    @jax.custom_batching.custom_vmap
+    def rdg(a, b, gs):
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+            return lax.ragged_dot_general(a, b, gs, dims, precision=precision,
+                                          preferred_element_type=jnp.float32)
+
+    @rdg.def_vmap
+    def _rule(axis_size, in_batched, a, b, gs):
+        del axis_size
+        args = (a, b, gs)
+
+        def one(mapped):
+            it = iter(mapped)
+            return rdg(*[next(it) if bat else v for v, bat in zip(args, in_batched)])
+
+        return lax.map(one, [v for v, bat in zip(args, in_batched) if bat]), True
+
+    return rdg(a, b, group_sizes)
+
+
 def _grouped_gemm(a: Operand, b: ScaledArray, caxis: int, group_sizes: jax.Array
                   ) -> jax.Array:
     """f32 ``out [M', F]``, row m: ``a[m] · b[g(m)]`` contracting a's C with b's axis
@@ -99,9 +129,7 @@ def _grouped_gemm(a: Operand, b: ScaledArray, caxis: int, group_sizes: jax.Array
     def block(i):
         pa = lax.dynamic_slice_in_dim(av, i * blk, blk, axis=1)
         pb = lax.dynamic_slice_in_dim(bv, i * blk, blk, axis=caxis)
-        with jax.named_scope(scope) if scope else contextlib.nullcontext():
-            part = lax.ragged_dot_general(pa, pb, group_sizes, dims,
-                                          preferred_element_type=jnp.float32)
+        part = _ragged_dot_general(pa, pb, group_sizes, dims, scope)
         s1 = lax.dynamic_slice_in_dim(sa, i, 1, axis=1)  # [M', 1]
         s2 = lax.dynamic_index_in_dim(sb, i, axis=1, keepdims=False)[gid]  # [M', F]
         return part * s1 * s2
@@ -136,9 +164,7 @@ def _grouped_wgrad(a: Operand, b: Operand, group_sizes: jax.Array, ng: int) -> j
                  ).astype(group_sizes.dtype)  # each group's rows in this block
         pa = lax.dynamic_slice_in_dim(av, lo, blk, axis=0)
         pb = lax.dynamic_slice_in_dim(bv, lo, blk, axis=0)
-        with jax.named_scope(scope) if scope else contextlib.nullcontext():
-            part = lax.ragged_dot_general(pa, pb, local, dims,
-                                          preferred_element_type=jnp.float32)
+        part = _ragged_dot_general(pa, pb, local, dims, scope)
         s1 = lax.dynamic_index_in_dim(sa, i, axis=0, keepdims=False)
         s2 = lax.dynamic_index_in_dim(sb, i, axis=0, keepdims=False)
         return part * s1[None, :, None] * s2[None, None, :]
@@ -149,13 +175,18 @@ def _grouped_wgrad(a: Operand, b: Operand, group_sizes: jax.Array, ng: int) -> j
                     jnp.zeros((ng, f1, f2), jnp.float32), jnp.arange(nb))[0]
 
 
-def _forward(recipe, x, w, group_sizes):
+def _forward_operands(recipe, x, w) -> tuple[Operand, ScaledArray]:
+    """The forward GEMM's operands: x [M, K] and the weight stack, quantized along K."""
     tx, tw, _ = recipe_tiles(recipe)
-    m, k = x.shape
-    n = w.shape[2]
-    kp = padded_c(k, tx, tw)
+    kp = padded_c(x.shape[1], tx, tw)
     xq = quantize_operand(x, recipe.x_format, tx, recipe, _given(tx, _amax(x, recipe)), kp)
     wq = _quantize_stack(w, recipe.w_format, tw, recipe, kp, contract_n=False)
+    return xq, wq
+
+
+def _forward(recipe, x, w, group_sizes):
+    m, n = x.shape[0], w.shape[2]
+    xq, wq = _forward_operands(recipe, x, w)
     return _grouped_gemm(xq, wq, 1, group_sizes)[:m, :n]
 
 
@@ -182,31 +213,130 @@ def _backward(recipe, x, w, group_sizes, g, need_dx: bool, need_dw: bool):
     return dx, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _core(recipe, out_dtype, x, w, group_sizes):
-    return _forward(recipe, x, w, group_sizes).astype(out_dtype)
-
-
 def _core_fwd(recipe, out_dtype, x, w, group_sizes):
-    # (symbolic zeros: the GEMM of an operand that needs no gradient, data or a frozen
-    # weight, is not traced; the flags travel as the residuals' structure, None or ())
-    y = _core(recipe, out_dtype, x.value, w.value, group_sizes.value)
-    flags = tuple(() if p.perturbed else None for p in (x, w))
-    return y, (x.value, w.value, group_sizes.value, flags)
+    return (_forward(recipe, x, w, group_sizes).astype(out_dtype),
+            (x, w, group_sizes))
 
 
-def _core_bwd(recipe, out_dtype, res, g):
+def _core_bwd(recipe, out_dtype, res, g, need):
+    # (``need``: the GEMM of an operand that needs no gradient, data or a frozen weight, is
+    # not traced)
     del out_dtype
-    x, w, group_sizes, (need_dx, need_dw) = res
-    if isinstance(g, SymbolicZero):  # an output nobody differentiates
-        return None, None, None
-    dx, dw = _backward(recipe, x, w, group_sizes, g.astype(jnp.float32),
-                       need_dx is not None, need_dw is not None)
+    x, w, group_sizes = res
+    dx, dw = _backward(recipe, x, w, group_sizes, g.astype(jnp.float32), *need[:2])
     return (None if dx is None else dx.astype(x.dtype),
             None if dw is None else dw.astype(w.dtype), None)
 
 
-_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
+def _core_operands(recipe, res, m, n):
+    """``Q(x)`` [M, K] and ``Q(w)`` [G, K, N], the forward GEMM's operands as it multiplied
+    them (dequantized, f32): the forward-mode tangent's operands (see ``fmtkit.fp8._jvp``)."""
+    del m, n
+    x, w, _ = res
+    (mm, k), nn = x.shape, w.shape[2]
+    xq, wq = _forward_operands(recipe, x, w)
+    xd = dequantize(xq.logical(), jnp.float32)[:mm, :k]
+    wd = jax.vmap(lambda sa: dequantize(sa, jnp.float32))(wq)[:, :k, :nn]
+    return xd, wd
+
+
+# The f32 grouped products of the forward-mode tangent and of the gradient's tangent: one
+# primitive whose transposes are its other forms (so reverse mode differentiates a tangent:
+# ``jax.grad`` of ``jax.jvp``, ``jax.grad`` of ``jax.grad``) and whose batching is a loop over
+# the mapped axis (``vmap``: ``jacfwd``, ``jax.hessian``). ``kind``:
+#   "rows"   a [M, K] · b[g(m)] [K, N]           -> [M, N]     (lax.ragged_dot)
+#   "rows_t" a [M, N] · b[g(m)]ᵀ, b [G, K, N]     -> [M, K]
+#   "tokens" per group a_gᵀ · b_g, a [M, K], b [M, N] -> [G, K, N] (a ragged contraction)
+_DIMS = {
+    "rows": (((1,), (1,)), (0,), (0,)),
+    "rows_t": (((1,), (2,)), (0,), (0,)),
+    "tokens": (((0,), (0,)), (0,), ()),
+}
+_f32_ragged_p = Primitive("fmtkit_f32_ragged_dot")
+
+
+def _f32_ragged(a, b, group_sizes, kind: str) -> jax.Array:
+    return _f32_ragged_p.bind(a.astype(jnp.float32), b.astype(jnp.float32), group_sizes,
+                              kind=kind)
+
+
+def _f32_ragged_impl(a, b, gs, *, kind):
+    contract, lhs_ragged, rhs_group = _DIMS[kind]
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(contract, ((), ())),
+                                         lhs_ragged_dimensions=lhs_ragged,
+                                         rhs_group_dimensions=rhs_group)
+    return lax.ragged_dot_general(a, b, gs, dims, precision=lax.Precision.HIGHEST,
+                                  preferred_element_type=jnp.float32)
+
+
+def _f32_ragged_abstract(a, b, gs, *, kind):
+    if kind == "tokens":
+        shape = (gs.shape[0], a.shape[1], b.shape[1])
+    else:
+        shape = (a.shape[0], b.shape[2 if kind == "rows" else 1])
+    return jax.core.ShapedArray(shape, jnp.float32)
+
+
+def _f32_ragged_jvp(primals, tangents, *, kind):
+    a, b, gs = primals
+    da, db, _ = (ad.instantiate_zeros(t) for t in tangents)
+    return (_f32_ragged_p.bind(a, b, gs, kind=kind),
+            _f32_ragged_p.bind(da, b, gs, kind=kind) + _f32_ragged_p.bind(a, db, gs, kind=kind))
+
+
+# (kind, operand) -> (kind of the transpose, its operands from (ct, other operand))
+_TRANSPOSES = {
+    ("rows", 0): ("rows_t", lambda ct, b: (ct, b)), ("rows", 1): ("tokens", lambda ct, a: (a, ct)),
+    ("rows_t", 0): ("rows", lambda ct, b: (ct, b)),
+    ("rows_t", 1): ("tokens", lambda ct, a: (ct, a)),
+    ("tokens", 0): ("rows_t", lambda ct, b: (b, ct)),
+    ("tokens", 1): ("rows", lambda ct, a: (a, ct)),
+}
+
+
+def _f32_ragged_transpose(ct, a, b, gs, *, kind):
+    if type(ct) is ad.Zero:
+        return None, None, None
+    ct = ad.instantiate_zeros(ct)
+    out = [None, None, None]
+    for i, (t, other) in enumerate(((a, b), (b, a))):
+        if ad.is_undefined_primal(t):
+            tkind, args = _TRANSPOSES[kind, i]
+            out[i] = _f32_ragged_p.bind(*args(ct, other), gs, kind=tkind)
+    return out
+
+
+def _f32_ragged_batch(args, dims, *, kind):
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    moved = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+             for x, d in zip(args, dims)]
+    return lax.map(lambda xs: _f32_ragged_p.bind(*xs, kind=kind), moved), 0
+
+
+_f32_ragged_p.def_impl(_f32_ragged_impl)
+_f32_ragged_p.def_abstract_eval(_f32_ragged_abstract)
+ad.primitive_jvps[_f32_ragged_p] = _f32_ragged_jvp
+ad.primitive_transposes[_f32_ragged_p] = _f32_ragged_transpose
+batching.primitive_batchers[_f32_ragged_p] = _f32_ragged_batch
+mlir.register_lowering(_f32_ragged_p, mlir.lower_fun(_f32_ragged_impl, multiple_results=False))
+
+
+def _ragged_product(res, a, b):
+    """``lax.ragged_dot(a [M, K], b [G, K, N], group_sizes)`` in f32 (HIGHEST)."""
+    return _f32_ragged(a, b, res[2], "rows")
+
+
+def _ragged_transposes(res, ct, a, b):
+    """``_ragged_product``'s transposes applied to ``ct [M, N]``: ``ct · b[g(m)]ᵀ`` per row
+    and, per group, ``a_gᵀ · ct_g``, in f32 (``lax.ragged_dot``'s own transposes)."""
+    return _f32_ragged(ct, b, res[2], "rows_t"), _f32_ragged(a, ct, res[2], "tokens")
+
+
+_core = fwd_and_bwd_core(_core_fwd, _core_bwd, _core_operands, """\
+``lhs [M, K]`` by the weight stack ``[G, K, N]`` in groups of rows, with the recipe's three
+grouped GEMMs; ``group_sizes`` int32[G] (no gradient). Forward-mode AD: see
+``fmtkit.fp8._jvp.fwd_and_bwd_core``.""", product=_ragged_product,
+                         transposes=_ragged_transposes, needs=True)
 
 
 def _check(lhs, rhs, group_sizes) -> None:
@@ -261,7 +391,11 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     an emulated accumulator (``accum_mantissa_bits``) are refused. Registered GEMM kernels
     (``use_kernel``) are not used: the grouped GEMM is ``lax.ragged_dot_general`` on FP8
     operands (widened exactly to bf16 off GPUs, in the ``WIDENED_SCOPE`` scope, as the dense
-    emulation). Forward-mode AD is not defined (a ``jax.custom_vjp``).
+    emulation). Forward-mode AD (``jax.jvp``, ``jacfwd``, Hessian-vector products) computes
+    the tangent through the forward GEMM's quantized operands, ``ragged_dot(ẋ, Q(w)) +
+    ragged_dot(Q(x), ẇ)`` in f32 (see ``fmtkit.fp8._jvp``); reverse mode runs the three FP8
+    GEMMs above. Under ``vmap`` (``jacfwd``, ``jacrev``) the ragged dots run as a loop over
+    the mapped axis.
 
     Args:
       lhs: ``[M, K]`` floating, tokens sorted by group.
