@@ -86,7 +86,7 @@ def _swapped(lhs, rhs, dims, sharding):
     return rhs, lhs, ((rc, lc), (rb, lb)), back, new
 
 
-def _mixed_matmul(eqn, lhs, rhs, out_dtype, forward: dict | None = None):
+def _mixed_matmul(eqn, lhs, rhs, out_dtype, forward: dict | None = None, rest=()):
     """A matmul on narrow operands with a wider result (the head's f32 logits), whose two
     backward GEMMs also run on the narrow dtype (the cotangent is cast down first), as a
     bf16 head matmul does in frameworks that keep f32 logits.
@@ -96,27 +96,29 @@ def _mixed_matmul(eqn, lhs, rhs, out_dtype, forward: dict | None = None):
     matmuls, cast to the result dtype, and JAX's transpose of it is the backward above (the
     cast becomes the cotangent's cast down, each narrow matmul its dgrad or wgrad).
     ``forward``: parameters of the forward matmul only (``jax.nn.dot_product_attention``'s
-    dot algorithm)."""
+    dot algorithm); ``rest``: the primitive's other operands (a ragged dot's group
+    sizes), not differentiated."""
     narrow = lhs.dtype
 
-    def low(a, b):
-        return bind(eqn, [a, b], preferred_element_type=narrow)[0]
+    def low(a, b, rest):
+        return bind(eqn, [a, b, *rest], preferred_element_type=narrow)[0]
 
     @jax.custom_jvp
-    def matmul(a, b):
-        return bind(eqn, [a, b], preferred_element_type=out_dtype, **(forward or {}))[0]
+    def matmul(a, b, *rest):
+        return bind(eqn, [a, b, *rest], preferred_element_type=out_dtype,
+                    **(forward or {}))[0]
 
     def matmul_jvp(primals, tangents):
-        (a, b), (da, db) = primals, tangents
-        terms = [low(t, b) if j == 0 else low(a, t) for j, t in enumerate((da, db))
-                 if not isinstance(t, SymbolicZero)]
-        out = matmul(a, b)
+        (a, b, *rest), (da, db, *_) = primals, tangents
+        terms = [low(t, b, rest) if j == 0 else low(a, t, rest)
+                 for j, t in enumerate((da, db)) if not isinstance(t, SymbolicZero)]
+        out = matmul(a, b, *rest)
         if not terms:  # JAX calls the rule only when a tangent is nonzero
             return out, jnp.zeros(out.shape, out.dtype)
         return out, cast(functools.reduce(lambda x, y: x + y, terms), out_dtype)
 
     matmul.defjvp(matmul_jvp, symbolic_zeros=True)
-    return matmul(lhs, rhs)
+    return matmul(lhs, rhs, *rest)
 
 
 # The logits einsum of ``jax.nn.dot_product_attention(implementation="xla")`` (its name stack
@@ -510,9 +512,9 @@ class Interpreter(ControlFlow, CustomRules):
             return bind(eqn, [lhs, rhs, *rest])[0]
         if wide_out is not None:  # the backward as the head's: on the operands' dtype
             return _mixed_matmul(eqn, lhs, rhs, out_dt,
-                                 {} if algorithm is None else {"precision": algorithm})
+                                 {} if algorithm is None else {"precision": algorithm}, rest)
         if out_dt.itemsize > target.itemsize:
-            return _mixed_matmul(eqn, lhs, rhs, out_dt)
+            return _mixed_matmul(eqn, lhs, rhs, out_dt, rest=rest)
         return bind(eqn, [lhs, rhs, *rest], preferred_element_type=out_dt)[0]
 
     def _fp8_ragged(self, eqn, lhs, rhs, rest, recipe, module, target, cdt, out_dt):

@@ -467,6 +467,26 @@ def test_ragged_dot_under_fp4_runs_on_the_compute_dtype_with_a_warning():
     assert report.fp8_fraction() < 1
 
 
+def moe_head(params, x):
+    """A grouped GEMM as the output head (no projection after it)."""
+    return jax.lax.ragged_dot(jnp.tanh(x), params["e"], GROUPS)
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current"])
+def test_ragged_dot_as_the_output_head(preset):
+    """The head's wide result with its group sizes kept: f32 output from bf16 operands,
+    backward on bf16, forward-mode through it."""
+    policied = with_policy(moe_head, preset)
+    closed = _grad_jaxpr(policied, EXPERTS, X)
+    heads = [e for e in iter_eqns(closed) if e.primitive.name == "ragged_dot_general"]
+    assert [operand_dtypes(e) for e in heads] == [(BF16, BF16)] * 2  # forward, wgrad
+    assert heads[0].outvars[0].aval.dtype == np.float32
+    y, dy = jax.jvp(lambda p: policied(p, X), (EXPERTS,), (EXPERTS,))
+    assert y.dtype == dy.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(y), np.asarray(moe_head(EXPERTS, X)), rtol=0.05,
+                               atol=0.02)
+
+
 def test_ragged_dot_negative_control(monkeypatch):
     """Mutation: ragged_dot_general not a matmul of the policy: it stays f32 and uncounted."""
     monkeypatch.setattr(_interpreter._ops, "MATMUL", frozenset({"dot_general"}))
