@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_debug_stats import RTOL, SQNR_ATOL, _captured, _np_base, _np_quant
+from test_debug_stats import _debug_stats as _stats
 
 import fmtkit.debug as debug
 from fmtkit import with_policy
@@ -153,17 +154,6 @@ def _function_case(preset, reverse=False):
     return (with_policy(scanned, preset, params_argnums=0), ws,
             with_policy(unrolled, preset, params_argnums=0), ws, layers,
             ("", "dot_general_0"))
-
-
-def _stats(loss, params, cfg, step=0):
-    state = debug.init(cfg, loss, params)
-
-    def f(p, s, i):
-        with debug.capture(cfg, s, i):
-            return loss(p)
-
-    value, (g, stats) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(params, state, step)
-    return state, value, g, stats
 
 
 def _want(site, t, x):

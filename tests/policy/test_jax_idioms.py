@@ -363,8 +363,8 @@ def test_dot_product_attention_gradient(preset):
 
 def test_dot_product_attention_gradient_negative_control(monkeypatch):
     """Mutation: the f32 logits bound as a plain dot (JAX's own transpose): it fails."""
-    def plain(eqn, lhs, rhs, out_dtype, forward=None):
-        return _interpreter.bind(eqn, [lhs, rhs], preferred_element_type=out_dtype,
+    def plain(eqn, lhs, rhs, out_dtype, forward=None, rest=()):
+        return _interpreter.bind(eqn, [lhs, rhs, *rest], preferred_element_type=out_dtype,
                                  **(forward or {}))[0]
 
     monkeypatch.setattr(_interpreter, "_mixed_matmul", plain)
@@ -603,7 +603,7 @@ def test_forward_mode_ad_through_a_policied_model_with_an_output_layer():
 
 def test_forward_mode_ad_negative_control(monkeypatch):
     """Mutation: the head's matmul a custom_vjp again (the previous handling)."""
-    def mixed_vjp(eqn, lhs, rhs, out_dtype):
+    def mixed_vjp(eqn, lhs, rhs, out_dtype, forward=None, rest=()):
         @jax.custom_vjp
         def matmul(a, b):
             return _interpreter.bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
