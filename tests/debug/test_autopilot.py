@@ -223,6 +223,7 @@ def _restore(path, template):
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
+@pytest.mark.slow  # a few compiled training steps, killed and resumed
 def test_training_moves_the_outlier_gemm_recompiles_once_and_resumes_bit_for_bit(tmp_path):
     loss, w0 = _problem()
     ap = debug.Autopilot(underflow_share=0.1, patience=2, ladder=("compute",))
