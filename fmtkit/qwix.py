@@ -152,7 +152,8 @@ def from_qarray(qa: qwix.QArray, *, recipe: Any = None) -> ScaledArray:
 
     Example:
       >>> import qwix
-      >>> qa = qwix.quantize(jnp.ones((4, 256)), jnp.float8_e4m3fn, tiled_axes={1: 128})
+      >>> qa = qwix.quantize(jnp.ones((4, 256)), jnp.float8_e4m3fn, channelwise_axes=(0,),
+      ...                    tiled_axes={1: 128})
       >>> from_qarray(qa).recipe
       BlockScaling(block=(1, 128), power_of_two=False, margin=0)
     """
@@ -331,7 +332,7 @@ class FmtkitProvider(qwix.QtProvider):
                                    preferred_element_type, out_sharding=out_sharding)
 
     def einsum(self, einsum_str, *operands, precision=None, preferred_element_type=None,
-               _dot_general=jax.lax.dot_general, out_sharding=None):  # noqa: N803 (jnp's name)
+               _dot_general=jax.lax.dot_general, out_sharding=None):
         """``jax.numpy.einsum`` under the provider (two operands: its one dot_general)."""
         recipe = self._recipe("einsum")
         if recipe is None or not _is_default(precision) or len(operands) != 2:

@@ -46,6 +46,8 @@ def test_the_examples_are_found():
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
+    if name == "fmtkit.qwix":  # needs the optional dependency (fmtkit[qwix])
+        pytest.importorskip("qwix")
     mod = importlib.import_module(name)
     globs = {**vars(mod), "jnp": jnp, "np": np, "jax": jax, "optax": optax}
     promotion = "standard" if name in STANDARD_PROMOTION else "strict"
