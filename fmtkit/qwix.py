@@ -369,9 +369,7 @@ class FmtkitProvider(qwix.QtProvider):
             y = fp8.ragged_dot(lhs, rhs, group_sizes, recipe,
                                preferred_element_type=preferred_element_type)
             return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
-        if out_sharding is not None:
-            return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
-                                      preferred_element_type=preferred_element_type,
-                                      group_offset=group_offset, out_sharding=out_sharding)
-        return super().ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
-                                  group_offset)
+        # qwix 0.1.8's ragged_dot takes no out_sharding: the output is resharded after it.
+        y = super().ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
+                               group_offset)
+        return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)

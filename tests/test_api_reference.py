@@ -10,7 +10,6 @@ docs/deprecated.md). ``make docs`` then fails if an entry cannot be rendered.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -32,7 +31,11 @@ def public_names() -> list[str]:
     """``module.NAME`` for every name of every public module's ``__all__``."""
     # fmtkit.qwix needs the optional dependency qwix (fmtkit[qwix]); without it, its page is
     # still required (test_every_public_module_has_a_page) but its names cannot be listed.
-    have_qwix = importlib.util.find_spec("qwix") is not None
+    try:
+        importlib.import_module("qwix")
+        have_qwix = True
+    except ImportError:
+        have_qwix = False
     return [f"{mod}.{name}" for mod in PUBLIC_MODULES if have_qwix or mod != "fmtkit.qwix"
             for name in importlib.import_module(mod).__all__]
 

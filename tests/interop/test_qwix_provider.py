@@ -55,7 +55,7 @@ def _equal(a, b) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [*RECIPES, "nvfp4", "mxfp4"])
 def test_linen_model_is_bit_identical_to_dense_with_fmtkit_dot_general(recipe):
     params = Mlp().init(jax.random.key(0), X)
     got = _linen_vg(qwix.quantize_model(Mlp(), _rules(recipe)), params)
@@ -197,6 +197,13 @@ def test_ragged_dot_runs_fmtkits_grouped_gemm_with_per_expert_scales(recipe):
     want = jax.jit(jax.value_and_grad(loss(lambda p: fp8.ragged_dot(
         X, p["params"]["w"], GS, recipe))))(params)
     assert _equal(got, want)
+
+
+@pytest.mark.slow
+def test_ragged_dot_with_an_fp4_recipe_is_refused():
+    model = qwix.quantize_model(Experts(), _rules("nvfp4", ".*"))
+    with pytest.raises(ValueError, match="FP4 recipes have no grouped GEMM"):
+        model.init(jax.random.key(0), X, GS)
 
 
 def test_ragged_dot_group_offset_is_refused():
