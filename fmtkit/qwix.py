@@ -288,6 +288,9 @@ class FmtkitProvider(qwix.QtProvider):
       (4, 16)
     """
 
+    def __init__(self, rules, *, disable_jit: bool = False):
+        super().__init__(rules, disable_jit=disable_jit)
+
     def _recipe(self, op_name: str) -> fp8.Fp8Recipe | None:
         """The recipe of the rule that decides ``op_name`` here (None: not an FmtkitRule)."""
         rule, _ = self._get_current_rule_and_op_id(op_name, only_rule=True)
