@@ -87,7 +87,8 @@ def to_qarray(sa: ScaledArray) -> qwix.QArray:
       ``qwix.dequantize(result) == fmtkit.dequantize(sa)`` bit for bit.
 
     Raises:
-      TypeError: ``sa`` is not a ``ScaledArray``.
+      TypeError: ``sa`` is not a ``ScaledArray`` (an ``fmtkit.fp4.Fp4Array``'s two-level
+        scales have no exact one-scale-per-tile form).
       ValueError: FP6 values (qwix has no FP6 type; fmtkit stores them in an E4M3
         container).
 
@@ -97,6 +98,11 @@ def to_qarray(sa: ScaledArray) -> qwix.QArray:
       >>> to_qarray(sa).scale.shape
       (4, 2)
     """
+    if hasattr(sa, "tensor_scale") and hasattr(sa, "block_scale"):
+        raise TypeError("sa is an fmtkit.fp4.Fp4Array: its two-level scales (block scale x "
+                        "f32 tensor scale) have no exact single f32 scale per tile, which is "
+                        "all a QArray holds; quantize with fmtkit.quantize(x, 'fp4', "
+                        "MXScaling(32)) for an MXFP4 QArray.")
     if not isinstance(sa, ScaledArray):
         raise TypeError(f"sa must be a fmtkit.ScaledArray, got {type(sa).__name__}.")
     if sa.fmt.bits == 6:

@@ -100,6 +100,8 @@ def test_lossy_conversions_are_refused():
         to_qarray(fmtkit.quantize(X, "fp6_e2m3", fmtkit.TensorScaling()))
     with pytest.raises(TypeError, match="ScaledArray"):
         to_qarray(X)
+    with pytest.raises(TypeError, match="two-level"):
+        to_qarray(fmtkit.fp4.nvfp4_quantize(jnp.asarray(X)))
     asym = qwix.quantize(jnp.asarray(X), jnp.int8, calibration_method="minmax")
     with pytest.raises(ValueError, match="zero_point"):
         from_qarray(asym)
