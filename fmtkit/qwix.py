@@ -30,6 +30,10 @@ place for it: use ``fmtkit.with_policy``, whose linen / NNX adapters keep the hi
 an ``fp8_state`` collection), an FP4 recipe on ``ragged_dot`` and a ``ragged_dot`` with
 ``group_offset`` (fmtkit's grouped GEMM has neither).
 
+``fmtkit.debug`` statistics are not available under the provider: they come from the GEMM
+hook of ``fmtkit.with_policy``, which never sees GEMMs that qwix's interception replaced
+(run the model under ``with_policy`` with the same recipe to read them).
+
 **Converters.** ``to_qarray(sa)`` and ``from_qarray(qa)`` move quantized tensors between
 the two libraries with the same convention, ``x ≈ values * scale`` with the scale broadcast
 per tile (qwix: ``qvalue * scale``; the tile is ``qvalue.shape // scale.shape``), so the

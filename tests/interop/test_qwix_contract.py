@@ -16,16 +16,6 @@ def test_pinned_version():
     assert qwix.__version__ == "0.1.8"
 
 
-def test_importing_fmtkit_does_not_import_qwix():
-    import subprocess
-    import sys
-
-    code = "import sys, fmtkit, fmtkit.fp8; print('qwix' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == "False"
-
-
 def test_private_parameter_lookup_and_module_path():
     # fmtkit.qwix tells weights from activations with qwix's own lookup, and names a dot
     # by the current module path (both private: qwix._src.utils.flax_util).

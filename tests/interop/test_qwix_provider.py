@@ -206,6 +206,7 @@ def test_ragged_dot_with_an_fp4_recipe_is_refused():
         model.init(jax.random.key(0), X, GS)
 
 
+@pytest.mark.slow
 def test_ragged_dot_group_offset_is_refused():
     class Off(nn.Module):
         @nn.compact
