@@ -21,7 +21,7 @@ inside a module that such a rule matches runs through ``fmtkit.fp8``:
 
 Left as the model wrote them: modules no rule matches, products of two activations
 (attention's ``q·k``) or of two parameters, a ``precision`` above DEFAULT (HIGH, HIGHEST,
-an algorithm) and einsums of more than two operands. Plain ``qwix.QtRule``s in the same
+an algorithm), einsums of more than two operands and convolutions. Plain ``qwix.QtRule``s in the same
 provider keep qwix's own quantized training.
 
 Refused with an error, never run silently in higher precision: a delayed-scaling recipe
