@@ -296,3 +296,31 @@ def test_grouped_gemms_take_fp8_operands_in_forward_dgrad_and_wgrad():
     params = Experts().init(jax.random.key(0), X, GS)
     model = qwix.quantize_model(Experts(), _rules("blockwise", ".*"))
     _assert_fp8_in_all_three(_gemms(model, params, X, GS), -1)
+
+
+class Attention(nn.Module):
+    """q·kᵀ (two activations) and a convolution inside a matched module."""
+
+    dg: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        kw = {} if self.dg is None else {"dot_general": self.dg}
+        q = nn.Dense(64, name="q", **kw)(x)
+        k = nn.Dense(64, name="k", **kw)(x)
+        scores = jnp.einsum("td,sd->ts", q, k)
+        conv = nn.Conv(4, (3,), name="conv")(x[None, :, :8])
+        return jnp.sum(jax.nn.softmax(scores)) + jnp.sum(conv)
+
+
+@pytest.mark.slow
+def test_activation_products_and_convolutions_stay_as_written():
+    params = Attention().init(jax.random.key(0), X)
+
+    def vg(model):
+        return jax.jit(jax.value_and_grad(lambda p: model.apply(p, X)))(params)
+
+    got = vg(qwix.quantize_model(Attention(), _rules("current", ".*")))
+    # The projections in FP8 (fmtkit by hand), the score einsum and the conv as written.
+    assert _equal(got, vg(Attention(dg=fp8.dot_general_fn("current"))))
+    assert not _equal(got, vg(Attention()))
