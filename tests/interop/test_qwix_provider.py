@@ -140,7 +140,8 @@ def test_delayed_scaling_is_refused_with_a_pointer_to_with_policy():
 
 class WeightLeft(nn.Module):
     """A projection written weight first (``einsum("nk,bk->bn", w, x)``), as MaxText writes
-    some of its einsums."""
+    some of its einsums (jnp.einsum itself may hand the weight to dot_general on either
+    side; the swap of a weight given as lhs is tested with lax.dot_general below)."""
 
     @nn.compact
     def __call__(self, x):
@@ -167,6 +168,49 @@ def test_einsum_with_the_weight_on_the_left_gets_the_weight_tiling():
     assert _equal(got, jax.jit(jax.value_and_grad(ref))(params))
     assert not _equal(got[0], jax.jit(swapped)(params))
     assert w.shape == (256, 128)
+
+
+class WeightLeftDot(nn.Module):
+    """``lax.dot_general`` with the weight as lhs (no einsum to reorder it), optionally
+    with a batch dim (one weight per batch element: per-expert dense GEMMs)."""
+
+    batched: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        if self.batched:  # w [E, N, K] · x [E, T, K] -> [E, N, T]
+            w = self.param("w", init, (2, 256, x.shape[-1]))
+            return jax.lax.dot_general(w, x.reshape(2, -1, x.shape[-1]),
+                                       (((2,), (2,)), ((0,), (0,))))
+        w = self.param("w", init, (256, x.shape[-1]))  # w [N, K] · x [T, K] -> [N, T]
+        return jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batched", [False, True], ids=["2d", "batched"])
+def test_dot_general_with_the_weight_as_lhs_is_swapped_to_the_weight_side(batched):
+    params = WeightLeftDot(batched).init(jax.random.key(0), X)
+    model = qwix.quantize_model(WeightLeftDot(batched), _rules("blockwise", ".*"))
+    dg = fp8.dot_general_fn("blockwise")
+
+    def ref(p):  # x · wᵀ with w as fmtkit's weight (128x128 blocks), transposed back
+        w = p["params"]["w"]
+        if batched:
+            y = dg(X.reshape(2, -1, X.shape[-1]), w, (((2,), (2,)), ((0,), (0,))))
+            return jnp.mean(jnp.square(y.transpose(0, 2, 1)))
+        return jnp.mean(jnp.square(dg(X, w, (((1,), (1,)), ((), ()))).T))
+
+    def unswapped(p):  # w as fmtkit's activation operand (1x128 tiles)
+        if batched:
+            return jnp.mean(jnp.square(dg(p["params"]["w"], X.reshape(2, -1, X.shape[-1]),
+                                          (((2,), (2,)), ((0,), (0,))))))
+        return jnp.mean(jnp.square(dg(p["params"]["w"], X, (((1,), (1,)), ((), ())))))
+
+    got = jax.jit(jax.value_and_grad(lambda p: jnp.mean(jnp.square(model.apply(p, X)))))(
+        params)
+    assert _equal(got, jax.jit(jax.value_and_grad(ref))(params))
+    assert not _equal(got[0], jax.jit(unswapped)(params))
 
 
 class Experts(nn.Module):
