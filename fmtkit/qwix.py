@@ -21,8 +21,8 @@ inside a module that such a rule matches runs through ``fmtkit.fp8``:
 
 Left as the model wrote them: modules no rule matches, products of two activations
 (attention's ``q·k``) or of two parameters, a ``precision`` above DEFAULT (HIGH, HIGHEST,
-an algorithm), einsums of more than two operands and convolutions. Plain ``qwix.QtRule``s in the same
-provider keep qwix's own quantized training.
+an algorithm), einsums of more than two operands and convolutions. Plain ``qwix.QtRule``s
+in the same provider keep qwix's own quantized training.
 
 Refused with an error, never run silently in higher precision: a delayed-scaling recipe
 (its amax history is state that a training step must thread; qwix gives interceptors no
