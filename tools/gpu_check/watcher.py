@@ -21,7 +21,7 @@ __all__ = ["ITEM_TIMEOUT_S", "MAX_RESTARTS", "MIN_PHASE_S", "PHASE_SHARE", "POLL
            "STARTUP_TIMEOUT_S", "SUMMARY_EVERY_S", "run_phase", "supervise"]
 
 # Per-item limits (seconds): a Mosaic GPU compile takes seconds; minutes mean a hang.
-ITEM_TIMEOUT_S = {"compile": 90.0, "correctness": 90.0, "bench": 100.0, "train": 180.0,
+ITEM_TIMEOUT_S = {"compile": 90.0, "correctness": 90.0, "bench": 100.0, "train": 240.0,
                   "tune": 100.0}
 STARTUP_TIMEOUT_S = 120.0  # a worker that has not started its first item by then is stuck
 MIN_PHASE_S = 20.0  # starting a worker (imports, backend) costs ~5-10 s: not worth it below
