@@ -177,3 +177,31 @@ def test_gpu_form_computes_the_same_gemms(monkeypatch):
     for got, ref in ((y, xq @ wq), (dx, gq @ wq.T), (dw, xq.T @ gq)):
         np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=0,
                                    atol=2e-5 * np.abs(ref).max())
+
+
+def _on_hopper() -> bool:
+    dev = jax.devices()[0]
+    return jax.default_backend() == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper (sm_90) GPU")
+def test_compiled_per_tensor_step_runs_cublaslt_fp8_gemms():
+    """On a Hopper GPU: XLA compiled the three GEMMs of the current recipe into cuBLASLt's
+    FP8 GEMM, and they compute the products of the quantized operands (Hopper's FP8 tensor
+    cores accumulate with fewer bits than f32 (DeepSeek-V3 §3.3.2: about 14): 1e-2 of the
+    largest output)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(k1, (512, 1024), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k2, (1024, 768), jnp.float32) / 32).astype(jnp.bfloat16)
+    g = jax.random.normal(k3, (512, 768), jnp.float32).astype(jnp.bfloat16)
+    step = jax.jit(_step("current"))
+    hlo = step.lower(x, w, g).compile().as_text()
+    assert hlo.count('custom_call_target="__cublas$lt$matmul$f8"') == 3, re.findall(
+        r'custom_call_target="([^"]+)"', hlo)
+    y, dx, dw = step(x, w, g)
+    e4, e5 = (ml_dtypes.float8_e4m3fn, 448.0), (ml_dtypes.float8_e5m2, 57344.0)
+    xq, wq, gq = (_qdq(np.asarray(t, np.float32), *f) for t, f in ((x, e4), (w, e4), (g, e5)))
+    for got, ref in ((y, xq @ wq), (dx, gq @ wq.T), (dw, xq.T @ gq)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=0,
+                                   atol=1e-2 * np.abs(ref).max())

@@ -375,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lm-batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--baselines", default="f32,bf16",
+                   help="the non-FP8 variants timed beside the recipes (f32, bf16 or both)")
     p.add_argument("--llama-full", action="store_true",
                    help="the llama model at its realistic size off GPUs too (minutes a step)")
     p.add_argument("--repeats", type=int, default=15)
@@ -393,7 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         if r not in fp8.RECIPES and r not in fp4.RECIPES:
             p.error(f"--recipes: unknown recipe {r!r}; valid: "
                     f"{', '.join([*fp8.RECIPES, *fp4.RECIPES])}")
-    kinds = ["f32", "bf16", *recipes, "flax-fp8"]
+    baselines = [b for b in args.baselines.split(",") if b]
+    for b in baselines:
+        if b not in ("f32", "bf16"):
+            p.error(f"--baselines: unknown variant {b!r}; valid: f32, bf16")
+    kinds = [*baselines, *recipes, "flax-fp8"]
 
     results: dict[str, Any] = {"args": vars(args), "targets": TARGETS,
                                "flax_targets": FLAX_TARGETS}

@@ -15,11 +15,11 @@ __all__ = ["LLAMA_ARGS", "TRAIN_ARGS", "TRAIN_ARGS_REHEARSAL", "train_step"]
 
 # Small transformer of the training-step phase: d_model 1024, 4 blocks, 8192 tokens a step
 # (GEMMs of 8192 x 1024 x 4096: big enough that FP8's GEMM speed shows, small enough to
-# compile four variants in about a minute).
+# compile four variants in about a minute); no f32 variant, to leave time to the Llama stack.
 TRAIN_ARGS = ("--d-model", "1024", "--layers", "4", "--heads", "8", "--seq", "1024",
-              "--lm-batch", "8", "--repeats", "20")
+              "--lm-batch", "8", "--repeats", "15", "--baselines", "bf16")
 TRAIN_ARGS_REHEARSAL = ("--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "16",
-                        "--lm-batch", "2", "--repeats", "1")
+                        "--lm-batch", "2", "--repeats", "1", "--baselines", "bf16")
 # The Llama-style model at its realistic size on a GPU (d_model 4096, SwiGLU 11008, 4 blocks,
 # 8192 tokens a step: ``fmtkit bench fp8-step``'s ``llama`` model); its rehearsal size off
 # GPUs. Fewer repeats: five variants of 4 such blocks take most of the item's time to compile.
