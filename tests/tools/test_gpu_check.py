@@ -133,8 +133,11 @@ def test_gemm_targets_and_rewriter_lines():
     hlo = ('%a = custom-call(x, y), custom_call_target="__cublas$lt$matmul$f8"\n'
            '%b = custom-call(x, y), custom_call_target="__cublas$lt$matmul"\n'
            '%c = custom-call(x), custom_call_target="mosaic_gpu_v2"\n'
-           '%d = custom-call(x, y), custom_call_target="__cublas$lt$matmul$f8"')
-    assert gemm_targets(hlo) == {"__cublas$lt$matmul$f8": 2, "__cublas$lt$matmul": 1}
+           '%d = custom-call(x, y), custom_call_target="__cublas$lt$matmul$f8"\n'
+           '%e = fusion(x, y), kind=kCustom, backend_config={"fusion_backend_config":'
+           '{"kind":"__triton_gemm"}}')
+    assert gemm_targets(hlo) == {"__cublas$lt$matmul$f8": 2, "__cublas$lt$matmul": 1,
+                                 "__triton_gemm": 1}
     log = ("I gemm_rewriter.cc:1] %dot.1 rewritten into FP8 Custom Call.\n"
            "unrelated\n"
            "I gemm_rewriter.cc:2] Possible intended FP8 GEMM operating on %x not rewritten "

@@ -23,13 +23,17 @@ __all__ = ["PER_TENSOR_SHAPE", "gemm_targets", "per_tensor_gemms"]
 PER_TENSOR_SHAPE = (8192, 8192, 8192)
 """The issue's measuring point for the per-tensor GEMM against XLA's bf16 one."""
 
-_GEMM_TARGET = re.compile(r'custom_call_target="(__cublas[^"]*|__gemm[^"]*)"')
+_GEMM_TARGET = re.compile(r'custom_call_target="(__cublas[^"]*|__gemm[^"]*|__cudnn[^"]*)"'
+                          r'|"kind":"(__triton[^"]*gemm[^"]*)"')
 
 
 def gemm_targets(hlo_text: str) -> dict[str, int]:
-    """How many GEMM custom calls of each target a compiled HLO text holds."""
+    """How many GEMMs of each kind a compiled HLO text holds: cuBLAS / cuBLASLt / cuDNN custom
+    calls by target, and fusions XLA gave to Triton's GEMM emitter by their kind (XLA's
+    autotuner may pick Triton over cuBLASLt for an FP8 dot)."""
     found: dict[str, int] = {}
-    for t in _GEMM_TARGET.findall(hlo_text):
+    for call, fusion in _GEMM_TARGET.findall(hlo_text):
+        t = call or fusion
         found[t] = found.get(t, 0) + 1
     return found
 
