@@ -15,10 +15,13 @@ the scales are folded into the operands (exact) and one dot sums the same produc
 (``_folds_scales``). Off GPUs every dot reads its FP8 operands widened exactly to bf16
 (XLA:CPU would convert them to f32 and run its slower f32 GEMM: ``_emulated_dot``), and
 per-block partials of 128-wide (or wider) blocks are one 2-D dot per block in a ``lax.scan``
-(``_block_dots``); on a GPU the operands always enter the dot as FP8.
+(``_block_dots``); on a GPU the operands always enter the dot as FP8, and a GEMM of two
+per-tensor operands takes the form XLA rewrites into cuBLASLt's FP8 GEMM
+(``_per_tensor_dot``).
 
-The private switches (``_SCAN_BLOCK_DOTS``, ``_FOLD_POW2_SCALES``, ``_WIDEN_OFF_GPU``) and
-``PARTIALS_BUDGET_BYTES`` are read here while tracing: tests set them on this module.
+The private switches (``_SCAN_BLOCK_DOTS``, ``_FOLD_POW2_SCALES``, ``_WIDEN_OFF_GPU``,
+``_CUBLASLT_FORM``) and ``PARTIALS_BUDGET_BYTES`` are read here while tracing: tests set them
+on this module.
 """
 
 from __future__ import annotations
