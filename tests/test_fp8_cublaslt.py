@@ -158,6 +158,7 @@ def _qdq(t, dtype, fmax):
     return vals.astype(np.float64) * np.float64(scale)
 
 
+@pytest.mark.slow  # a few seconds: three GEMMs compiled on CPU
 def test_gpu_form_computes_the_same_gemms(monkeypatch):
     """The GPU form, run on CPU (the trace told it runs on a GPU, so FP8 operands go into
     the dot and the scales multiply its output): y, dx, dw equal float64 products of the

@@ -79,7 +79,9 @@ def quantization_passes(text: str) -> dict[str, dict[str, int]]:
     return count
 
 
-@pytest.mark.parametrize("recipe", list(MINIMUM))
+@pytest.mark.parametrize("recipe", [  # per tensor in make test, the block recipes in test-all
+    r if r in ("current", "delayed") else pytest.param(r, marks=pytest.mark.slow)
+    for r in MINIMUM])
 def test_each_tensor_is_quantized_once_per_layout(recipe):
     got = quantization_passes(_lowered_for_h200(_step(recipe), *ARGS))
     for role, want in zip("xwg", MINIMUM[recipe]):
