@@ -196,8 +196,8 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
         for key in ("lower_s", "compile_s", "first_run_s"):
             assert k[key] > 0
         for key in ("registers", "spill_store_bytes", "spill_load_bytes",
-                    "wgmma_serialization_warnings", "ptxas_lines"):
-            assert k[key] is None  # ptxas runs only on a GPU
+                    "wgmma_serialization_warnings", "ptxas_lines", "sass"):
+            assert k[key] is None  # ptxas and nvdisasm run only on a GPU
     [c] = [r for s, r in report["correctness"].items() if s.startswith("matmul")]
     for dt in ("bfloat16", "float32"):
         for key in ("rel_fro_vs_float64", "max_abs_error", "worst_blocks",

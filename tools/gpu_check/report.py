@@ -29,7 +29,8 @@ def empty_report(command: str, rehearsal: bool, deadline: float) -> dict:
             "deadline_s": deadline, "status": "running", "elapsed_s": 0.0,
             "env": None, "driver": None,
             "telemetry": {"before": None, "during": None, "after": None},
-            "kernels": {}, "excluded_configs": [], "correctness": {}, "bench": {},
+            "kernels": {}, "sass_error": None, "excluded_configs": [], "correctness": {},
+            "bench": {},
             "per_tensor": None, "fp8_rewriter_log": [], "train": None, "train_llama": None,
             "optimizer": None, "tune": {}, "pytest": None, "phases": {}}
 
@@ -52,6 +53,9 @@ def fill(report: dict, phase: str, items: dict, work: Path) -> None:
             r["ptxas_lines"] = p.get("lines")
             r["sass"] = sass.get(name)  # instruction counts (MOSAIC_GPU_DUMP_SASS=1)
         report["kernels"] = kernels
+        # Mosaic GPU runs nvdisasm for the SASS and says so where it could not
+        report["sass_error"] = next((ln.strip() for ln in text.splitlines()
+                                     if "nvdisasm invocation failed" in ln), None)
     elif phase == "train":
         report["train"] = items.get("transformer-step")
         report["train_llama"] = items.get("llama-step")
