@@ -38,7 +38,9 @@ __all__ = [
 ]
 
 ROUNDING_MODES = ("nearest", "stochastic", "toward_zero")
+"""The ``rounding`` values ``cast`` accepts: nearest-even, stochastic, toward zero."""
 OVERFLOW_MODES = ("inf_or_nan", "saturate")
+"""The ``overflow`` values ``cast`` accepts: what the format defines, or saturation at ±max."""
 
 Rounding = Literal["nearest", "stochastic", "toward_zero"]
 Overflow = Literal["inf_or_nan", "saturate"]

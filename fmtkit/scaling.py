@@ -370,6 +370,7 @@ class DelayedScaling:
 
 
 Recipe = TensorScaling | AxisScaling | BlockScaling | MXScaling | DelayedScaling
+"""Any scaling recipe: the type of ``quantize``'s ``recipe`` argument."""
 _RECIPE_TYPES = (TensorScaling, AxisScaling, BlockScaling, MXScaling, DelayedScaling)
 
 
