@@ -86,6 +86,11 @@ def saturate(x: jax.Array, fmt: Format, finite: jax.Array | None = None) -> jax.
     A select, not ``jnp.clip``: XLA CPU flushes f32 subnormals in arithmetic, and a select
     leaves them intact. ``finite`` is the mask of originally finite inputs when ``x`` has
     already been rounded (a rounding can carry a finite value to inf).
+
+    Example:
+      >>> from fmtkit.formats import get_format
+      >>> saturate(jnp.array([500.0, -1e4, 3.0]), get_format("e4m3")).tolist()
+      [448.0, -448.0, 3.0]
     """
     clipped = jnp.where(jnp.abs(x) > fmt.max, jnp.copysign(jnp.float32(fmt.max), x), x)
     if not fmt.has_nan:
@@ -129,6 +134,11 @@ def round_to_grid(x32: jax.Array, fmt: Format) -> jax.Array:
     For values within ±fmt.max of formats whose spacing is at least 2^-126 (all but bf16,
     f32 and E8M0), this equals ``x.astype(fmt.dtype)`` decoded back to f32; used where a
     format cannot be decoded (FP6 on CPU).
+
+    Example:
+      >>> from fmtkit.formats import get_format
+      >>> round_to_grid(jnp.array([0.1, 300.0]), get_format("e4m3")).tolist()   # still f32
+      [0.1015625, 288.0]
     """
     a = jnp.abs(x32)
     _, e = jnp.frexp(a)

@@ -59,6 +59,11 @@ class Format:
       has_nan: whether it has NaN.
       has_negative_zero: whether it has -0.
       signed: False only for E8M0.
+
+    Example:
+      >>> f = get_format("e4m3")
+      >>> f.max, f.eps, f.min_subnormal, f.bits
+      (448.0, 0.125, 0.001953125, 8)
     """
 
     name: str
@@ -217,6 +222,11 @@ class Decomposition:
         when a finite nonzero input became inf/NaN/±max or zero.
       abs_error: |stored - value| (inf/NaN when the stored value is not finite).
       rel_error: abs_error / |value| (NaN for a zero input).
+
+    Example:
+      >>> d = decompose(1.0, "bf16")
+      >>> d.sign, d.exponent, d.mantissa, d.kind
+      ('0', '01111111', '0000000', 'normal')
     """
 
     value: float

@@ -81,6 +81,11 @@ class Fp8Recipe:
         the dot runs inside ``shard_map`` on a shard of the tensor, so every device uses the
         global scale. Under ``jax.jit`` with shardings leave it empty: reductions there are
         already global. Block scales need no reduction (they shard with their blocks).
+
+    Example:
+      >>> r = dataclasses.replace(RECIPES["blockwise"], grad_tile="128x128")
+      >>> str(r), r.x_tile, r.w_tile
+      ("blockwise(grad_tile='128x128')", '1x128', '128x128')
     """
 
     name: str = "custom"
@@ -189,6 +194,11 @@ class Fp4Recipe(Fp8Recipe):
       rht_size: the Hadamard size (16: the paper's and TE's; 128 gains little, E.4.2).
       rht_seed: seed of the RHT's sign vector (one vector for every layer and the run).
       sr_seed: seed of the stochastic rounding keys (see the module docstring).
+
+    Example:
+      >>> r = FP4_RECIPES["nvfp4"]                      # fmtkit.fp4.RECIPES["nvfp4"]
+      >>> r.x_tile, r.w_tile, r.block_scale
+      ('1x16', '16x16', 'e4m3')
     """
 
     # Fp8Recipe's fields with FP4 defaults: a dataclass subclass redeclares a field to change

@@ -562,7 +562,12 @@ _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
 
 
 def list_presets() -> tuple[str, ...]:
-    """Names of the named policy presets, e.g. ``("fp32", "bf16-mixed", ...)``."""
+    """Names of the named policy presets, e.g. ``("fp32", "bf16-mixed", ...)``.
+
+    Example:
+      >>> list_presets()[:4]
+      ('fp32', 'bf16-mixed', 'fp16-mixed', 'pure-bf16')
+    """
     return tuple(_PRESETS)
 
 
@@ -584,7 +589,12 @@ def get_preset(name: str) -> Rules:
 
 
 def describe_presets() -> str:
-    """A text listing of every preset with its rules (what ``fmtkit policies`` prints)."""
+    """A text listing of every preset with its rules (what ``fmtkit policies`` prints).
+
+    Example:
+      >>> print(describe_presets().splitlines()[0])
+      fp32: Everything in float32 (the reference).
+    """
     out = []
     for name, (doc, rules) in _PRESETS.items():
         out.append(f"{name}: {doc}\n{rules}")
