@@ -249,8 +249,8 @@ class Decomposition:
 def decompose(value: float, fmt: str | Format | Any) -> Decomposition:
     """Shows how ``value`` is stored in ``fmt``: bit fields, stored value and error.
 
-    Host-side (NumPy + ml_dtypes, float64 input rounded once to the format); the seeds'
-    "type a number, see its bits in each format" tool, also behind ``fmtkit inspect``.
+    Host-side (NumPy + ml_dtypes, float64 input rounded once to the format); the "type a
+    number, see its bits in each format" tool behind ``fmtkit inspect``.
 
     Args:
       value: a real number (Python float or NumPy scalar).

@@ -473,9 +473,10 @@ def as_rules(policy_or_rules: Any) -> Rules:
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets. What stays in f32 follows the seeds (000: "softmax, LayerNorm / RMSNorm, loss: fp32";
-# 001: Switch Transformer's selective precision, router input, logits and softmax in fp32) and
-# Fedus et al. 2021, "Switch Transformers", section 2.4 ("Selective precision").
+# Presets. What stays in f32 follows mixed-precision practice (softmax, LayerNorm / RMSNorm and
+# the loss in f32: PyTorch autocast's f32 op list; DeepSeek-V3, arXiv 2412.19437, section 3.3)
+# and, for routers (router input, logits and softmax in f32), Fedus et al. 2021, "Switch
+# Transformers", section 2.4 ("Selective precision").
 
 # Norm layers by class (Flax's and any user subclass) and by the usual names (ln, ln_1, ln_f,
 # ln1, norm, norm1, final_norm, attention_norm, ffn_norm, ..., and linen's LayerNorm_0).
