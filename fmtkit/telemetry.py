@@ -31,7 +31,12 @@ __all__ = ["NumericsStats", "cast_stats", "compare", "quantize_stats", "tree_sta
 
 
 class NumericsStats(NamedTuple):
-    """Scalar f32 statistics of one cast or quantization (see the module docstring)."""
+    """Scalar f32 statistics of one cast or quantization (see the module docstring).
+
+    Example:
+      >>> NumericsStats._fields
+      ('underflow', 'overflow', 'amax', 'sqnr_db', 'rel_error', 'nonfinite')
+    """
 
     underflow: jax.Array
     overflow: jax.Array

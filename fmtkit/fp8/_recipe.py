@@ -292,6 +292,10 @@ def get_recipe(recipe: str | Fp8Recipe) -> Fp8Recipe:
 
     Raises:
       ValueError: an unknown name. TypeError: neither a name nor an ``Fp8Recipe``.
+
+    Example:
+      >>> get_recipe("blockwise").x_tile, get_recipe("mxfp4").x_tile
+      ('1x128', 'mx32')
     """
     if isinstance(recipe, Fp8Recipe):
         return recipe

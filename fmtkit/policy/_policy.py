@@ -440,6 +440,10 @@ def as_rules(policy_or_rules: Any) -> Rules:
 
     A ``Rules``; a ``Policy`` (every module); a preset name; a policy string; or a sequence of
     (pattern, policy) pairs (unmatched modules untouched).
+
+    Example:
+      >>> type(as_rules("p=f32,c=bf16")).__name__, type(as_rules("bf16-mixed")).__name__
+      ('Rules', 'Rules')
     """
     if isinstance(policy_or_rules, Rules):
         return policy_or_rules
