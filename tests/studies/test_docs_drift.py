@@ -1,4 +1,5 @@
-"""Prose that names code names code that exists.
+"""Prose that names code names code that exists (here, beside the studies tests: it reads
+the command line's own `--help`).
 
 The README, CHANGELOG, CONTRIBUTING, every page under docs/ and every docstring of fmtkit,
 pallas_kernels and studies are read for four kinds of reference, each checked against the
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("fmtkit", "pallas_kernels", "studies")
 REPO_DIRS = ("fmtkit", "pallas_kernels", "studies", "tests", "examples", "tools", "docs")
 # fmtkit's submodules that prose names by their short form (`fp8.update_state`). `policy` is
