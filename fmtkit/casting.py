@@ -49,7 +49,12 @@ _SR_BITS = 24  # random bits compared against the rounding probability (f32 has 
 
 
 def check_floating(x: jax.typing.ArrayLike, name: str = "x") -> jax.Array:
-    """Returns ``x`` as a JAX array, raising ``TypeError`` unless it is floating point."""
+    """Returns ``x`` as a JAX array, raising ``TypeError`` unless it is floating point.
+
+    Example:
+      >>> check_floating([1.0, 2.0]).dtype
+      dtype('float32')
+    """
     arr = jnp.asarray(x)
     if not jnp.issubdtype(arr.dtype, jnp.floating):
         raise TypeError(

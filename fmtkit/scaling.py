@@ -226,6 +226,10 @@ class DelayedScalingState(NamedTuple):
       count: int32 number of recorded steps, or None. Informational only (the bootstrap
         rule reads the history, not the count); FP8 dot states leave it None so that
         ``jax.grad`` can take the whole state (an integer leaf has no float cotangent).
+
+    Example:
+      >>> DelayedScaling(history=16).init().amax_history.shape   # one tensor's history
+      (16,)
     """
 
     amax_history: jax.Array
@@ -668,6 +672,10 @@ def keep_nonfinite(x: jax.Array, values: jax.Array) -> jax.Array:
     ``clip(inf * s) = fmt.max`` would hide an overflow from loss scaling. NaN rather than
     inf because E4M3 has no inf; any non-finite operand makes a GEMM's products non-finite.
     Finite elements beyond the range still saturate.
+
+    Example:
+      >>> keep_nonfinite(jnp.array([jnp.inf, 1.0]), jnp.array([448.0, 1.0])).tolist()
+      [nan, 1.0]
     """
     return jnp.where(jnp.isinf(x), jnp.float32(jnp.nan), values)
 

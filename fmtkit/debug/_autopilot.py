@@ -110,6 +110,11 @@ class Decision:
       tensor: the operand whose statistic crossed its threshold.
       stat: the statistic (from ``TRIGGERS``).
       value: the statistic's value.
+
+    Example:
+      >>> d = Decision(4, "Dense_1", "dot_general_0", "compute", "activation", "sqnr_db", 12.5)
+      >>> d.step, d.setting          # decided from step 4's statistics; applies from step 5
+      (4, 'compute')
     """
 
     step: int

@@ -119,6 +119,11 @@ class Rule:
       start_step: the first step logged.
       end_step: the last step logged (None: no end).
       override: None, or one of ``OVERRIDES``.
+
+    Example:
+      >>> rule = Rule("Dense_1", tensors=("activation",), stats=("amax",), freq=10)
+      >>> bool(DebugConfig([rule]).logs_at(20)), bool(DebugConfig([rule]).logs_at(5))
+      (True, False)
     """
 
     pattern: str = ""

@@ -61,6 +61,12 @@ def random_hadamard_transform(t: jax.typing.ArrayLike, *, seed: int = 0,
 
     Raises:
       ValueError: the last dim is not a multiple of ``size``.
+
+    Example:
+      >>> t = jnp.ones((2, 16))
+      >>> y = random_hadamard_transform(t)            # an orthonormal rotation: norms kept
+      >>> bool(jnp.allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(t, axis=-1)))
+      True
     """
     t = check_floating(t, "t")
     if t.ndim == 0 or t.shape[-1] % size:
