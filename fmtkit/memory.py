@@ -48,8 +48,8 @@ class MemoryLedger:
 
     Example:
       >>> from fmtkit import optim
-      >>> led = ledger({"w": jnp.ones((4, 4), jnp.bfloat16)}, optim.master_weights(optax.adamw(1e-3)))
-      >>> print(led)                                   # bf16 params + AdamW + f32 masters
+      >>> opt = optim.master_weights(optax.adamw(1e-3))
+      >>> print(ledger({"w": jnp.ones((4, 4), jnp.bfloat16)}, opt))   # bf16 + AdamW + masters
       component                 bytes  bytes/param
       params                       32       2.0000
       grads                        32       2.0000
