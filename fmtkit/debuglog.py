@@ -405,10 +405,12 @@ class StatsLogger:
         """Records a precision decision (a GEMM moved to another setting) in decisions.jsonl.
 
         Args:
-          step: the step at which the decision takes effect.
+          step: the logged step whose statistics triggered the decision, as
+            ``fmtkit.debug.Decision.step`` (the new setting applies from the next step).
           module: the GEMM's module path (``""`` for the root).
           gemm: the GEMM's name in its module (``"dot_general_0"``).
-          setting: the new setting, e.g. ``"compute_dtype"``.
+          setting: the new setting, an override of ``fmtkit.debug.OVERRIDES``, e.g.
+            ``"compute"``.
           reason_stat: the tag or statistic that triggered it, e.g.
             ``"activation/underflow_share"``.
           value: that statistic's value.

@@ -89,3 +89,49 @@ def test_the_patterns_read_entries_headings_and_rows():
     assert ENTRY.findall(text) == ["fmtkit.scaling.qdq"]
     assert HEADING.findall(text) == ["fmtkit.policy.X"]
     assert ROW.findall(text) == ["fmtkit.cast"]
+
+
+# --- Each module page is a catalogue -------------------------------------------------------
+
+CATALOGUE_ROW = re.compile(r"^\|[^|\n]*\|\s*\[`[\w.]+`\]\[([\w.]+)\]", re.M)
+CATALOGUE_PAGES = [(mod, ROOT / "docs" / "api" / f"{mod.split('.')[-1]}.md")
+                   for mod in PUBLIC_MODULES if mod != "fmtkit"]
+
+
+def catalogue_problems(mod: str, text: str) -> list[str]:
+    """What keeps a module page from being a catalogue: a summary table of every public name
+    before the entries, the entries in the table's order, a link to the module's guide."""
+    problems = []
+    table = CATALOGUE_ROW.findall(text)
+    entries = [e for e in ENTRY.findall(text) if e != mod]
+    if sorted(table) != sorted(f"{mod}.{n}" for n in importlib.import_module(mod).__all__):
+        problems.append("the summary table does not list exactly the module's __all__")
+    if table != entries:
+        problems.append("the entries do not follow the summary table's order")
+    first_row = text.find("| [`") if "| [`" in text else text.find("[`")
+    first_entry = min((text.find(f"::: {e}\n") for e in entries), default=len(text))
+    if not table or first_row > first_entry:
+        problems.append("the summary table does not come before the entries")
+    if "](../guides/" not in text:
+        problems.append("the page names no guide")
+    return problems
+
+
+@pytest.mark.parametrize("mod, page", CATALOGUE_PAGES, ids=[m for m, _ in CATALOGUE_PAGES])
+def test_each_module_page_opens_with_a_catalogue(mod, page):
+    assert catalogue_problems(mod, page.read_text()) == []
+
+
+def test_a_page_out_of_catalogue_order_fails_the_check():
+    mod, page = "fmtkit.policy", ROOT / "docs" / "api" / "policy.md"
+    text = page.read_text()
+    swapped = (text.replace("::: fmtkit.policy.with_policy\n", "::: @\n")
+               .replace("::: fmtkit.policy.list_presets\n", "::: fmtkit.policy.with_policy\n")
+               .replace("::: @\n", "::: fmtkit.policy.list_presets\n"))
+    assert catalogue_problems(mod, swapped) == [
+        "the entries do not follow the summary table's order"]
+    row = next(line for line in text.splitlines() if "[fmtkit.policy.mark_head]" in line)
+    assert "the summary table does not list exactly the module's __all__" in (
+        catalogue_problems(mod, text.replace(row + "\n", "")))
+    assert catalogue_problems(mod, text.replace("](../guides/", "](../elsewhere/")) == [
+        "the page names no guide"]

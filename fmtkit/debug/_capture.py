@@ -451,6 +451,16 @@ def init(config: DebugConfig, fn: Callable, *args: Any, **kwargs: Any) -> dict:
       ValueError: a rule matches no GEMM (the message names the pattern and lists the
         GEMMs), or a logged GEMM runs inside a ``while_loop`` (no static trip count).
       TypeError: ``config`` is not a ``DebugConfig``.
+
+    Example:
+      >>> from fmtkit import with_policy
+      >>> from fmtkit.debug import DebugConfig, Rule
+      >>> model = with_policy(lambda w, x: x @ w, "fp8-current")
+      >>> w, x = jnp.ones((16, 8)), jnp.full((4, 16), 0.5)
+      >>> loss = lambda w: jnp.sum(model(w, x).astype(jnp.float32))
+      >>> cfg = DebugConfig([Rule("", tensors=("activation",), stats=("amax",))])
+      >>> init(cfg, loss, w)        # a function's GEMMs sit at the module path ""
+      {'': {'dot_general_0': {'activation': {'amax': Array(0., dtype=float32)}}}}
     """
     _check_config(config)
     session = _Session(config, None, 0, discover=True)
@@ -494,6 +504,21 @@ def capture(config: DebugConfig, stats_state: Mapping | None = None,
       ValueError: ``stats_state`` with neither or both of ``step`` and ``active``; a rule
         that matches none of the GEMMs the block ran; a logged GEMM inside a
         ``while_loop``, or a state entry whose shape is not the loops' trip counts.
+
+    Example:
+      >>> from fmtkit import with_policy
+      >>> from fmtkit.debug import DebugConfig, Rule
+      >>> model = with_policy(lambda w, x: x @ w, "fp8-current")
+      >>> w, x = jnp.ones((16, 8)), jnp.full((4, 16), 0.5)
+      >>> loss = lambda w: jnp.sum(model(w, x).astype(jnp.float32))
+      >>> cfg = DebugConfig([Rule("", tensors=("activation", "output_grad"), stats=("amax",))])
+      >>> state = init(cfg, loss, w)
+      >>> def f(w, s):
+      ...     with capture(cfg, s, step=0):    # the statistics come back as the state's gradient
+      ...         return loss(w)
+      >>> grads, stats = jax.grad(f, argnums=(0, 1))(w, state)
+      >>> {t: float(v["amax"]) for t, v in stats[""]["dot_general_0"].items()}
+      {'activation': 0.5, 'output_grad': 1.0}
     """
     _check_config(config)
     if stats_state is not None and (step is None) == (active is None):

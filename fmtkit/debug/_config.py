@@ -114,9 +114,16 @@ class Rule:
       tensors: which of ``TENSORS`` to log (``()``: none, for a rule that only overrides).
       stats: which of ``STATS`` to log; a quantization statistic is logged only for an
         operand the GEMM quantizes.
-      freq, start_step, end_step: log at the steps ``s`` with ``start_step <= s`` (and
-        ``s <= end_step`` unless None) and ``(s - start_step) % freq == 0``.
+      freq: log every ``freq`` steps: at the steps ``s`` with
+        ``(s - start_step) % freq == 0``.
+      start_step: the first step logged.
+      end_step: the last step logged (None: no end).
       override: None, or one of ``OVERRIDES``.
+
+    Example:
+      >>> rule = Rule("Dense_1", tensors=("activation",), stats=("amax",), freq=10)
+      >>> bool(DebugConfig([rule]).logs_at(20)), bool(DebugConfig([rule]).logs_at(5))
+      (True, False)
     """
 
     pattern: str = ""

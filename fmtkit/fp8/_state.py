@@ -30,13 +30,24 @@ def init_state(recipe: str | Fp8Recipe = "delayed") -> DelayedScalingState:
     """A fresh (empty-history) state for one dot: ``amax_history`` f32[3, recipe.history].
 
     ``recipe`` is any name of ``get_recipe`` (FP8 or FP4) or a recipe; only delayed recipes
-    read the state."""
+    read the state.
+
+    Example:
+      >>> init_state("delayed").amax_history.shape    # x, w, grad rows; history 1024
+      (3, 1024)
+    """
     recipe = get_recipe(recipe)
     return DelayedScalingState(jnp.zeros((3, recipe.history), jnp.float32))
 
 
 def combine_observations(a: Any, b: Any) -> Any:
-    """Combines two micro-batches' observed-amax trees with ``max`` (gradient accumulation)."""
+    """Combines two micro-batches' observed-amax trees with ``max`` (gradient accumulation).
+
+    Example:
+      >>> a, b = {"Dense_0": jnp.array([1.0, 3.0])}, {"Dense_0": jnp.array([2.0, 0.0])}
+      >>> combine_observations(a, b)["Dense_0"].tolist()
+      [2.0, 3.0]
+    """
     return jax.tree.map(jnp.maximum, a, b)
 
 
@@ -70,6 +81,14 @@ def update_state(state: Any, observed: Any) -> Any:
     Raises:
       ValueError: a leaf that is not [..., 3, history], shapes of state and observed differ,
         or ``observed`` is not a tree of the same structure as ``state``.
+
+    Example:
+      >>> from fmtkit.scaling import DelayedScalingState
+      >>> state = init_state("delayed")                   # one dot, empty histories
+      >>> seen = jnp.zeros((3, 1024)).at[:, 0].set(jnp.array([2.0, 0.5, 0.25]))
+      >>> state = update_state(state, DelayedScalingState(seen))   # observed: a gradient
+      >>> state.amax_history[:, 0].tolist()               # newest first: x, w, grad
+      [2.0, 0.5, 0.25]
     """
     s_def, o_def = jax.tree.structure(state), jax.tree.structure(observed)
     if s_def != o_def:
