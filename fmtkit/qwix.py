@@ -155,7 +155,7 @@ def from_qarray(qa: qwix.QArray, *, recipe: Any = None) -> ScaledArray:
 
     Raises:
       TypeError: ``qa`` is not a ``QArray``, or its values are not a floating format
-        fmtkit knows (int8, int4, nf4: qwix's integer types).
+        of ``fmtkit.FORMATS`` (int8, int4, nf4: qwix's integer types).
       ValueError: a ``zero_point`` (asymmetric quantization has no fmtkit equivalent), MX
         scales that are not powers of two (concrete arrays only: under ``jit`` they are
         assumed to be, as qwix computes them), or a ``recipe`` whose blocks differ.
