@@ -24,6 +24,7 @@ class Net(nnx.Module):
         return self.out(nnx.relu(self.fc(x)))
 
 
+@pytest.mark.slow  # two compiled NNX training steps (about 5 s)
 def test_an_nnx_delayed_state_made_inside_the_step_says_to_make_it_outside():
     x = jnp.ones((16, 8))
     model = with_policy(Net(nnx.Rngs(0)), "fp8-delayed")  # no model(x) before the step
@@ -35,7 +36,7 @@ def test_an_nnx_delayed_state_made_inside_the_step_says_to_make_it_outside():
         _, observed = nnx.split_state(grads, nnx.Param, DelayedScalingVariable)
         nnx.update(model, fp8.update_state(nnx.state(model, DelayedScalingVariable), observed))
 
-    with pytest.raises(ValueError, match=r"observed holds no observation.*created inside "
+    with pytest.raises(ValueError, match=r"(?s)observed holds no observation.*created inside "
                        r"the differentiated function.*call the model once outside the "
                        r"training step"):
         train_step(model)
@@ -54,18 +55,17 @@ def test_update_state_still_names_both_trees_for_other_mismatches():
     assert "outside the training step" not in str(err.value)
 
 
-@pytest.mark.parametrize("name,text", [
-    ("debug.yaml", "rules:\n  - pattern: Dense\n    freq: [1, 2\n"),
-    ("debug.yml", "rules: {pattern: 'Dense'\n"),
-    ("debug.toml", "[[rules]]\npattern = Dense\n"),
+@pytest.mark.parametrize("name,text,line", [
+    ("debug.yaml", "rules:\n  - pattern: Dense\n    freq: [1, 2\n", 3),  # unclosed [
+    ("debug.yml", "rules: {pattern: 'Dense'\n", 1),  # unclosed {
+    ("debug.toml", "[[rules]]\npattern = Dense\n", 2),  # an unquoted string
 ])
 def test_a_config_file_with_a_syntax_error_is_a_value_error_naming_the_file(
-        tmp_path, name, text):
+        tmp_path, name, text, line):
     path = tmp_path / name
     path.write_text(text)
     with pytest.raises(ValueError, match=r"is not valid (YAML|TOML)") as err:
         DebugConfig.load(path)
     assert type(err.value) is ValueError
     assert str(path) in str(err.value) and "<unicode string>" not in str(err.value)
-    assert "line 3" in str(err.value) or "line 1" in str(err.value) or "line 2" in str(
-        err.value)
+    assert f"line {line}, column" in str(err.value)
