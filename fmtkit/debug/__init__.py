@@ -10,7 +10,9 @@ configuration the compiled step is the same program as before.
 Usage: ``state = init(config, loss, params, batch)`` once; in the step, differentiate with
 respect to ``(params, state)`` a loss that calls the model inside ``capture(config, state,
 step)``; the gradient of ``state`` is the statistics of the step, and
-``config.logs_at(step)`` says whether it holds any (other steps are NaN). ``step`` is an
+``config.logs_at(step)`` says whether it holds any (other steps are NaN; so are the statistics
+of a GEMM that did not run this step, in the branch of ``lax.cond`` not taken: no data, not
+zeros). ``step`` is an
 array, so logging every ``freq`` steps never recompiles; on other steps ``lax.cond`` skips
 the work.
 

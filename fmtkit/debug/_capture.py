@@ -16,6 +16,9 @@
 ``init(config, fn, *args)`` traces ``fn`` abstractly to find the GEMMs and returns the
 zero-valued state (the pytree the statistics fill), raising on a rule that matches none.
 
+A GEMM that did not run (the branch of ``lax.cond`` not taken) gets NaN, no data, not the 0
+its taps' missing cotangent would be (``_gate``).
+
 A GEMM in a scan body (a scanned layer stack) has state leaves shaped by the trip counts of
 the scans around it (``GemmSite.loop_lengths``); the policy hands the GEMM the iteration
 index (``GemmSite.loop_index``), and the taps return the statistics at that iteration's
@@ -317,6 +320,53 @@ def _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on):
     return tap
 
 
+# -- "no data": a GEMM that did not run this step --------------------------------------------
+# A tap's cotangent is 0 wherever its backward does not run: in the branch of lax.cond a step
+# does not take (the cond's transpose runs the taken branch only), or where the GEMM's output
+# reaches no loss. ``_gate`` tells that 0 from a statistic: at the capture's entry it passes
+# the state through beside a "ran" tree of zeros of the same structure, whose cotangent
+# ``_mark`` sets to 1 for the GEMM's leaves (in the iteration's slot) where the GEMM ran; the
+# gate's backward turns each statistic whose mark stayed 0 into NaN, the "no data" of a step
+# that does not log.
+@jax.custom_vjp
+def _gate(state, ran):
+    return state, ran
+
+
+def _gate_fwd(state, ran):
+    return (state, ran), None
+
+
+def _gate_bwd(_, cts):
+    ct_state, ct_ran = cts
+    nan = jnp.full((), jnp.nan, jnp.float32)
+    return (jax.tree.map(lambda c, r: jnp.where(r > 0, c, nan), ct_state, ct_ran),
+            jax.tree.map(jnp.zeros_like, ct_ran))
+
+
+_gate.defvjp(_gate_fwd, _gate_bwd)
+
+
+@jax.custom_vjp
+def _mark(ran, slot, y):
+    """``y -> y``; its backward marks the GEMM as run: cotangent 1 for each leaf of its
+    ``ran`` entry (at the iteration's slot)."""
+    return y
+
+
+def _mark_fwd(ran, slot, y):
+    return y, (slot, ran)
+
+
+def _mark_bwd(res, g):
+    slot, ran = res
+    one = jnp.ones((), jnp.float32)
+    return _in_slot(jax.tree.map(lambda _: one, ran), slot), None, g
+
+
+_mark.defvjp(_mark_fwd, _mark_bwd)
+
+
 def _identity(y, fmt):
     return y
 
@@ -337,6 +387,7 @@ class _Session:
         self.step = step
         self.active = active
         self.discover = discover
+        self.ran: dict = {}  # GEMM -> its "ran" leaf (``_gate``)
         self.sites: dict[tuple[str, str], tuple[GemmSite, _Plan | None]] = {}
 
     def __call__(self, site: GemmSite, run: Callable, lhs, rhs):
@@ -391,6 +442,9 @@ class _Session:
                 hist = lax.stop_gradient(hist.reshape(-1, *hist.shape[-2:]))  # [B, 3, H]
             y = _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on)(
                 sub, on, slot, hist, lax.stop_gradient(act), lax.stop_gradient(weight), y)
+        ran = self.ran.get(site.path, {}).get(site.name)
+        if ran is not None:
+            y = _mark(ran, slot, y)
         return y
 
     @staticmethod
@@ -509,6 +563,9 @@ def capture(config: DebugConfig, stats_state: Mapping | None = None,
             raise TypeError("active must be the frozenset of rule indices "
                             f"config.active_rules(step) returns, got {active!r}.")
     session = _Session(config, stats_state, step, discover=False, active=active)
+    if stats_state is not None:
+        zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), stats_state)
+        session.state, session.ran = _gate(stats_state, zeros)
     with intercept_gemms(session):
         yield
     session.check_matched()

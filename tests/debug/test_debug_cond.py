@@ -18,6 +18,8 @@ from fmtkit import with_policy
 from fmtkit.debuglog import StatsLogger
 from studies.debug_report import read_log, summarize
 
+pytestmark = pytest.mark.slow  # each test compiles a training step (a few seconds)
+
 STATS = ("amax", "sqnr_db", "underflow_share", "nonfinite_count")
 # SQNR is 10 log10 of a ratio of f32 sums of a few hundred terms: their relative error is far
 # below 1e-6, so the dB value is within 1e-4 of the float64 one.
@@ -100,3 +102,34 @@ def test_the_autopilot_and_the_report_ignore_the_branch_not_taken(tmp_path):
         log.write(0, {"": stats})
     rows = summarize(read_log(tmp_path), ["sqnr_db"], top=10)["sqnr_db"]
     assert {r["gemm"] for r in rows} == {GEMM[True]}
+
+
+def test_a_scanned_layer_that_skips_its_gemm_has_no_data_in_that_slot():
+    def g(params, x, use):
+        def layer(h, inp):
+            w, on = inp
+            return jnp.tanh(lax.cond(on, lambda h: h @ w, lambda h: h, h)), None
+
+        h, _ = lax.scan(layer, x, (params["layers"], use))
+        return h @ params["out"]
+
+    model = with_policy(g, "fp8-current")
+    params = {"layers": jax.random.normal(k[0], (3, 8, 8)), "out": PARAMS["out"][:8]}
+    use = jnp.array([True, False, True])
+    cfg = debug.DebugConfig([debug.Rule("", gemm="dot_general_0", tensors=("weight",),
+                                        stats=("amax",))])
+
+    def loss(p):
+        return jnp.sum(model(p, X, use).astype(jnp.float32))
+
+    state = debug.init(cfg, loss, params)
+
+    def f(p, s):
+        with debug.capture(cfg, s, 0):
+            return loss(p)
+
+    amax = jax.jit(jax.grad(f, argnums=(0, 1)))(params, state)[1][""]["dot_general_0"]
+    amax = np.asarray(amax["weight"]["amax"])
+    # The layers' bf16 weights' amax where the layer ran, NaN where it skipped its GEMM.
+    w = np.asarray(params["layers"]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(amax, [np.abs(w[0]).max(), np.nan, np.abs(w[2]).max()])
