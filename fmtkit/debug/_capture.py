@@ -17,7 +17,9 @@
 zero-valued state (the pytree the statistics fill), raising on a rule that matches none.
 
 A GEMM that did not run (the branch of ``lax.cond`` not taken) gets NaN, no data, not the 0
-its taps' missing cotangent would be (``_gate``).
+its taps' missing cotangent would be (``_gate``). So does a GEMM inside a user's
+``jax.custom_vjp`` / ``jax.custom_jvp`` (``GemmSite.in_custom_rule``): its derivative is the
+user's rule, which a tap's VJP cannot join (it is not tapped, with a warning).
 
 A GEMM in a scan body (a scanned layer stack) has state leaves shaped by the trip counts of
 the scans around it (``GemmSite.loop_lengths``); the policy hands the GEMM the iteration
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -412,6 +415,13 @@ class _Session:
                     "from the same configuration, function and argument shapes.")
         if logged:
             _check_loops(self.config.rules[plan.rule].pattern, site, leaves)
+        if leaves is not None and site.in_custom_rule:
+            warnings.warn(
+                f"fmtkit.debug: GEMM {site.path!r}/{site.name} runs inside a jax.custom_vjp "
+                "or jax.custom_jvp (its derivative is the user's rule, not JAX's), so its "
+                "statistics cannot leave the step: they are NaN (no data). Its override "
+                "applies.", stacklevel=2)
+            leaves = None
         if leaves is None:
             return self._run(plan, run, lhs, rhs)
         if self.active is not None:
