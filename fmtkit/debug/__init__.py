@@ -32,7 +32,12 @@ GEMMs in loop bodies (layer stacks under ``nn.scan``, ``nnx.scan``, ``lax.scan``
 entry ``i`` the statistic of iteration ``i`` (in the order of the scanned inputs, also for a
 reverse scan), still keyed by module path and GEMM name; with the state as ``layers``,
 ``fmtkit.debuglog.StatsLogger`` logs each iteration under its own tag,
-``f"{module_path}[{i}]/{gemm_name}/{tensor}/{stat}"``. Statistics of a GEMM inside a
+``f"{module_path}[{i}]/{gemm_name}/{tensor}/{stat}"``. The grouped GEMM of an MoE layer
+(``lax.ragged_dot``, FP8 under the FP8 presets) has one value per expert in the same way:
+``f32[G]`` leaves (``f32[L, G]`` in a scan), expert ``g``'s row tensors the rows of its
+tokens (NaN for an expert without tokens), its weight and wgrad its slice of the stack, its
+quantization statistics replaying the grouped GEMM's (one scale per expert for the weights).
+Statistics of a GEMM inside a
 ``while_loop`` (no static trip count) raise ``ValueError``. Statistics (f32, computed in
 f32):
 

@@ -488,7 +488,8 @@ class Interpreter(ControlFlow, CustomRules):
             if capable and recipe is not None and recipe.delayed
             and eqn.primitive.name == "dot_general" else None,
             weight_operand=weight,
-            in_custom_rule=self._fwd_rule > 0 or self._jvp_body > 0)
+            in_custom_rule=self._fwd_rule > 0 or self._jvp_body > 0,
+            group_sizes=rest[0] if _ragged_dot_form(eqn) else None)
 
         def run(a, b, new_recipe=None):
             return self._compute(eqn, a, b, rest, new_recipe, idp, module, info, head, cdt,
