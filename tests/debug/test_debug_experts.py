@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # each test compiles a training step (a few secon
 BF16, E4M3, E5M2 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 M, K, N = 16, 8, 12
 GROUPS = np.array([5, 0, 7], np.int32)  # expert 1 gets no token; rows 12..15 none at all
-QSTATS = ("amax", "sqnr_db", "underflow_share", "nonfinite_count")
+QSTATS = ("amax", "sqnr_db", "underflow_share", "nonfinite_count", "scale_min", "scale_max")
 
 
 def moe(params, x, group_sizes):
@@ -48,15 +48,16 @@ def bf(v):
 
 def qdq(v, fmt):
     """Per-tensor current scaling of v (float64 holding bf16 values): scale = amax *
-    f32(1/max), values = fmt(clip(v * f32(1/scale), +-max)), dequantized in float64."""
+    f32(1/max), values = fmt(clip(v * f32(1/scale), +-max)); (dequantized in float64,
+    scale)."""
     top = float(ml_dtypes.finfo(fmt).max)
     scale = np.float32(np.abs(v).max()) * np.float32(1 / top)
     q = np.clip(v.astype(np.float32) * (np.float32(1) / scale), -top, top).astype(fmt)
-    return q.astype(np.float64) * np.float64(scale)
+    return q.astype(np.float64) * np.float64(scale), scale
 
 
-def qstats(v, d):
-    return {"amax": np.abs(v).max(),
+def qstats(v, d, scale):
+    return {"amax": np.abs(v).max(), "scale_min": scale, "scale_max": scale,
             "sqnr_db": 10 * np.log10(np.sum(v**2) / np.sum((v - d) ** 2)),
             "underflow_share": np.sum((v != 0) & (d == 0)) / np.sum(v != 0),
             "nonfinite_count": np.sum(~np.isfinite(v))}
@@ -66,18 +67,19 @@ def emulated() -> dict:
     """{tensor: {stat: [per expert]}}, each expert's tensors computed directly."""
     x, w = bf(X), bf(PARAMS["experts"])
     dy = np.broadcast_to(bf(C), (M, N))
-    xd, dyd = qdq(x, E4M3), qdq(dy, E5M2)
-    wd = [qdq(w[g], E4M3) for g in range(3)]
+    (xd, sx), (dyd, sdy) = qdq(x, E4M3), qdq(dy, E5M2)  # one scale for all tokens
+    wd, sw = zip(*(qdq(w[g], E4M3) for g in range(3)))  # one scale per expert
     ends = np.cumsum(GROUPS)
     rows = [np.arange(e - s, e) for s, e in zip(GROUPS, ends)]
     out = {t: {s: [] for s in QSTATS} for t in ("activation", "weight", "output_grad")}
     out.update({t: {"amax": []} for t in ("output", "dgrad", "wgrad")})
     for g in range(3):
         r = rows[g]
-        per = {"activation": (x[r], xd[r]), "weight": (w[g], wd[g]),
-               "output_grad": (dy[r], dyd[r])}
-        for t, (v, d) in per.items():
-            for s, val in (qstats(v, d) if v.size else dict.fromkeys(QSTATS, np.nan)).items():
+        per = {"activation": (x[r], xd[r], sx), "weight": (w[g], wd[g], sw[g]),
+               "output_grad": (dy[r], dyd[r], sdy)}
+        for t, (v, d, sc) in per.items():
+            for s, val in (qstats(v, d, sc) if v.size else dict.fromkeys(QSTATS, np.nan)
+                           ).items():
                 out[t][s].append(val)  # no token: no data
         y = bf(xd[r] @ wd[g])                          # FP8 forward GEMM, bf16 result
         dx = bf(dyd[r] @ wd[g].T)                      # FP8 dgrad GEMM
