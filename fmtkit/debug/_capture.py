@@ -501,8 +501,9 @@ class _Session:
         slot = _slot_mask(site)
         gid = None if plan.experts is None else _group_ids(site.group_sizes, lhs.shape[0])
         # (the activation and the weight by role: site.weight_operand is 0 where the weight
-        # is the left operand, Equinox's weight @ x)
-        act, weight = (rhs, lhs) if site.weight_operand == 0 else (lhs, rhs)
+        # is the left operand, Equinox's weight @ x; a grouped GEMM's weight is its stack)
+        left = site.weight_operand == 0 and site.group_sizes is None
+        act, weight = (rhs, lhs) if left else (lhs, rhs)
         a, b = act, weight
         if "dgrad" in leaves:
             a = _grad_tap(plan, site, "dgrad", shapes, static_on)(leaves["dgrad"], on, slot,
@@ -510,7 +511,7 @@ class _Session:
         if "wgrad" in leaves:
             b = _grad_tap(plan, site, "wgrad", shapes, static_on)(leaves["wgrad"], on, slot,
                                                                   gid, b)
-        if site.weight_operand == 0:
+        if left:
             a, b = b, a
         y = self._run(plan, run, a, b)
         fwd_tensors = tuple(t for t in _FWD if t in leaves)
