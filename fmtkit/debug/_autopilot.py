@@ -329,7 +329,8 @@ class Autopilot:
         """Reads one step's statistics and returns the new state and the decisions taken.
 
         Call it after every step that logs (``DebugConfig.logs_at``); a GEMM whose
-        statistics are all NaN (a step it does not log) is left as it is, so calling it on
+        statistics are all NaN (a step it does not log, or one it did not run in: the branch
+        of ``lax.cond`` not taken) is left as it is, so calling it on
         other steps changes nothing. A GEMM at the top of the ladder, or with no quantized
         operand under its setting, takes no more decisions.
 

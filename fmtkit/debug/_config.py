@@ -230,20 +230,28 @@ class DebugConfig:
         document is ``from_dict``'s (TOML: ``[[rules]]`` tables).
 
         Raises:
-          ValueError: another suffix, or a malformed document.
+          ValueError: another suffix, a syntax error (naming the file and the line), or a
+            malformed document.
         """
         path = Path(path)
         suffix = path.suffix.lower()
         if suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(path.read_text())
+            kind, parse, errors = "YAML", yaml.safe_load, yaml.YAMLError
         elif suffix == ".toml":
             import tomllib
 
-            data = tomllib.loads(path.read_text())
+            kind, parse, errors = "TOML", tomllib.loads, tomllib.TOMLDecodeError
         else:
             raise ValueError(f"path must end in .yaml, .yml or .toml, got {path.name!r}.")
+        text = path.read_text()
+        try:
+            data = parse(text)
+        except errors as err:
+            # (PyYAML names the source "<unicode string>"; the file is named here instead)
+            why = str(err).replace('in "<unicode string>", ', "")
+            raise ValueError(f"{path} is not valid {kind}: {why}") from None
         return cls.from_dict(data or {})
 
     @functools.cached_property

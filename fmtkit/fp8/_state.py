@@ -61,6 +61,15 @@ def _describe(tree: Any) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
+# Why observed can be empty for existing histories: the states did not exist yet when the loss
+# was differentiated (an NNX model creates them at its first call).
+_CREATED_INSIDE = (
+    " observed holds no observation: the states were created inside the differentiated "
+    "function, so nothing differentiated them. An NNX model creates its delayed-FP8 states "
+    "(fmtkit.policy.DelayedScalingVariable) at its first call: call the model once outside "
+    "the training step (e.g. model(x) before the loop), then the step differentiates them.")
+
+
 def update_state(state: Any, observed: Any) -> Any:
     """Records observed amaxes into every amax history of a tree (one step).
 
@@ -80,7 +89,9 @@ def update_state(state: Any, observed: Any) -> Any:
 
     Raises:
       ValueError: a leaf that is not [..., 3, history], shapes of state and observed differ,
-        or ``observed`` is not a tree of the same structure as ``state``.
+        or ``observed`` is not a tree of the same structure as ``state`` (an empty one: the
+        states were created inside the differentiated step, as an NNX model's first call
+        there does; the message says to call the model once outside the step).
 
     Example:
       >>> from fmtkit.scaling import DelayedScalingState
@@ -97,7 +108,9 @@ def update_state(state: Any, observed: Any) -> Any:
             "state, the gradient of the loss with respect to the state (e.g. "
             "jax.grad(loss, argnums=(0, 1))(params, state)[1], or the 'fp8_state' entry of "
             "linen's gradients), not a raw array or another tree. state is "
-            f"{_describe(state)}; observed is {_describe(observed)}.")
+            f"{_describe(state)}; observed is {_describe(observed)}."
+            + (_CREATED_INSIDE if jax.tree.leaves(state) and not jax.tree.leaves(observed)
+               else ""))
 
     def upd(hist, obs):
         if hist is None:
