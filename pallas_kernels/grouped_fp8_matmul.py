@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fmtkit.fp8 import expert_block_layout
 from pallas_kernels import _backend
 from pallas_kernels._backend import Impl, pl, plgpu
 from pallas_kernels.blockwise_fp8_matmul import (
@@ -129,29 +130,11 @@ def group_tasks(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array
 
 
 def padded_token_layout(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array, int]:
-    """Where each of ``m`` sorted tokens goes in the padded token layout of the weight
-    gradient: every group starts on a 128-token block (DeepSeek-V3's 1x128 scale blocks
-    along the tokens then never span two experts).
-
-    Returns:
-      ``dest`` int32 ``[m]`` (the padded row of each token; ``tp`` for tokens past
-      ``sum(group_sizes)``, which are dropped), ``group_blocks`` int32 ``[2, G]`` (each
-      group's first 128-token block and its block count), and ``tp``, the static padded
-      length ``128 * (cdiv(m, 128) + G)`` (enough for any ``group_sizes``).
-    """
-    ng = group_sizes.shape[0]
-    tp = BLOCK_K * (pl.cdiv(m, BLOCK_K) + ng)
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = ends - jnp.minimum(sizes, ends)
-    nblk = pl.cdiv(ends - starts, BLOCK_K)
-    blk0 = jnp.cumsum(nblk) - nblk
-    rows = jnp.arange(m, dtype=jnp.int32)
-    gid = jnp.sum(rows[:, None] >= ends[None, :], axis=1)
-    inside = gid < ng
-    g = jnp.minimum(gid, ng - 1)
-    dest = jnp.where(inside, blk0[g] * BLOCK_K + rows - starts[g], tp).astype(jnp.int32)
-    return dest, jnp.stack([blk0, nblk]).astype(jnp.int32), tp
+    """The weight gradient's padded token layout for ``m`` sorted tokens in 128-token
+    blocks: ``fmtkit.fp8.expert_block_layout(group_sizes, m, 128)`` (``dest`` [m],
+    ``group_blocks`` [2, G], the static padded length ``tp``), the layout
+    ``fmtkit.fp8.ragged_dot`` builds before it calls the kernel."""
+    return expert_block_layout(group_sizes, m, BLOCK_K)
 
 
 # --------------------------------------------------------------------------------------
