@@ -493,8 +493,13 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
     Delayed recipes run as the current recipe of the same formats, with a warning: an amax
     history per group would need a state per expert that no policy threads. FP4 recipes and
-    an emulated accumulator (``accum_mantissa_bits``) are refused. Registered GEMM kernels
-    (``use_kernel``) are not used: the grouped GEMM is ``lax.ragged_dot_general`` on FP8
+    an emulated accumulator (``accum_mantissa_bits``) are refused. A registered GEMM
+    backend with ``ragged`` / ``ragged_wgrad`` forms (``use_kernel``; ``pallas_kernels``'
+    grouped kernels for "blockwise" on Hopper) runs the GEMMs it applies to: the forward
+    hands it the expert stack transposed to ``[G, N, K]`` (one copy of the FP8 stack), the
+    wgrad moves x and dy to the padded token layout first (``expert_block_layout``; each
+    expert's 1x128 token blocks then hold only its tokens, where the emulated blocks may
+    span two experts). Otherwise the grouped GEMM is ``lax.ragged_dot_general`` on FP8
     operands (widened exactly to bf16 off GPUs, in the ``WIDENED_SCOPE`` scope, as the dense
     emulation). Forward-mode AD (``jax.jvp``, ``jacfwd``, Hessian-vector products) computes
     the tangent through the forward GEMM's quantized operands, ``ragged_dot(ẋ, Q(w)) +
