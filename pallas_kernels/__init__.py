@@ -8,7 +8,8 @@ Blockwise FP8 training GEMMs (DeepSeek-V3's recipe) for Hopper, written for Mosa
   kernel;
 * ``grouped_fp8_matmul`` / ``grouped_fp8_dgrad`` / ``grouped_fp8_wgrad`` (and the
   ``*_reference`` and ``grouped_fp8_wgrad_matmul`` forms): the grouped GEMMs of an MoE
-  layer's experts (``pallas_kernels.grouped_fp8_matmul``), with the same K loop;
+  layer's experts (``pallas_kernels.grouped_fp8_matmul``), with the same K loop, and
+  ``grouped_fp8_matmul_masked`` for a fixed capacity per expert;
 * ``quantize_1x128`` / ``quantize_128x128`` (and ``*_reference``): fused quantizers,
   bit-identical to ``fmtkit.quantize`` with ``BlockScaling((1, 128))`` / ``((128, 128))``.
 
@@ -39,6 +40,8 @@ from pallas_kernels.config import TuningConfig
 from pallas_kernels.grouped_fp8_matmul import (
     grouped_fp8_dgrad,
     grouped_fp8_matmul,
+    grouped_fp8_matmul_masked,
+    grouped_fp8_matmul_masked_reference,
     grouped_fp8_matmul_reference,
     grouped_fp8_wgrad,
     grouped_fp8_wgrad_matmul,
@@ -102,6 +105,8 @@ __all__ = [
     "config",
     "grouped_fp8_dgrad",
     "grouped_fp8_matmul",
+    "grouped_fp8_matmul_masked",
+    "grouped_fp8_matmul_masked_reference",
     "grouped_fp8_matmul_reference",
     "grouped_fp8_wgrad",
     "grouped_fp8_wgrad_matmul",

@@ -53,17 +53,28 @@ from pallas_kernels.blockwise_fp8_matmul import (
     tile_mainloop,
     wg_origin,
 )
-from pallas_kernels.config import BLOCK_K, TuningConfig, choose_config, epilogue_n, pipeline_stages
+from pallas_kernels.config import (
+    BLOCK_K,
+    SHIPPED_CONFIGS,
+    TuningConfig,
+    choose_config,
+    epilogue_n,
+    pipeline_stages,
+)
 from pallas_kernels.quantize import quantize_1x128
 
 __all__ = [
+    "choose_grouped_config",
     "group_tasks",
     "grouped_fp8_dgrad",
     "grouped_fp8_matmul",
+    "grouped_fp8_matmul_masked",
+    "grouped_fp8_matmul_masked_reference",
     "grouped_fp8_matmul_reference",
     "grouped_fp8_wgrad",
     "grouped_fp8_wgrad_matmul",
     "grouped_fp8_wgrad_matmul_reference",
+    "masked_tasks",
     "padded_token_layout",
 ]
 
@@ -87,6 +98,31 @@ _FAULTS = ("wrong_offset", "drop_tail")
 # Task table (XLA, before the call).
 
 
+def _interval_tasks(starts, ends, groups, m: int, block_m: int, t_max: int):
+    """Tasks of consecutive row intervals ``[starts[i], ends[i])`` (covering ``[0, m)`` in
+    order; empty ones allowed) of group ``groups[i]``: one task per ``block_m`` tile an
+    interval touches, in row order; ``t_max`` bounds their count."""
+    first = starts // block_m
+    ntiles = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    cum = jnp.cumsum(ntiles)
+    begin = cum - ntiles
+    t = jnp.arange(t_max, dtype=jnp.int32)
+    if _FAULT == "wrong_offset":
+        iv = jnp.sum(t[:, None] > cum[None, :], axis=1)
+    else:
+        iv = jnp.sum(t[:, None] >= cum[None, :], axis=1)
+    iv = jnp.minimum(iv, starts.shape[0] - 1)
+    tile = first[iv] + t - begin[iv]
+    lo = jnp.maximum(starts[iv], tile * block_m)
+    hi = jnp.minimum(ends[iv], tile * block_m + block_m)
+    n_real = cum[-1]
+    if _FAULT == "drop_tail":
+        n_real = n_real - 1
+    real = t < n_real
+    tasks = jnp.stack([jnp.where(real, v, 0) for v in (groups[iv], tile, lo, hi)])
+    return tasks.astype(jnp.int32), n_real.reshape(1).astype(jnp.int32)
+
+
 def group_tasks(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
     """The grouped kernel's task table for ``m`` sorted rows in tiles of ``block_m``.
 
@@ -102,31 +138,30 @@ def group_tasks(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array
       count hold zeros. ``n_real`` int32 ``[1]``: the real count.
     """
     ng = group_sizes.shape[0]
-    t_max = pl.cdiv(m, block_m) + ng
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ends = jnp.minimum(jnp.cumsum(sizes), m)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     starts = jnp.concatenate([starts, ends[-1:]])  # + the pseudo-group of the tail rows
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
-    first = starts // block_m
-    ntiles = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
-    cum = jnp.cumsum(ntiles)
-    begin = cum - ntiles
-    t = jnp.arange(t_max, dtype=jnp.int32)
-    if _FAULT == "wrong_offset":
-        grp = jnp.sum(t[:, None] > cum[None, :], axis=1)
-    else:
-        grp = jnp.sum(t[:, None] >= cum[None, :], axis=1)
-    grp = jnp.minimum(grp, ng).astype(jnp.int32)
-    tile = first[grp] + t - begin[grp]
-    lo = jnp.maximum(starts[grp], tile * block_m)
-    hi = jnp.minimum(ends[grp], tile * block_m + block_m)
-    n_real = cum[-1]
-    if _FAULT == "drop_tail":
-        n_real = n_real - 1
-    real = t < n_real
-    tasks = jnp.stack([jnp.where(real, v, 0) for v in (grp, tile, lo, hi)]).astype(jnp.int32)
-    return tasks, n_real.reshape(1).astype(jnp.int32)
+    groups = jnp.arange(ng + 1, dtype=jnp.int32)
+    return _interval_tasks(starts, ends, groups, m, block_m, pl.cdiv(m, block_m) + ng)
+
+
+def masked_tasks(counts: jax.Array, capacity: int, block_m: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The task table of the masked layout: expert g owns rows ``[g * capacity,
+    g * capacity + counts[g])`` of ``G * capacity`` (``counts`` clamped to
+    ``[0, capacity]``); the rest of its slots form zero (pseudo-group ``G``) intervals.
+    At most ``cdiv(G * capacity, block_m) + 2G`` tasks; same format as ``group_tasks``."""
+    ng = counts.shape[0]
+    m = ng * capacity
+    cnt = jnp.clip(counts.astype(jnp.int32), 0, capacity)
+    base = jnp.arange(ng, dtype=jnp.int32) * capacity
+    starts = jnp.stack([base, base + cnt], axis=1).reshape(-1)
+    ends = jnp.stack([base + cnt, base + capacity], axis=1).reshape(-1)
+    groups = jnp.stack([jnp.arange(ng, dtype=jnp.int32), jnp.full((ng,), ng, jnp.int32)],
+                       axis=1).reshape(-1)
+    return _interval_tasks(starts, ends, groups, m, block_m, pl.cdiv(m, block_m) + 2 * ng)
 
 
 def padded_token_layout(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array, int]:
@@ -362,9 +397,29 @@ def _check_grouped(a, a_scale, b, b_scale, group_sizes, out_dtype):
     return out_dtype
 
 
-def _config(config, m, n, k, out_dtype):
+def choose_grouped_config(m: int, n: int, k: int, groups: int, out_dtype=jnp.bfloat16,
+                          num_sms: int = 132) -> TuningConfig:
+    """A shipped config for a grouped GEMM of ``m`` rows in ``groups`` experts.
+
+    The dense heuristic (``choose_config``) on the rows the kernel computes: each expert
+    boundary inside a tile makes that tile run twice, half a 128-row tile per expert on
+    average, so ``m + 64 * groups`` rows. When the experts average fewer than 128 rows
+    (decode, many small experts), a 128- or 256-row tile would be mostly boundary: the
+    64-row config of the same width is taken instead.
+    """
+    cfg = choose_config(m + 64 * groups, n, k, out_dtype, num_sms)
+    if m < 128 * groups and cfg.block_m > 64:
+        cfg = next((c for c in SHIPPED_CONFIGS.values()
+                    if c.block_m == 64 and c.block_n == cfg.block_n),
+                   SHIPPED_CONFIGS["64x128"])
+    return cfg
+
+
+def _config(config, m, n, k, out_dtype, groups=None):
     if config is None:
-        return choose_config(m, n, k, out_dtype, _backend.num_sms("kernel"))
+        if groups is None:
+            return choose_config(m, n, k, out_dtype, _backend.num_sms("kernel"))
+        return choose_grouped_config(m, n, k, groups, out_dtype, _backend.num_sms("kernel"))
     if not isinstance(config, TuningConfig):
         raise TypeError(f"config must be a TuningConfig or None, got {type(config).__name__}.")
     return config
@@ -420,7 +475,7 @@ def grouped_fp8_matmul(
         zero allowed, ``sum <= M`` (rows past the sum are zeros).
       out_dtype: bfloat16 (default) or float32.
       impl: as ``blockwise_fp8_matmul``.
-      config: a ``TuningConfig``; default ``choose_config(M, N, K, out_dtype)``.
+      config: a ``TuningConfig``; default ``choose_grouped_config(M, N, K, G, out_dtype)``.
 
     Returns:
       ``[M, N]`` of ``out_dtype``.
@@ -446,19 +501,31 @@ def grouped_fp8_matmul(
                                             out_dtype=out_dtype)
     m, k = a.shape
     g, n, _ = b.shape
-    config = _config(config, m, n, k, out_dtype)
-    bm, bn = config.block_m, config.block_n
+    config = _config(config, m, n, k, out_dtype, g)
+    bm = config.block_m
     mp = pl.cdiv(m, bm) * bm
     if mp != m:  # zero rows: their products are zero, any finite scale will do
         a = jnp.pad(a, ((0, mp - m), (0, 0)))
         a_scale = jnp.pad(a_scale, ((0, mp - m), (0, 0)), constant_values=1.0)
+    tasks, n_real = group_tasks(group_sizes, mp, bm)
+    out = _grouped_call(tasks, n_real, a, a_scale, b, b_scale, config=config,
+                        out_dtype=out_dtype, impl=impl)
+    return out[:m] if mp != m else out
+
+
+def _grouped_call(tasks, n_real, a, a_scale, b, b_scale, *, config: TuningConfig, out_dtype,
+                  impl: Impl):
+    """The grouped kernel on ``a`` [Mp, K] (Mp a multiple of ``block_m``) with a task
+    table: ``[Mp, N]``, rows outside every task untouched."""
+    mp, k = a.shape
+    g, n, _ = b.shape
+    bn = config.block_n
     n_tiles, k_blocks = pl.cdiv(n, bn), k // BLOCK_K
     width = pl.cdiv(n_tiles * bn, BLOCK_K)
     # Per expert, the scales transposed: one contiguous row per K block (padding scales are
     # 1; they only meet the zeros TMA loads past N).
     bs_t = jnp.pad(jnp.swapaxes(b_scale, 1, 2),
                    ((0, 0), (0, 0), (0, width - b_scale.shape[1])), constant_values=1.0)
-    tasks, n_real = group_tasks(group_sizes, mp, bm)
     stages, persistent = pipeline_stages(config, k_blocks)
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, config=config, n_tiles=n_tiles,
@@ -472,8 +539,89 @@ def grouped_fp8_matmul(
         interpret=_backend.interpret_params(impl),
         kernel_name=kernel_name(config, out_dtype),
     )
-    out = kernel(tasks, n_real, a, a_scale.T, b, bs_t)
-    return out[:m] if mp != m else out
+    return kernel(tasks, n_real, a, a_scale.T, b, bs_t)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def grouped_fp8_matmul_masked_reference(
+    a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, counts: jax.Array,
+    *, out_dtype: jax.typing.DTypeLike = jnp.bfloat16,
+) -> jax.Array:
+    """Pure-JAX semantics of ``grouped_fp8_matmul_masked``: expert g's first ``counts[g]``
+    rows times ``b[g]ᵀ`` by ``blockwise_fp8_matmul_reference``, zeros after.
+
+    Example:
+      >>> a = jnp.ones((2, 3, 128), jnp.float8_e4m3fn)
+      >>> b = jnp.ones((2, 8, 128), jnp.float8_e4m3fn)
+      >>> out = grouped_fp8_matmul_masked_reference(a, jnp.ones((2, 3, 1)), b,
+      ...     jnp.ones((2, 1, 1)), jnp.array([1, 3]), out_dtype=jnp.float32)
+      >>> out[:, :, 0].tolist()
+      [[128.0, 0.0, 0.0], [128.0, 128.0, 128.0]]
+    """
+    out_dtype = _check_masked(a, a_scale, b, b_scale, counts, out_dtype)
+    cap = a.shape[1]
+    per = jax.vmap(lambda x, xs, w, ws: blockwise_fp8_matmul_reference(
+        x, xs, w, ws, out_dtype=jnp.float32))(a, a_scale, b, b_scale)
+    keep = jnp.arange(cap)[None, :] < jnp.clip(counts, 0, cap)[:, None]
+    return jnp.where(keep[:, :, None], per, 0.0).astype(out_dtype)
+
+
+def _check_masked(a, a_scale, b, b_scale, counts, out_dtype):
+    if not hasattr(a, "ndim") or a.ndim != 3:
+        raise ValueError(f"a must be 3-D [G, capacity, K] (each expert's slots), got "
+                         f"{getattr(a, 'shape', type(a).__name__)}.")
+    if not hasattr(a_scale, "ndim") or a_scale.ndim != 3:
+        raise ValueError(f"a_scale must be 3-D [G, capacity, K/128], got "
+                         f"{getattr(a_scale, 'shape', type(a_scale).__name__)}.")
+    g, cap, k = a.shape
+    out_dtype = _check_grouped(a.reshape(g * cap, k), a_scale.reshape(g * cap, -1), b,
+                               b_scale, counts, out_dtype)
+    if b.shape[0] != g:
+        raise ValueError(f"b must hold one expert per slot group: b.shape[0]={b.shape[0]}, "
+                         f"a.shape[0]={g}.")
+    return out_dtype
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "config"))
+def grouped_fp8_matmul_masked(
+    a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, counts: jax.Array,
+    *, out_dtype: jax.typing.DTypeLike = jnp.bfloat16, impl: Impl = "auto",
+    config: TuningConfig | None = None,
+) -> jax.Array:
+    """Masked grouped GEMM (a fixed capacity per expert; decode and capacity-factor MoE):
+    ``out[g, r] = a[g, r] · b[g]ᵀ`` for ``r < counts[g]``, zeros for the other slots.
+
+    The same kernel as ``grouped_fp8_matmul`` on ``a`` viewed as ``[G * capacity, K]``
+    with the task table of ``masked_tasks``: each expert's valid rows, and zero tasks for
+    its empty slots; no token sort. ``counts`` is data (one compiled kernel).
+
+    Args:
+      a: float8_e4m3fn ``[G, capacity, K]``; a_scale: float32 ``[G, capacity, K/128]``.
+      b, b_scale: as ``grouped_fp8_matmul``.
+      counts: int ``[G]``, the valid rows of each expert (clamped to ``[0, capacity]``).
+      out_dtype, impl, config: as ``grouped_fp8_matmul``.
+
+    Returns:
+      ``[G, capacity, N]`` of ``out_dtype``.
+    """
+    out_dtype = _check_masked(a, a_scale, b, b_scale, counts, out_dtype)
+    if _backend.resolve_impl(impl) == "reference":
+        return grouped_fp8_matmul_masked_reference(a, a_scale, b, b_scale, counts,
+                                                   out_dtype=out_dtype)
+    g, cap, k = a.shape
+    n = b.shape[1]
+    config = _config(config, g * cap, n, k, out_dtype, g)
+    bm = config.block_m
+    a2, as2 = a.reshape(g * cap, k), a_scale.reshape(g * cap, k // BLOCK_K)
+    m = g * cap
+    mp = pl.cdiv(m, bm) * bm
+    if mp != m:
+        a2 = jnp.pad(a2, ((0, mp - m), (0, 0)))
+        as2 = jnp.pad(as2, ((0, mp - m), (0, 0)), constant_values=1.0)
+    tasks, n_real = masked_tasks(counts, cap, bm)
+    out = _grouped_call(tasks, n_real, a2, as2, b, b_scale, config=config,
+                        out_dtype=out_dtype, impl=impl)
+    return out[:m].reshape(g, cap, n)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "config"))

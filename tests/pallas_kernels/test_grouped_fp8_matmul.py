@@ -16,14 +16,18 @@ from fmtkit import fp8
 from fmtkit.scaling import BlockScaling, quantize
 from pallas_kernels import blockwise_fp8_matmul
 from pallas_kernels import grouped_fp8_matmul as gm
-from pallas_kernels.config import SHIPPED_CONFIGS
+from pallas_kernels.config import SHIPPED_CONFIGS, choose_config
 from pallas_kernels.grouped_fp8_matmul import (
+    choose_grouped_config,
     group_tasks,
     grouped_fp8_dgrad,
     grouped_fp8_matmul,
+    grouped_fp8_matmul_masked,
+    grouped_fp8_matmul_masked_reference,
     grouped_fp8_matmul_reference,
     grouped_fp8_wgrad,
     grouped_fp8_wgrad_matmul_reference,
+    masked_tasks,
     padded_token_layout,
 )
 
@@ -113,6 +117,36 @@ def test_group_tasks_match_a_row_loop(sizes, m, bm):
     assert not np.asarray(tasks)[:, len(want):].any()
 
 
+def test_masked_tasks_match_a_row_loop():
+    """The masked layout: expert g's valid rows, then its empty slots as zero tasks."""
+    counts, cap, bm = (5, 0, 64, 70), 64, 64
+    tasks, n_real = masked_tasks(jnp.array(counts, jnp.int32), cap, bm)
+    gid = []
+    for g, c in enumerate(counts):
+        c = min(c, cap)
+        gid += [g] * c + [len(counts)] * (cap - c)
+    want = []
+    for r, g in enumerate(gid):
+        if want and want[-1][0] == g and want[-1][1] == r // bm:
+            want[-1][3] = r + 1
+        else:
+            want.append([g, r // bm, r, r + 1])
+    assert tasks.shape == (4, len(counts) * cap // bm + 2 * len(counts))
+    assert int(n_real[0]) == len(want)
+    np.testing.assert_array_equal(np.asarray(tasks)[:, :len(want)].T, np.array(want))
+
+
+@pytest.mark.parametrize("m,g,want_bm", [(32768, 8, None), (512, 64, 64), (4096, 64, 64)])
+def test_choose_grouped_config(m, g, want_bm):
+    """Large experts: the dense choice for the rows computed; experts of fewer than 128
+    rows on average: a 64-row tile of the same width."""
+    cfg = choose_grouped_config(m, 4096, 7168, g)
+    if want_bm is None:
+        assert cfg == choose_config(m + 64 * g, 4096, 7168)
+    else:
+        assert cfg.block_m == want_bm and cfg in SHIPPED_CONFIGS.values()
+
+
 def test_padded_token_layout_matches_a_loop():
     sizes, m = (130, 0, 5, 128), 300
     dest, blocks, tp = padded_token_layout(jnp.array(sizes, jnp.int32), m)
@@ -176,6 +210,29 @@ def test_one_expert_equals_the_dense_kernel(operands):
     dense = blockwise_fp8_matmul(xq, xs, wq[0], ws[0], out_dtype=jnp.float32,
                                  impl="interpret", config=CFG)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(dense))
+
+
+@pytest.mark.slow
+def test_masked_layout(operands):
+    """A fixed capacity of 64 slots per expert (one 64-row tile each), counts 0, 5, 64
+    and 33: each expert's valid rows against the reference and float64, the other slots
+    zeros, every slot written."""
+    _, _, (xq, xs, wq, ws) = operands
+    cap, counts = 64, (0, 5, 64, 33)
+    a, a_s = xq[:4 * cap].reshape(4, cap, K), xs[:4 * cap].reshape(4, cap, K // 128)
+    c = jnp.array(counts, jnp.int32)
+    out = grouped_fp8_matmul_masked(a, a_s, wq, ws, c, out_dtype=jnp.float32,
+                                    impl="interpret", config=CFG)
+    got = np.asarray(out)
+    ref = np.asarray(grouped_fp8_matmul_masked_reference(a, a_s, wq, ws, c,
+                                                         out_dtype=jnp.float32))
+    assert not np.isnan(got).any()
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=F32_RTOL, atol=F32_RTOL * scale)
+    for g, cnt in enumerate(counts):
+        exact = _float64_grouped(a[g, :cnt], a_s[g, :cnt], wq[g:g + 1], ws[g:g + 1], [cnt])
+        np.testing.assert_allclose(got[g, :cnt], exact, rtol=F32_RTOL, atol=F32_RTOL * scale)
+        assert not got[g, cnt:].any()
 
 
 @pytest.mark.slow
