@@ -6,6 +6,7 @@ dequantized operands and against the dense kernel; negative controls; validation
 Interpret-mode cases take 10-20 s each on a 2-core CPU (slow)."""
 
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,6 @@ import pytest
 from fmtkit import fp8
 from fmtkit.scaling import BlockScaling, quantize
 from pallas_kernels import blockwise_fp8_matmul
-from pallas_kernels import grouped_fp8_matmul as gm
 from pallas_kernels.config import SHIPPED_CONFIGS, choose_config
 from pallas_kernels.grouped_fp8_matmul import (
     choose_grouped_config,
@@ -31,6 +31,8 @@ from pallas_kernels.grouped_fp8_matmul import (
     padded_token_layout,
 )
 
+# The module (its name is also the function's, which the package exports).
+gm = importlib.import_module("pallas_kernels.grouped_fp8_matmul")
 # 64-row tiles: more tiles (and tasks) per small problem than 128-row ones.
 CFG = SHIPPED_CONFIGS["64x128"]
 XLA = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="never")
@@ -43,6 +45,9 @@ SIZES = (50, 0, 77, 60)
 # sums). bf16 output: one rounding of that f32 value, at most one bf16 ulp apart.
 F32_RTOL = 1e-5
 BF16_RTOL = 2.0**-7
+# Compiled on a Hopper GPU, FP8 wgmma accumulates a 128-wide block with fewer bits than f32
+# (about 14, DeepSeek-V3 §3.3.2): the dense kernel's tests' compiled bound.
+RTOL = {"interpret": F32_RTOL, "kernel": 1e-3}
 
 
 def _data(m, n, k, g, seed=0):
@@ -175,13 +180,13 @@ def operands():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_forward_matches_ragged_dot_and_float64(operands, out_dtype):
+def test_forward_matches_ragged_dot_and_float64(operands, out_dtype, mode):
     """Empty expert, experts ending mid-tile, rows past sum(group_sizes), more tasks than
     programs: the kernel against fmtkit.fp8.ragged_dot (the emulated grouped GEMM, which
     quantizes x and w with the same quantizers) and against float64."""
     x, w, (xq, xs, wq, ws) = operands
     gs = jnp.array(SIZES, jnp.int32)
-    out = grouped_fp8_matmul(xq, xs, wq, ws, gs, out_dtype=out_dtype, impl="interpret",
+    out = grouped_fp8_matmul(xq, xs, wq, ws, gs, out_dtype=out_dtype, impl=mode,
                              config=CFG)
     assert out.dtype == out_dtype and out.shape == (M, N)
     got = np.asarray(out.astype(jnp.float32))
@@ -190,7 +195,7 @@ def test_forward_matches_ragged_dot_and_float64(operands, out_dtype):
     exact = _float64_grouped(xq, xs, wq, ws, SIZES)
     assert not np.isnan(got).any()  # every row written (uninitialized memory is NaN)
     assert not got[sum(SIZES):].any()  # rows past the sum: zeros
-    tol = F32_RTOL if out_dtype == jnp.float32 else BF16_RTOL
+    tol = RTOL[mode] if out_dtype == jnp.float32 else BF16_RTOL
     np.testing.assert_allclose(got, np.asarray(emulated), rtol=tol, atol=tol * np.abs(
         exact).max())
     np.testing.assert_allclose(got, exact, rtol=tol, atol=tol * np.abs(exact).max())
@@ -213,37 +218,36 @@ def test_one_expert_equals_the_dense_kernel(operands):
 
 
 @pytest.mark.slow
-def test_masked_layout(operands):
-    """A fixed capacity of 64 slots per expert (one 64-row tile each), counts 0, 5, 64
-    and 33: each expert's valid rows against the reference and float64, the other slots
-    zeros, every slot written."""
+def test_masked_layout(operands, mode):
+    """A fixed capacity of 48 slots per expert (experts' slots straddle the 64-row tiles),
+    counts 0, 5, 48 and 33: each expert's valid rows against the reference and float64,
+    the other slots zeros, every slot written."""
     _, _, (xq, xs, wq, ws) = operands
-    cap, counts = 64, (0, 5, 64, 33)
+    cap, counts = 48, (0, 5, 48, 33)
     a, a_s = xq[:4 * cap].reshape(4, cap, K), xs[:4 * cap].reshape(4, cap, K // 128)
     c = jnp.array(counts, jnp.int32)
-    out = grouped_fp8_matmul_masked(a, a_s, wq, ws, c, out_dtype=jnp.float32,
-                                    impl="interpret", config=CFG)
+    out = grouped_fp8_matmul_masked(a, a_s, wq, ws, c, out_dtype=jnp.float32, impl=mode,
+                                    config=CFG)
     got = np.asarray(out)
     ref = np.asarray(grouped_fp8_matmul_masked_reference(a, a_s, wq, ws, c,
                                                          out_dtype=jnp.float32))
     assert not np.isnan(got).any()
-    scale = np.abs(ref).max()
-    np.testing.assert_allclose(got, ref, rtol=F32_RTOL, atol=F32_RTOL * scale)
+    scale, tol = np.abs(ref).max(), RTOL[mode]
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * scale)
     for g, cnt in enumerate(counts):
         exact = _float64_grouped(a[g, :cnt], a_s[g, :cnt], wq[g:g + 1], ws[g:g + 1], [cnt])
-        np.testing.assert_allclose(got[g, :cnt], exact, rtol=F32_RTOL, atol=F32_RTOL * scale)
+        np.testing.assert_allclose(got[g, :cnt], exact, rtol=tol, atol=tol * scale)
         assert not got[g, cnt:].any()
 
 
 @pytest.mark.slow
-def test_data_gradient_matches_ragged_dot_vjp(operands):
+def test_data_gradient_matches_ragged_dot_vjp(operands, mode):
     """dgrad: dy quantized 1x128 along N, the expert blocks transposed; against the
     emulated path's data gradient (same quantizers) and float64."""
     x, w, (_, _, wq, ws) = operands
     gs = jnp.array(SIZES, jnp.int32)
     dy = jax.random.normal(jax.random.key(3), (M, N), jnp.float32)
-    dx = grouped_fp8_dgrad(dy, wq, ws, gs, out_dtype=jnp.float32, impl="interpret",
-                           config=CFG)
+    dx = grouped_fp8_dgrad(dy, wq, ws, gs, out_dtype=jnp.float32, impl=mode, config=CFG)
     _, vjp = jax.vjp(lambda a: fp8.ragged_dot(a, jnp.swapaxes(w, 1, 2), gs, XLA,
                                               preferred_element_type=jnp.float32), x)
     (want,) = vjp(dy)
@@ -252,13 +256,13 @@ def test_data_gradient_matches_ragged_dot_vjp(operands):
                              jnp.swapaxes(ws, 1, 2), SIZES)
     got = np.asarray(dx)
     assert not got[sum(SIZES):].any()
-    scale = np.abs(exact).max()
-    np.testing.assert_allclose(got, np.asarray(want), rtol=F32_RTOL, atol=F32_RTOL * scale)
-    np.testing.assert_allclose(got, exact, rtol=F32_RTOL, atol=F32_RTOL * scale)
+    scale, tol = np.abs(exact).max(), RTOL[mode]
+    np.testing.assert_allclose(got, np.asarray(want), rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(got, exact, rtol=tol, atol=tol * scale)
 
 
 @pytest.mark.slow
-def test_weight_gradient_per_expert():
+def test_weight_gradient_per_expert(mode):
     """wgrad on the padded token layout: an empty expert (zero gradient), experts whose
     tokens end mid-block, tokens past the sum dropped; against float64 of the padded,
     quantized operands per expert, and, with group sizes on 128-token blocks (where the
@@ -268,7 +272,7 @@ def test_weight_gradient_per_expert():
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((m, n)) * 4.0, jnp.float32)
     gs = jnp.array(sizes, jnp.int32)
-    dw = grouped_fp8_wgrad(dy, x, gs, impl="interpret", config=CFG)
+    dw = grouped_fp8_wgrad(dy, x, gs, impl=mode, config=CFG)
     assert dw.shape == (3, n, k) and dw.dtype == jnp.float32
     dest, blocks, tp = padded_token_layout(gs, m)
 
@@ -286,21 +290,21 @@ def test_weight_gradient_per_expert():
         if not nb:
             assert not got[g].any()
             continue
-        np.testing.assert_allclose(got[g], want, rtol=F32_RTOL,
-                                   atol=F32_RTOL * np.abs(want).max())
+        np.testing.assert_allclose(got[g], want, rtol=RTOL[mode],
+                                   atol=RTOL[mode] * np.abs(want).max())
     ref = grouped_fp8_wgrad_matmul_reference(*quantize_pair(dy, x, dest, tp), blocks)
-    np.testing.assert_allclose(got, np.asarray(ref), rtol=F32_RTOL,
-                               atol=F32_RTOL * np.abs(got).max())
+    np.testing.assert_allclose(got, np.asarray(ref), rtol=RTOL[mode],
+                               atol=RTOL[mode] * np.abs(got).max())
     # Sizes on whole blocks: the emulated path quantizes the same blocks.
     gs2 = jnp.array((128, 0, 128), jnp.int32)
     x2, dy2 = (jnp.pad(t, ((0, 256 - m), (0, 0))) for t in (x, dy))
-    dw2 = grouped_fp8_wgrad(dy2, x2, gs2, impl="interpret", config=CFG)
+    dw2 = grouped_fp8_wgrad(dy2, x2, gs2, impl=mode, config=CFG)
     w0 = jnp.zeros((3, k, n), jnp.float32)
     _, vjp = jax.vjp(lambda w_: fp8.ragged_dot(x2, w_, gs2, XLA,
                                               preferred_element_type=jnp.float32), w0)
     (want2,) = vjp(dy2)
     np.testing.assert_allclose(np.asarray(dw2), np.swapaxes(np.asarray(want2), 1, 2),
-                               rtol=F32_RTOL, atol=F32_RTOL * np.abs(np.asarray(want2)).max())
+                               rtol=RTOL[mode], atol=RTOL[mode] * np.abs(np.asarray(want2)).max())
 
 
 def quantize_pair(dy, x, dest, tp):
