@@ -9,7 +9,8 @@ expert with 1x128 scales, expert weights ``b [G, N, K]`` e4m3 (each expert DeepS
 
 with ``blockwise_fp8_matmul``'s promotion (f32, the scales applied per 128-wide K block).
 Weight gradient (``grouped_fp8_wgrad_matmul``): per expert, a contraction over its tokens,
-``dw[g] = a_gᵀ ... = A[:, tokens of g] · B[:, tokens of g]ᵀ`` ``[G, F1, F2]``, on the
+``out[g] = A[:, tokens of g] · B[:, tokens of g]ᵀ`` ``[G, F1, F2]`` (``A = dyᵀ``,
+``B = xᵀ`` give ``dw[g] = dy_gᵀ · x_g``), on the
 *padded token layout*: each expert's tokens start on a 128-token block and its last block
 is zero-filled, so every 1x128 scale block along the tokens belongs to one expert
 (DeepGEMM's k-grouped layout). ``grouped_fp8_wgrad`` builds that layout from sorted tokens.
@@ -26,7 +27,9 @@ kernel's (``blockwise_fp8_matmul.tile_mainloop``: one implementation), with B re
 the ``[G, N, K]`` stack through one TMA descriptor (``b_ref.at[expert]``). Stores: a
 task's valid rows of each 64-row pass go out by TMA as a log2 ladder of row counts
 (64, 32, ..., 1; JAX's ``ragged_dot_mgpu`` does the same), from unswizzled staging slots
-(a swizzled slot cannot be sliced at any row).
+(a swizzled slot cannot be sliced at any row). The masked layout
+(``grouped_fp8_matmul_masked``: a fixed capacity per expert with valid-row counts) is the
+same kernel with another task table (``masked_tasks``).
 
 The weight-gradient kernel walks (expert, F1 tile, F2 tile) tasks; each runs the shared K
 loop over its expert's token blocks only (a traced pipeline length and offset) and an

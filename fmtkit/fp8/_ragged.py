@@ -30,6 +30,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from fmtkit.formats import get_format
 from fmtkit.fp8._backends import kernel_backend
 from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm_dtype, widened_operands
 from fmtkit.fp8._jvp import fwd_and_bwd_core
@@ -185,13 +186,20 @@ def _forward_operands(recipe, x, w) -> tuple[Operand, ScaledArray]:
     return xq, wq
 
 
+def _probe(values_shape, scale_shape, fmt, recipe) -> ScaledArray:
+    """An abstract ``[F, C]`` operand (shapes only) for a backend's ``applies``: asking
+    traces no op (the operands a kernel would take are built only once one applies)."""
+    return ScaledArray(jax.ShapeDtypeStruct(tuple(values_shape), fmt.dtype),
+                       jax.ShapeDtypeStruct(tuple(scale_shape), jnp.float32), fmt, recipe)
+
+
 def _stack_group(b: ScaledArray, caxis: int) -> ScaledArray:
-    """Group 0 of a weight stack stored ``[G, C, F]`` (``caxis`` 1) or ``[G, F, C]`` as a
-    ``[F, C]`` operand: what a kernel backend's ``applies`` is asked about."""
-    v, sc = b.values[0], b.scale[0]
+    """Group 0 of a weight stack stored ``[G, C, F]`` (``caxis`` 1) or ``[G, F, C]``, as an
+    abstract ``[F, C]`` operand."""
+    v, sc = b.values.shape[1:], b.scale.shape[1:]
     if caxis == 1:
-        v, sc = v.T, sc.T
-    return ScaledArray(v, sc, b.fmt, b.recipe)
+        v, sc = v[::-1], sc[::-1]
+    return _probe(v, sc, b.fmt, b.recipe)
 
 
 def _kernel_grouped_gemm(recipe, a: Operand, b: ScaledArray, caxis: int,
@@ -202,7 +210,8 @@ def _kernel_grouped_gemm(recipe, a: Operand, b: ScaledArray, caxis: int,
     of the FP8 stack (a kernel-side ``[G, N, K]`` weight would avoid it)."""
     if a.cmajor:
         return None
-    found = kernel_backend(recipe, a.sa, _stack_group(b, caxis), "ragged")
+    found = kernel_backend(recipe, _probe(a.sa.values.shape, a.sa.scale.shape, a.sa.fmt,
+                                          a.sa.recipe), _stack_group(b, caxis), "ragged")
     if found is None:
         return None
     backend, impl = found
@@ -272,6 +281,14 @@ def _kernel_grouped_wgrad(recipe, x, g, group_sizes, ng) -> jax.Array | None:
         return None
     m, k = x.shape
     n = g.shape[1]
+    tp = tx.c * (-(-m // tx.c) + ng)  # expert_block_layout's static length
+    found = kernel_backend(
+        recipe, _probe((k, tp), (k, tp // tx.c), get_format(recipe.x_format), recipe),
+        _probe((n, tp), (n, tp // tx.c), get_format(recipe.grad_format), recipe),
+        "ragged_wgrad")
+    if found is None:
+        return None
+    backend, impl = found
     dest, blocks, tp = expert_block_layout(group_sizes, m, tx.c)
 
     def padded(t, fmt, tile):
@@ -280,10 +297,6 @@ def _kernel_grouped_wgrad(recipe, x, g, group_sizes, ng) -> jax.Array | None:
 
     xq = padded(x, recipe.x_format, tx)
     gq = padded(g, recipe.grad_format, tg)
-    found = kernel_backend(recipe, xq, gq, "ragged_wgrad")
-    if found is None:
-        return None
-    backend, impl = found
     out = backend.ragged_wgrad(xq.values, xq.scale, gq.values, gq.scale, blocks, impl=impl,
                                out_dtype=jnp.float32)
     return out[:, :k, :n]
