@@ -599,10 +599,14 @@ def grouped_fp8_matmul_masked(
     its empty slots; no token sort. ``counts`` is data (one compiled kernel).
 
     Args:
-      a: float8_e4m3fn ``[G, capacity, K]``; a_scale: float32 ``[G, capacity, K/128]``.
-      b, b_scale: as ``grouped_fp8_matmul``.
+      a: float8_e4m3fn ``[G, capacity, K]``.
+      a_scale: float32 ``[G, capacity, K/128]``.
+      b: as ``grouped_fp8_matmul``.
+      b_scale: as ``grouped_fp8_matmul``.
       counts: int ``[G]``, the valid rows of each expert (clamped to ``[0, capacity]``).
-      out_dtype, impl, config: as ``grouped_fp8_matmul``.
+      out_dtype: as ``grouped_fp8_matmul``.
+      impl: as ``grouped_fp8_matmul``.
+      config: as ``grouped_fp8_matmul``.
 
     Returns:
       ``[G, capacity, N]`` of ``out_dtype``.
@@ -644,7 +648,10 @@ def grouped_fp8_dgrad(
       dy: floating ``[M, N]``; N divisible by 128 (the contraction).
       w: float8_e4m3fn ``[G, N, K]``, the forward's quantized experts.
       w_scale: float32 ``[G, N/128, K/128]``.
-      group_sizes, out_dtype, impl, config: as ``grouped_fp8_matmul``.
+      group_sizes: as ``grouped_fp8_matmul``.
+      out_dtype: as ``grouped_fp8_matmul``.
+      impl: as ``grouped_fp8_matmul``.
+      config: as ``grouped_fp8_matmul``.
 
     Returns:
       ``dx``, ``[M, K]`` of ``out_dtype`` (zeros past ``sum(group_sizes)``).
@@ -735,11 +742,13 @@ def grouped_fp8_wgrad_matmul(
     Args:
       a: float8_e4m3fn ``[F1, T]``, tokens minor (e.g. ``dyᵀ``), T a multiple of 128.
       a_scale: float32 ``[F1, T/128]``, per 1x128 tile along the tokens.
-      b: float8_e4m3fn ``[F2, T]`` (e.g. ``xᵀ``); ``b_scale`` float32 ``[F2, T/128]``.
+      b: float8_e4m3fn ``[F2, T]`` (e.g. ``xᵀ``).
+      b_scale: float32 ``[F2, T/128]``.
       group_blocks: int32 ``[2, G]``: each expert's first 128-token block and its count
         (``padded_token_layout``); an expert's blocks hold only its tokens (zeros after).
       out_dtype: float32 (default) or bfloat16.
-      impl, config: as ``blockwise_fp8_matmul``.
+      impl: as ``blockwise_fp8_matmul``.
+      config: as ``blockwise_fp8_matmul``.
 
     Returns:
       ``[G, F1, F2]`` of ``out_dtype``; zeros for an expert without blocks.
@@ -790,8 +799,12 @@ def grouped_fp8_wgrad(
     ``grouped_fp8_wgrad_matmul``. Tokens past ``sum(group_sizes)`` are dropped.
 
     Args:
-      dy: floating ``[M, N]``; x: floating ``[M, K]``; group_sizes: int ``[G]``.
-      out_dtype, impl, config: as ``grouped_fp8_wgrad_matmul``.
+      dy: floating ``[M, N]``, the output gradient (tokens sorted by expert).
+      x: floating ``[M, K]``, the forward's input.
+      group_sizes: int ``[G]``.
+      out_dtype: as ``grouped_fp8_wgrad_matmul``.
+      impl: as ``grouped_fp8_wgrad_matmul``.
+      config: as ``grouped_fp8_wgrad_matmul``.
 
     Returns:
       ``[G, N, K]`` of ``out_dtype``.
