@@ -106,12 +106,17 @@ def _tasks_by_loop(sizes, m, bm):
     return tasks
 
 
+# Eager XLA ops, 2-4 s each on a loaded 2-core CPU: the first case (an empty expert,
+# boundaries mid-tile, a tail) in the fast suite, the others slow.
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("sizes,m,bm", [
     (SIZES, 256, 64),
-    ((0, 0, 0), 128, 64),  # no rows in any group: only the tail's tasks
-    ((128, 128), 256, 128),  # boundaries on tiles
-    ((1, 1, 1, 1, 1), 64, 64),  # five experts in one tile
-    ((300,), 384, 128),  # one expert
+    pytest.param((0, 0, 0), 128, 64, marks=_SLOW),  # no rows in any group: only the tail
+    pytest.param((128, 128), 256, 128, marks=_SLOW),  # boundaries on tiles
+    pytest.param((1, 1, 1, 1, 1), 64, 64, marks=_SLOW),  # five experts in one tile
+    pytest.param((300,), 384, 128, marks=_SLOW),  # one expert
 ])
 def test_group_tasks_match_a_row_loop(sizes, m, bm):
     tasks, n_real = group_tasks(jnp.array(sizes, jnp.int32), m, bm)
@@ -122,6 +127,7 @@ def test_group_tasks_match_a_row_loop(sizes, m, bm):
     assert not np.asarray(tasks)[:, len(want):].any()
 
 
+@pytest.mark.slow
 def test_masked_tasks_match_a_row_loop():
     """The masked layout: expert g's valid rows, then its empty slots as zero tasks."""
     counts, cap, bm = (5, 0, 64, 70), 64, 64
@@ -152,6 +158,7 @@ def test_choose_grouped_config(m, g, want_bm):
         assert cfg.block_m == want_bm and cfg in SHIPPED_CONFIGS.values()
 
 
+@pytest.mark.slow
 def test_padded_token_layout_matches_a_loop():
     sizes, m = (130, 0, 5, 128), 300
     dest, blocks, tp = padded_token_layout(jnp.array(sizes, jnp.int32), m)
@@ -348,6 +355,7 @@ def _args(m=128, n=128, k=256, g=2):
     return [xq, xs, wq, ws, jnp.array([m // 2] * g, jnp.int32)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i,bad,exc,match", [
     (0, lambda a: a.astype(jnp.float32), TypeError, "a must be a float8_e4m3fn"),
     (1, lambda a: a[:, :1], ValueError, "a_scale must have shape"),
