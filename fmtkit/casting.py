@@ -38,7 +38,9 @@ __all__ = [
 ]
 
 ROUNDING_MODES = ("nearest", "stochastic", "toward_zero")
+"""The ``rounding`` values ``cast`` accepts: nearest-even, stochastic, toward zero."""
 OVERFLOW_MODES = ("inf_or_nan", "saturate")
+"""The ``overflow`` values ``cast`` accepts: what the format defines, or saturation at ±max."""
 
 Rounding = Literal["nearest", "stochastic", "toward_zero"]
 Overflow = Literal["inf_or_nan", "saturate"]
@@ -47,7 +49,12 @@ _SR_BITS = 24  # random bits compared against the rounding probability (f32 has 
 
 
 def check_floating(x: jax.typing.ArrayLike, name: str = "x") -> jax.Array:
-    """Returns ``x`` as a JAX array, raising ``TypeError`` unless it is floating point."""
+    """Returns ``x`` as a JAX array, raising ``TypeError`` unless it is floating point.
+
+    Example:
+      >>> check_floating([1.0, 2.0]).dtype
+      dtype('float32')
+    """
     arr = jnp.asarray(x)
     if not jnp.issubdtype(arr.dtype, jnp.floating):
         raise TypeError(
@@ -84,6 +91,11 @@ def saturate(x: jax.Array, fmt: Format, finite: jax.Array | None = None) -> jax.
     A select, not ``jnp.clip``: XLA CPU flushes f32 subnormals in arithmetic, and a select
     leaves them intact. ``finite`` is the mask of originally finite inputs when ``x`` has
     already been rounded (a rounding can carry a finite value to inf).
+
+    Example:
+      >>> from fmtkit.formats import get_format
+      >>> saturate(jnp.array([500.0, -1e4, 3.0]), get_format("e4m3")).tolist()
+      [448.0, -448.0, 3.0]
     """
     clipped = jnp.where(jnp.abs(x) > fmt.max, jnp.copysign(jnp.float32(fmt.max), x), x)
     if not fmt.has_nan:
@@ -127,6 +139,11 @@ def round_to_grid(x32: jax.Array, fmt: Format) -> jax.Array:
     For values within ±fmt.max of formats whose spacing is at least 2^-126 (all but bf16,
     f32 and E8M0), this equals ``x.astype(fmt.dtype)`` decoded back to f32; used where a
     format cannot be decoded (FP6 on CPU).
+
+    Example:
+      >>> from fmtkit.formats import get_format
+      >>> round_to_grid(jnp.array([0.1, 300.0]), get_format("e4m3")).tolist()   # still f32
+      [0.1015625, 288.0]
     """
     a = jnp.abs(x32)
     _, e = jnp.frexp(a)

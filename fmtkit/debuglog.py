@@ -35,6 +35,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -310,6 +311,10 @@ class StatsLogger:
     method does nothing and no file is created. Use it as a context manager or call
     ``close``.
 
+    A log directory that holds logs already (a resumed run) is appended to. A run killed
+    while writing a line leaves that line torn (no newline): the next logger ends it with a
+    newline and warns, so no record is glued to it (``fmtkit debug`` skips the torn line).
+
     Args:
       logdir: the directory of the logs (created if missing).
       tensorboard: write TensorBoard event files (one scalar per tag and step).
@@ -355,7 +360,7 @@ class StatsLogger:
             return
         self.logdir.mkdir(parents=True, exist_ok=True)
         if jsonl:
-            self._jsonl = open(self.logdir / JSONL_NAME, "a", encoding="utf-8")
+            self._jsonl = _open_append(self.logdir / JSONL_NAME)
         if tensorboard:
             # tensorboardX's synchronous writer (its FileWriter queues events for a thread and
             # its flush does not wait for the queue). The name is TensorBoard's
@@ -405,10 +410,12 @@ class StatsLogger:
         """Records a precision decision (a GEMM moved to another setting) in decisions.jsonl.
 
         Args:
-          step: the step at which the decision takes effect.
+          step: the logged step whose statistics triggered the decision, as
+            ``fmtkit.debug.Decision.step`` (the new setting applies from the next step).
           module: the GEMM's module path (``""`` for the root).
           gemm: the GEMM's name in its module (``"dot_general_0"``).
-          setting: the new setting, e.g. ``"compute_dtype"``.
+          setting: the new setting, an override of ``fmtkit.debug.OVERRIDES``, e.g.
+            ``"compute"``.
           reason_stat: the tag or statistic that triggered it, e.g.
             ``"activation/underflow_share"``.
           value: that statistic's value.
@@ -417,8 +424,7 @@ class StatsLogger:
         if not self.writes:
             return
         if self._decisions is None:
-            self._decisions = open(self.logdir / DECISIONS_NAME, "a",
-                                   encoding="utf-8")
+            self._decisions = _open_append(self.logdir / DECISIONS_NAME)
         record = {"step": _int_step(step), "module": str(module), "gemm": str(gemm),
                   "setting": str(setting), "stat": str(reason_stat),
                   "value": float(np.asarray(jax.device_get(value), dtype=np.float64))}
@@ -450,6 +456,23 @@ class StatsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _open_append(path: Path):
+    """``path`` opened for appending JSON lines. A file whose last line has no newline (a run
+    killed while writing that line) gets one first, with a warning: the next record then
+    starts on a line of its own, and the torn bytes stay in the file (readers skip them)."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        if torn:
+            warnings.warn(f"{path} ends in a torn line (a run killed while writing it): "
+                          "ended it with a newline, so the next record starts a line of its "
+                          "own; readers skip the torn line.", stacklevel=3)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write("\n")
+    return open(path, "a", encoding="utf-8")
 
 
 def _int_step(step: Any) -> int:

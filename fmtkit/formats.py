@@ -47,15 +47,23 @@ class Format:
       name: canonical name (the ml_dtypes / JAX dtype name).
       dtype: the NumPy dtype (ml_dtypes extension types for the sub-16-bit formats).
       bits: number of significant storage bits (6 for FP6, 4 for FP4, though stored in a byte).
-      exponent_bits, mantissa_bits: the bit layout (mantissa bits exclude the implicit bit).
+      exponent_bits: number of exponent bits.
+      mantissa_bits: number of mantissa bits (without the implicit bit).
       bias: exponent bias; a normal number is (-1)^s * 2^(e - bias) * (1 + m / 2^mantissa_bits).
       max: largest finite value.
       min_normal: smallest positive normal value, 2^(1 - bias) (2^-127 for E8M0, which has no
         subnormals and uses exponent code 0 as a normal number).
       min_subnormal: smallest positive value (equal to min_normal when there are no subnormals).
       eps: 2^-mantissa_bits, the spacing just above 1.0.
-      has_inf, has_nan, has_negative_zero: which special values the encoding has.
+      has_inf: whether the encoding has infinities.
+      has_nan: whether it has NaN.
+      has_negative_zero: whether it has -0.
       signed: False only for E8M0.
+
+    Example:
+      >>> f = get_format("e4m3")
+      >>> f.max, f.eps, f.min_subnormal, f.bits
+      (448.0, 0.125, 0.001953125, 8)
     """
 
     name: str
@@ -207,11 +215,18 @@ class Decomposition:
       format: the format's canonical name.
       stored: the value the format stores (round to nearest even), as a float.
       code: the bit pattern as an int.
-      sign, exponent, mantissa: the bit fields as strings of '0'/'1' (sign is '' for E8M0).
+      sign: the sign bit as a string of '0'/'1' ('' for E8M0, which has none).
+      exponent: the exponent bits as a string of '0'/'1'.
+      mantissa: the mantissa bits as a string of '0'/'1'.
       kind: "zero", "subnormal", "normal", "inf", "nan", plus " (overflow)" or " (underflow)"
         when a finite nonzero input became inf/NaN/±max or zero.
       abs_error: |stored - value| (inf/NaN when the stored value is not finite).
       rel_error: abs_error / |value| (NaN for a zero input).
+
+    Example:
+      >>> d = decompose(1.0, "bf16")
+      >>> d.sign, d.exponent, d.mantissa, d.kind
+      ('0', '01111111', '0000000', 'normal')
     """
 
     value: float
@@ -234,8 +249,8 @@ class Decomposition:
 def decompose(value: float, fmt: str | Format | Any) -> Decomposition:
     """Shows how ``value`` is stored in ``fmt``: bit fields, stored value and error.
 
-    Host-side (NumPy + ml_dtypes, float64 input rounded once to the format); the seeds'
-    "type a number, see its bits in each format" tool, also behind ``fmtkit inspect``.
+    Host-side (NumPy + ml_dtypes, float64 input rounded once to the format); the "type a
+    number, see its bits in each format" tool behind ``fmtkit inspect``.
 
     Args:
       value: a real number (Python float or NumPy scalar).

@@ -45,6 +45,18 @@ class MemoryLedger:
       opt_state_bytes: the rest of the optimizer state with one or more dimensions (moments,
         their scales, compensation buffers).
       scalar_bytes: 0-d optimizer-state leaves (counters, loss scale): a fixed cost.
+
+    Example:
+      >>> from fmtkit import optim
+      >>> opt = optim.master_weights(optax.adamw(1e-3))
+      >>> print(ledger({"w": jnp.ones((4, 4), jnp.bfloat16)}, opt))   # bf16 + AdamW + masters
+      component                 bytes  bytes/param
+      params                       32       2.0000
+      grads                        32       2.0000
+      master copy                  64       4.0000
+      optimizer state             128       8.0000
+      total                       256      16.0000
+      (+ 8 bytes of scalar state; 16 parameters)
     """
 
     num_params: int

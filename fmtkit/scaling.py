@@ -94,7 +94,13 @@ def _check_recipe_fields(recipe: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TensorScaling:
-    """One scale for the whole tensor (current scaling: from this tensor's amax)."""
+    """One scale for the whole tensor (current scaling: from this tensor's amax).
+
+    Example:
+      >>> x = jnp.arange(1.0, 9.0).reshape(2, 4)
+      >>> quantize(x, "e4m3", TensorScaling()).scale.shape     # amax 8 -> scale 8 / 448
+      (1, 1)
+    """
 
     power_of_two: bool = False
     margin: int = 0
@@ -112,6 +118,11 @@ class AxisScaling:
 
     ``AxisScaling(-1)`` on x [M, K] gives one scale per row (scale shape [M, 1]);
     ``AxisScaling(0)`` on w [K, N] one per column (scale shape [1, N]).
+
+    Example:
+      >>> x = jnp.arange(1.0, 9.0).reshape(2, 4)
+      >>> quantize(x, "e4m3", AxisScaling(-1)).scale.shape     # one scale per row
+      (2, 1)
     """
 
     axis: int | tuple[int, ...] = -1
@@ -140,6 +151,11 @@ class BlockScaling:
 
     ``BlockScaling((1, 128))`` is DeepSeek-V3's activation tiling (x [M, K] -> scale
     [M, K/128]); ``BlockScaling((128, 128))`` its weight tiling.
+
+    Example:
+      >>> x = jnp.arange(1.0, 9.0).reshape(2, 4)
+      >>> quantize(x, "e4m3", BlockScaling((1, 2))).scale.shape   # 1x2 tiles
+      (2, 2)
     """
 
     block: tuple[int, ...] = (1, 128)
@@ -170,6 +186,11 @@ class MXScaling:
     """OCP MX v1.0 block scaling: ``block`` consecutive elements along ``axis`` share an E8M0
     power-of-two scale (block 32 in the spec). ``scale_rounding`` picks the scale rule (see the
     module docstring); "floor" is the spec's.
+
+    Example:
+      >>> x = jnp.arange(1.0, 9.0).reshape(2, 4)
+      >>> quantize(x, "e4m3", MXScaling(block=4)).scale.tolist()   # powers of two (E8M0)
+      [[0.015625], [0.03125]]
     """
 
     block: int = 32
@@ -205,6 +226,10 @@ class DelayedScalingState(NamedTuple):
       count: int32 number of recorded steps, or None. Informational only (the bootstrap
         rule reads the history, not the count); FP8 dot states leave it None so that
         ``jax.grad`` can take the whole state (an integer leaf has no float cotangent).
+
+    Example:
+      >>> DelayedScaling(history=16).init().amax_history.shape   # one tensor's history
+      (16,)
     """
 
     amax_history: jax.Array
@@ -229,6 +254,12 @@ def delayed_amax(amax_history: jax.Array, current: jax.typing.ArrayLike,
                  past     otherwise
 
     ``delayed_amax_of`` applies the same rule without waiting for ``current``.
+
+    Example:
+      >>> delayed_amax(jnp.zeros(4), 3.0).tolist()               # empty history: bootstrap
+      3.0
+      >>> delayed_amax(jnp.array([2.0, 5.0, 0.0, 0.0]), 3.0).tolist()   # "max" of the history
+      5.0
     """
     hist = jnp.asarray(amax_history)
     past = _past_amax(hist, algo)
@@ -291,6 +322,10 @@ def record_amax(amax_history: jax.Array, amax: jax.typing.ArrayLike, *,
       The new history. A unit with a non-finite observation (an overflowing step that loss
       scaling will skip) keeps its history unchanged: an inf in the history would poison the
       scale for ``history`` steps.
+
+    Example:
+      >>> record_amax(jnp.array([2.0, 5.0, 0.0, 0.0]), 7.0).tolist()    # newest at index 0
+      [7.0, 2.0, 5.0, 0.0]
     """
     hist = jnp.asarray(amax_history)
     amax = jnp.asarray(amax, hist.dtype)
@@ -370,6 +405,7 @@ class DelayedScaling:
 
 
 Recipe = TensorScaling | AxisScaling | BlockScaling | MXScaling | DelayedScaling
+"""Any scaling recipe: the type of ``quantize``'s ``recipe`` argument."""
 _RECIPE_TYPES = (TensorScaling, AxisScaling, BlockScaling, MXScaling, DelayedScaling)
 
 
@@ -386,6 +422,11 @@ class ScaledArray:
       scale: f32 (E8M0 for MX) array with x's rank, ``shape[i] = x.shape[i] // block[i]``.
       fmt: the element format.
       recipe: the recipe that produced it.
+
+    Example:
+      >>> sa = quantize(jnp.array([[1.0, -2.0, 448.0]]), "e4m3", TensorScaling())
+      >>> sa.values.dtype, sa.scale.tolist()
+      (dtype(float8_e4m3fn), [[1.0]])
     """
 
     values: jax.Array
@@ -557,7 +598,12 @@ def _prepare(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe):
 
 def compute_scale(x: jax.typing.ArrayLike, fmt: str | Format, recipe: Recipe, *,
                   state: DelayedScalingState | None = None) -> jax.Array:
-    """The per-block f32 scale ``quantize`` would use (E8M0-valued f32 for MX)."""
+    """The per-block f32 scale ``quantize`` would use (E8M0-valued f32 for MX).
+
+    Example:
+      >>> compute_scale(jnp.array([[1.0, 448.0]]), "e4m3", TensorScaling()).tolist()
+      [[1.0]]
+    """
     _, fmt, xs, axes, scale_shape = _prepare(x, fmt, recipe)
     scale, _ = _split_scale(xs, axes, fmt, recipe, state)
     return scale.astype(jnp.float32).reshape(scale_shape)
@@ -626,12 +672,22 @@ def keep_nonfinite(x: jax.Array, values: jax.Array) -> jax.Array:
     ``clip(inf * s) = fmt.max`` would hide an overflow from loss scaling. NaN rather than
     inf because E4M3 has no inf; any non-finite operand makes a GEMM's products non-finite.
     Finite elements beyond the range still saturate.
+
+    Example:
+      >>> keep_nonfinite(jnp.array([jnp.inf, 1.0]), jnp.array([448.0, 1.0])).tolist()
+      [nan, 1.0]
     """
     return jnp.where(jnp.isinf(x), jnp.float32(jnp.nan), values)
 
 
 def dequantize(sa: ScaledArray, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
-    """Returns ``values * scale`` (computed in f32, then cast to ``dtype``)."""
+    """Returns ``values * scale`` (computed in f32, then cast to ``dtype``).
+
+    Example:
+      >>> sa = quantize(jnp.array([[1.0, 3.0, 5.0, 8.0]]), "e4m3", AxisScaling(-1))
+      >>> dequantize(sa).tolist()                  # 3 and 5 round on the scaled E4M3 grid
+      [[1.0, 2.857142925262451, 5.142857551574707, 8.0]]
+    """
     if not isinstance(sa, ScaledArray):
         raise TypeError(f"dequantize expects a ScaledArray, got {type(sa).__name__}.")
     check_decodable(sa.values, "sa.values")

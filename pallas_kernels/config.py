@@ -29,6 +29,7 @@ of a CTA (``plgpu.emit_pipeline_warp_specialized``'s ``pipeline_state`` needs it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["SHIPPED_CONFIGS", "TuningConfig", "choose_config", "epilogue_n", "max_stages",
-           "pipeline_stages", "smem_bytes"]
+           "pipeline_stages", "smem_bytes", "tile_cycles"]
 
 BLOCK_K = 128  # DeepSeek-V3 (arXiv 2412.19437) §3.3.2: scales per 128 K, promotion N_C = 128.
 SMEM_BYTES_H200 = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200 (227 KiB).
@@ -187,17 +188,70 @@ SHIPPED_CONFIGS: dict[str, TuningConfig] = {
 # 1.52 and 1.34. Re-measure when the kernel changes.
 _TILE_COST = {"128x256": 0.93, "128x128": 1.0, "256x128": 1.13, "64x256": 1.26,
               "64x128": 1.43}
+_CALIBRATION_SHAPES = ((8192, 8192, 8192), (4096, 7168, 2048))
+"""The shapes ``_TILE_COST`` was measured at."""
+
+# Bandwidths of the traffic model (bytes per SM clock), the figures of DeepGEMM's Hopper
+# heuristic (deepseek-ai/DeepGEMM, csrc/jit_kernels/heuristics/sm90.hpp): shared memory /
+# L1 128 B per SM per clock; L2 64 B per SM per clock, at most about 8 TB/s at 1.3 GHz for
+# the chip (6154 B per clock).
+_L1_BYTES_PER_SM = 128
+_L2_BYTES_PER_SM = 64
+_L2_BYTES_CHIP = 8e6 / 1.3e3
+_WGMMA_M = 64  # one wgmma covers 64 rows: a narrower tile still reads 64 rows' worth
+
+
+def tile_cycles(m: int, n: int, k: int, block_m: int, block_n: int, *, out_bytes: int = 2,
+                num_sms: int = 132, cluster: tuple[int, int] = (1, 1)) -> float:
+    """Modelled clock cycles of an ``[m, k] x [n, k]`` GEMM on ``block_m x block_n`` output
+    tiles (persistent CTAs, one per SM; ``cluster`` = (CTAs sharing B by TMA multicast along
+    M, CTAs sharing A along N)).
+
+    The model of DeepGEMM's Hopper heuristic (deepseek-ai/DeepGEMM,
+    ``csrc/jit_kernels/heuristics/sm90.hpp``): tensor-core work and HBM bytes are the same for
+    every tile, so only the L1 (shared memory) and L2 traffic and the wave quantization
+    differ. Per tile, L2 serves the A and B panels (``k * (block_m / cluster_n + block_n /
+    cluster_m)`` FP8 bytes: multicast halves one) and the output; L1 holds them once as TMA
+    writes them and once as wgmma reads them (at least 64 rows of A) plus the output staged
+    and stored. Cycles = max(L1 bytes / L1 bandwidth, L2 bytes / L2 bandwidth) over all
+    tiles, divided by the last wave's fill (``tiles / (waves * num_sms)``). A cluster with a
+    single wave is not worth its synchronization: infinite cost.
+    """
+    cm, cn = cluster
+    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
+    waves = math.ceil(tiles / num_sms)
+    if cm * cn > 1 and waves <= 1:
+        return math.inf
+    out = block_m * block_n * out_bytes
+    l2 = k * (block_m / cn + block_n / cm) + out
+    l1 = k * (block_m + block_n) + k * (max(_WGMMA_M, block_m) + block_n) + 2 * out
+    l2_bw = min(_L2_BYTES_PER_SM * num_sms, _L2_BYTES_CHIP)
+    cycles = max(l1 * tiles / (_L1_BYTES_PER_SM * num_sms), l2 * tiles / l2_bw)
+    return cycles / (tiles / (waves * num_sms))
+
+
+@functools.cache
+def _residual(name: str) -> float:
+    """The measured cost of a shipped tile (``_TILE_COST``, relative to 128x128) over what
+    ``tile_cycles`` predicts for it at the shapes it was measured at: what the traffic model
+    does not see (register spills, passes per warpgroup, the promotion's CUDA-core work)."""
+    cfg = SHIPPED_CONFIGS[name]
+    model = [tile_cycles(*s, cfg.block_m, cfg.block_n) / tile_cycles(*s, 128, 128)
+             for s in _CALIBRATION_SHAPES]
+    return _TILE_COST[name] / (sum(model) / len(model))
 
 
 def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int = 132,
                   b_rows: bool = False) -> TuningConfig:
     """Picks a shipped config for an ``[m, k] x [n, k]`` product.
 
-    Cost model: waves of the persistent grid (``ceil(tiles / num_sms)``) times the tile's
-    area and relative cost, padding included (M and N are padded up to the tile); ties go
-    to the earlier config in ``SHIPPED_CONFIGS``. ``k`` and ``b_rows`` (B scaled per row,
-    the weight gradient) do not change the choice: scales come from global memory and
-    every config walks K alike.
+    Cost model: ``tile_cycles`` (waves of the persistent grid and L1 / L2 traffic, padding
+    included: M and N are padded up to the tile) times the tile's measured residual
+    (``_residual``: what the model does not see of this kernel); ties go to the earlier
+    config in ``SHIPPED_CONFIGS``. Only the shipped tiles are candidates: widths of 128 or
+    256 columns, one CTA per cluster (the kernel has no 144-192 wide passes and no TMA
+    multicast). ``b_rows`` (B scaled per row, the weight gradient) does not change the
+    choice: scales come from global memory and every config walks K alike.
 
     Raises:
       ValueError: ``out_dtype`` is not bfloat16 or float32.
@@ -205,12 +259,12 @@ def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int =
     dt = np.dtype(out_dtype).name
     if dt not in ("bfloat16", "float32"):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {dt}.")
-    del k, b_rows
+    del b_rows
+    out_bytes = np.dtype(out_dtype).itemsize
     best, best_cost = None, math.inf
     for name, cfg in SHIPPED_CONFIGS.items():
-        tiles = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
-        waves = math.ceil(tiles / num_sms)
-        cost = waves * cfg.block_m * cfg.block_n * _TILE_COST[name]
+        cost = tile_cycles(m, n, k, cfg.block_m, cfg.block_n, out_bytes=out_bytes,
+                           num_sms=num_sms) * _residual(name)
         if cost < best_cost:
             best, best_cost = cfg, cost
     assert best is not None

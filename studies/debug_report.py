@@ -16,6 +16,7 @@ import json
 import math
 import re
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -40,6 +41,8 @@ _PROGRESS_BYTES = 64 * 2**20
 def read_log(rundir: str | Path) -> list[tuple[int, dict[str, float]]]:
     """The logged steps of ``RUNDIR/stats.jsonl`` as ``[(step, {tag: value})]`` in file order.
 
+    A torn line (what a run killed while writing it left) is skipped with a warning.
+
     Raises:
       ValueError: naming RUNDIR if it is not a directory, has no stats.jsonl, the file holds
         no logged step, or a line is not a JSON object with "step" and "stats".
@@ -53,18 +56,21 @@ def read_log(rundir: str | Path) -> list[tuple[int, dict[str, float]]]:
                          "fmtkit.debuglog.StatsLogger)")
     records = []
     size = path.stat().st_size
+    where = f"RUNDIR {str(rundir)!r}: {JSONL_NAME}"
     with path.open(encoding="utf-8") as f, _progress(size, "reading " + JSONL_NAME) as bar:
         for lineno, line in enumerate(f, 1):
             bar.update(len(line))
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = _record(line, f"{where} line {lineno}")
+                if rec is None:
+                    continue
                 step, stats = int(rec["step"]), rec["stats"]
                 if not isinstance(stats, dict):
                     raise TypeError("stats is not an object")
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"RUNDIR {str(rundir)!r}: {JSONL_NAME} line {lineno} is not "
+                raise ValueError(f"{where} line {lineno} is not "
                                  f'{{"step": int, "stats": {{tag: value}}}} ({e})') from None
             records.append((step, {t: float(v) for t, v in stats.items()}))
     if not records:
@@ -73,12 +79,50 @@ def read_log(rundir: str | Path) -> list[tuple[int, dict[str, float]]]:
 
 
 def read_decisions(rundir: str | Path) -> list[dict]:
-    """The records of ``RUNDIR/decisions.jsonl`` (``[]`` without the file)."""
+    """The records of ``RUNDIR/decisions.jsonl`` (``[]`` without the file), torn lines
+    skipped with a warning."""
     path = Path(rundir) / DECISIONS_NAME
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip()]
+    where = f"RUNDIR {str(rundir)!r}: {DECISIONS_NAME}"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = (_record(line, f"{where} line {i}") for i, line in enumerate(lines, 1)
+               if line.strip())
+    return [r for r in records if r is not None]
+
+
+# Every record StatsLogger writes (a logged step, a decision) is a JSON object whose first key
+# is "step" (json.dumps keeps the order of the dict it writes).
+_RECORD_START = '{"step": '
+
+
+def _record(line: str, where: str) -> dict | None:
+    """The JSON object of one line of a log, or None for a torn line (what a run killed while
+    writing it left: a start of a record that does not parse), with a warning. A record that
+    a resumed writer appended to a torn line without ending it (an older fmtkit) follows
+    the torn bytes on the same line: that record is returned.
+
+    Raises:
+      ValueError: the line is neither JSON nor a torn record.
+    """
+    try:
+        return json.loads(line)
+    except ValueError:
+        if not line.startswith(_RECORD_START):
+            raise
+    start = line.rfind(_RECORD_START)
+    if start > 0:
+        try:
+            rec = json.loads(line[start:])
+        except ValueError:
+            pass
+        else:
+            warnings.warn(f"{where} starts with a torn record (a run killed while writing "
+                          "it): skipped it, read the record after it.", stacklevel=3)
+            return rec
+    warnings.warn(f"{where} is a torn record (a run killed while writing it): skipped.",
+                  stacklevel=3)
+    return None
 
 
 def _progress(total: int, desc: str):

@@ -55,7 +55,8 @@ class Config:
     """Configuration of the ``delayed-lag`` study.
 
     Attributes:
-      magnitude: the outlier channel's final magnitude (the seeds' 1e4 by default).
+      magnitude: the outlier channel's final magnitude (default 1e4, as in
+        ``fmtkit study fp8-outliers``).
       ramp_start: the step at which the outlier starts to grow.
       ramp_steps: steps over which it grows geometrically from 1x to ``magnitude``.
       histories: amax-history lengths of the delayed setups.

@@ -89,7 +89,7 @@ GRAD_OUTLIER_FRACTION = regimes.TokenGradOutliers().fraction
 def wide_model(seq_len: int, d_model: int = 256, d_ff: int = 512) -> TransformerConfig:
     """The one-block model of the outlier studies at ``d_model`` (default 256: two 1x128
     tiles per row, so a 1x128 tile separates the outlier channel from the normal ones, as
-    the seeds' measurement takes its normal channels outside the outlier's 128-block)."""
+    ``fmtkit study fp8-outliers`` takes its normal channels outside the outlier's 128-block)."""
     return TransformerConfig(d_model=d_model, num_heads=4, num_layers=1, d_ff=d_ff,
                              max_len=seq_len)
 

@@ -1,13 +1,13 @@
 """Study ``outlier-dose``: loss gap to bf16-mixed vs activation-outlier magnitude, per FP8
-recipe: the seeds' "per-tensor breaks as outliers grow, fine-grained stays flat" in training.
+recipe: DeepSeek-V3's "per-tensor breaks as outliers grow, fine-grained stays flat" in training.
 
 Trains the one-block LM at d_model 256 (``studies.fp8_training.wide_model``: two 1x128
 tiles per row, so the 1x128 tile holding the outlier channel is not the one holding the
 other half of the channels) under bf16-mixed and the FP8 setups fp8-current, fp8-delayed
 (per tensor), fp8-rowwise, fp8-blockwise (1x128) and fp8-mxfp8 (1x32, E8M0), each at
-every outlier magnitude (default 1e2, 1e3, 1e4, 3e4, 1e5: the seeds' 1e2, 1e4 and 3e4 and
-[Sun24]'s largest massive activations) and seed. The outlier is one channel of the
-blocks' normalized inputs, with the rows that read it held at zero
+every outlier magnitude (default 1e2, 1e3, 1e4, 3e4, 1e5: the 1e2, 1e4 and 3e4 of
+``fmtkit study fp8-outliers`` and [Sun24]'s largest massive activations) and seed. The
+outlier is one channel of the blocks' normalized inputs, with the rows that read it held at zero
 (``studies.fp8_training``): bf16-mixed computes the same function at every magnitude
 (bf16 scales each element on its own), so one bf16-mixed run per seed is the reference of
 every magnitude, and any gap is the FP8 quantizers'. Seed k of every setup starts from the

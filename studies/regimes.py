@@ -185,7 +185,8 @@ class LateTraining(_Regime):
     unit in the last place, 2^-9 .. 2^-8 = 0.2% .. 0.4% of the weight, is rounded away:
     at ratios of 1e-4 .. 1e-3 most elements of pure-bf16 parameters stop moving, while fp32
     master weights [Micikevicius18], stochastic rounding and Kahan summation [Zamirai20]
-    keep them moving (the seeds' 1.0 + 1e-3 example, inside training). The loss cost at
+    keep them moving (the 1.0 + 1e-3 example of ``fmtkit study master-weights``, inside
+    training). The loss cost at
     this scale depends on how long the late phase runs; the study reports it either way.
 
     Measured (the "tiny" model of ``studies.training.TrainConfig()``, its first Adam step):
@@ -352,7 +353,7 @@ class OutlierFeatures(_Regime):
     (about 6 of 4096 in a 6.7B model, in most tokens and layers) in the inputs of their
     linear layers [Dettmers22]; such channels are about 100x the typical activation
     [Xiao23], and the largest "massive" activations reach 10^4 to 10^5x [Sun24]. The
-    usual range is 100x to 10^4x; the seeds' table uses 1e2, 1e4 and 3e4. The default
+    usual range is 100x to 10^4x; ``fmtkit study fp8-outliers`` uses 1e2, 1e4 and 3e4. The default
     1e4 is the top of that range (a tenth of [Sun24]'s largest); ``channels=1`` because
     6/4096 of a d_model of 128..512 rounds to one channel.
 

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = ["fmtkit", "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy", "fmtkit.debug",
                   "fmtkit.optim",
                   "fmtkit.scaling", "fmtkit.casting", "fmtkit.formats", "fmtkit.telemetry",
-                  "fmtkit.distributed", "fmtkit.memory", "pallas_kernels", "fmtkit.debuglog"]
+                  "fmtkit.distributed", "fmtkit.memory", "pallas_kernels", "fmtkit.debuglog",
+                  "fmtkit.qwix"]
 ENTRY = re.compile(r"^:::\s+([\w.]+)\s*$", re.M)
 HEADING = re.compile(r"""^\s+heading:\s*["']([\w.]+)["']\s*$""", re.M)
 ROW = re.compile(r"^\|\s*`([\w.]+)`", re.M)
@@ -28,7 +29,14 @@ ROW = re.compile(r"^\|\s*`([\w.]+)`", re.M)
 
 def public_names() -> list[str]:
     """``module.NAME`` for every name of every public module's ``__all__``."""
-    return [f"{mod}.{name}" for mod in PUBLIC_MODULES
+    # fmtkit.qwix needs the optional dependency qwix (fmtkit[qwix]); without it, its page is
+    # still required (test_every_public_module_has_a_page) but its names cannot be listed.
+    try:
+        importlib.import_module("qwix")
+        have_qwix = True
+    except ImportError:
+        have_qwix = False
+    return [f"{mod}.{name}" for mod in PUBLIC_MODULES if have_qwix or mod != "fmtkit.qwix"
             for name in importlib.import_module(mod).__all__]
 
 
@@ -81,3 +89,49 @@ def test_the_patterns_read_entries_headings_and_rows():
     assert ENTRY.findall(text) == ["fmtkit.scaling.qdq"]
     assert HEADING.findall(text) == ["fmtkit.policy.X"]
     assert ROW.findall(text) == ["fmtkit.cast"]
+
+
+# --- Each module page is a catalogue -------------------------------------------------------
+
+CATALOGUE_ROW = re.compile(r"^\|[^|\n]*\|\s*\[`[\w.]+`\]\[([\w.]+)\]", re.M)
+CATALOGUE_PAGES = [(mod, ROOT / "docs" / "api" / f"{mod.split('.')[-1]}.md")
+                   for mod in PUBLIC_MODULES if mod != "fmtkit"]
+
+
+def catalogue_problems(mod: str, text: str) -> list[str]:
+    """What keeps a module page from being a catalogue: a summary table of every public name
+    before the entries, the entries in the table's order, a link to the module's guide."""
+    problems = []
+    table = CATALOGUE_ROW.findall(text)
+    entries = [e for e in ENTRY.findall(text) if e != mod]
+    if sorted(table) != sorted(f"{mod}.{n}" for n in importlib.import_module(mod).__all__):
+        problems.append("the summary table does not list exactly the module's __all__")
+    if table != entries:
+        problems.append("the entries do not follow the summary table's order")
+    first_row = text.find("| [`") if "| [`" in text else text.find("[`")
+    first_entry = min((text.find(f"::: {e}\n") for e in entries), default=len(text))
+    if not table or first_row > first_entry:
+        problems.append("the summary table does not come before the entries")
+    if "](../guides/" not in text:
+        problems.append("the page names no guide")
+    return problems
+
+
+@pytest.mark.parametrize("mod, page", CATALOGUE_PAGES, ids=[m for m, _ in CATALOGUE_PAGES])
+def test_each_module_page_opens_with_a_catalogue(mod, page):
+    assert catalogue_problems(mod, page.read_text()) == []
+
+
+def test_a_page_out_of_catalogue_order_fails_the_check():
+    mod, page = "fmtkit.policy", ROOT / "docs" / "api" / "policy.md"
+    text = page.read_text()
+    swapped = (text.replace("::: fmtkit.policy.with_policy\n", "::: @\n")
+               .replace("::: fmtkit.policy.list_presets\n", "::: fmtkit.policy.with_policy\n")
+               .replace("::: @\n", "::: fmtkit.policy.list_presets\n"))
+    assert catalogue_problems(mod, swapped) == [
+        "the entries do not follow the summary table's order"]
+    row = next(line for line in text.splitlines() if "[fmtkit.policy.mark_head]" in line)
+    assert "the summary table does not list exactly the module's __all__" in (
+        catalogue_problems(mod, text.replace(row + "\n", "")))
+    assert catalogue_problems(mod, text.replace("](../guides/", "](../elsewhere/")) == [
+        "the page names no guide"]

@@ -32,9 +32,32 @@ def test_the_docs_build_fails_on_a_broken_anchor(tmp_path):
     shutil.copytree(ROOT, src, ignore=SKIP)
     ok = subprocess.run(_docs_command(), cwd=src, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
+    # The test runner's markers stay out of the rendered code blocks (docs/_ext/hooks.py).
+    pages = sorted((src / "site").rglob("*.html"))
+    assert pages
+    for html in pages:
+        text = html.read_text()
+        for block in re.findall(r"<pre.*?</pre>", text, re.S):
+            assert "docs-test" not in block and "readme-test" not in block, html
+        # No anchor, link or tooltip shows a private module path (fmtkit.policy._nnx...).
+        private = re.findall(r'(?:id|title|href)="[^"]*\b(?:fmtkit|pallas_kernels)[\w.]*\._\w',
+                             text)
+        assert not private, (html, private[:3])
     page = src / "docs" / "guides" / "fp8.md"
     page.write_text(page.read_text() + "\nSee [nothing](scaling.md#no-such-section).\n")
     broken = subprocess.run(_docs_command(), cwd=src, capture_output=True, text=True,
                             timeout=300)
     assert broken.returncode != 0
     assert "no-such-section" in broken.stderr
+
+
+def test_the_hook_drops_skip_markers_only():
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import hooks
+    finally:
+        sys.path.pop(0)
+    page = ("```python\n# docs-test: skip (needs a GPU)\nx = 1\n```\n"
+            "Mark a block with `# docs-test: skip (REASON)`.\n")
+    assert hooks.on_page_markdown(page) == (
+        "```python\nx = 1\n```\nMark a block with `# docs-test: skip (REASON)`.\n")

@@ -55,6 +55,8 @@ ALLOWED: dict[str, set[str]] = {
     # Policies place FP8 recipes on modules: policy -> fp8, never the reverse.
     "fmtkit.policy": {*CORE, "fmtkit.fp8", "fmtkit.fp4"},
     "fmtkit.memory": {*CORE, "fmtkit.optim", "fmtkit.fp4"},
+    # The qwix provider and QArray converters (optional dependency qwix): fp8 under qwix.
+    "fmtkit.qwix": {*CORE, "fmtkit.fp8"},
     # Per-GEMM statistics and overrides, built on the policy's GEMM hook: debug -> policy.
     "fmtkit.debug": {*CORE, "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy"},
     # The package facade re-exports the public names of every core module.

@@ -21,9 +21,10 @@ def test_importing_fmtkit_does_not_import_flax():
     import subprocess
     import sys
 
-    code = "import sys, fmtkit; print('flax' in sys.modules)"
+    # Nor qwix (the optional dependency of fmtkit.qwix, imported only with that module).
+    code = "import sys, fmtkit; print('flax' in sys.modules, 'qwix' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
 
 
 def test_all_is_the_contract():
@@ -85,6 +86,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "blockwise_fp8_matmul_reference", "blockwise_fp8_wgrad", "config", "is_hopper", "num_sms",
         "quantize_128x128", "quantize_128x128_reference", "quantize_1x128",
         "quantize_1x128_reference"),
+    "fmtkit.qwix": ("FmtkitProvider", "FmtkitRule", "from_qarray", "to_qarray"),
     "fmtkit.debuglog": (
         "DECISIONS_NAME", "JSONL_NAME", "REDUCTIONS", "StatsLogger", "flatten_stats",
         "reduce_stat", "split_tag"),
@@ -125,6 +127,8 @@ def _problems(module: str, name: str) -> list[str]:
 
 @pytest.mark.parametrize("module", sorted(PUBLIC_NAMES))
 def test_every_public_name_still_imports_from_the_same_place(module):
+    if module == "fmtkit.qwix":  # needs the optional dependency (fmtkit[qwix])
+        pytest.importorskip("qwix")
     problems = [p for name in PUBLIC_NAMES[module] for p in _problems(module, name)]
     assert not problems, "\n".join(problems)
 

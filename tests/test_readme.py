@@ -94,6 +94,8 @@ def test_docs_block_runs(where, start, code, monkeypatch):
         assert marker.group("reason") and marker.group("reason").strip(), (
             f"{where}:{start}: a skipped block must say why: # docs-test: skip (REASON)")
         pytest.skip(f"{where}:{start}: {marker.group('reason')}")
+    if re.search(r"^\s*(import qwix|from (qwix|fmtkit\.qwix) import)", code, re.M):
+        pytest.importorskip("qwix")  # the optional dependency of fmtkit.qwix (fmtkit[qwix])
     monkeypatch.chdir(ROOT)
     namespace = {"__name__": f"docs_block_{start}"}
     with jax.numpy_dtype_promotion("standard"):

@@ -10,7 +10,9 @@ configuration the compiled step is the same program as before.
 Usage: ``state = init(config, loss, params, batch)`` once; in the step, differentiate with
 respect to ``(params, state)`` a loss that calls the model inside ``capture(config, state,
 step)``; the gradient of ``state`` is the statistics of the step, and
-``config.logs_at(step)`` says whether it holds any (other steps are NaN). ``step`` is an
+``config.logs_at(step)`` says whether it holds any (other steps are NaN; so are the statistics
+of a GEMM that did not run this step, in the branch of ``lax.cond`` not taken: no data, not
+zeros). ``step`` is an
 array, so logging every ``freq`` steps never recompiles; on other steps ``lax.cond`` skips
 the work.
 
@@ -30,7 +32,12 @@ GEMMs in loop bodies (layer stacks under ``nn.scan``, ``nnx.scan``, ``lax.scan``
 entry ``i`` the statistic of iteration ``i`` (in the order of the scanned inputs, also for a
 reverse scan), still keyed by module path and GEMM name; with the state as ``layers``,
 ``fmtkit.debuglog.StatsLogger`` logs each iteration under its own tag,
-``f"{module_path}[{i}]/{gemm_name}/{tensor}/{stat}"``. Statistics of a GEMM inside a
+``f"{module_path}[{i}]/{gemm_name}/{tensor}/{stat}"``. The grouped GEMM of an MoE layer
+(``lax.ragged_dot``, FP8 under the FP8 presets) has one value per expert in the same way:
+``f32[G]`` leaves (``f32[L, G]`` in a scan), expert ``g``'s row tensors the rows of its
+tokens (NaN for an expert without tokens), its weight and wgrad its slice of the stack, its
+quantization statistics replaying the grouped GEMM's (one scale per expert for the weights).
+Statistics of a GEMM inside a
 ``while_loop`` (no static trip count) raise ``ValueError``. Statistics (f32, computed in
 f32):
 

@@ -107,7 +107,14 @@ class Decision:
       module: the GEMM's module path (``""``: the root).
       gemm: the GEMM's name in its module.
       setting: the new override (an element of the autopilot's ``ladder``).
-      tensor, stat, value: the operand, the statistic (from ``TRIGGERS``) and its value.
+      tensor: the operand whose statistic crossed its threshold.
+      stat: the statistic (from ``TRIGGERS``).
+      value: the statistic's value.
+
+    Example:
+      >>> d = Decision(4, "Dense_1", "dot_general_0", "compute", "activation", "sqnr_db", 12.5)
+      >>> d.step, d.setting          # decided from step 4's statistics; applies from step 5
+      (4, 'compute')
     """
 
     step: int
@@ -171,7 +178,8 @@ class Autopilot:
       tensors: the operands watched, from ``("activation", "weight", "output_grad")``.
       pattern: the module pattern of the GEMMs watched (``fmtkit.debug.Rule.pattern``;
         ``""``: all).
-      freq, start_step: when the statistics are logged (``fmtkit.debug.Rule``).
+      freq: log the statistics every ``freq`` steps (``fmtkit.debug.Rule``).
+      start_step: the first step logged.
 
     A non-finite operand (``nonfinite_count > 0``) always moves its GEMM at once. A GEMM in
     a scanned layer stack (one value per layer) moves as a whole when its worst layer
@@ -321,7 +329,8 @@ class Autopilot:
         """Reads one step's statistics and returns the new state and the decisions taken.
 
         Call it after every step that logs (``DebugConfig.logs_at``); a GEMM whose
-        statistics are all NaN (a step it does not log) is left as it is, so calling it on
+        statistics are all NaN (a step it does not log, or one it did not run in: the branch
+        of ``lax.cond`` not taken) is left as it is, so calling it on
         other steps changes nothing. A GEMM at the top of the ladder, or with no quantized
         operand under its setting, takes no more decisions.
 

@@ -16,6 +16,11 @@
 ``init(config, fn, *args)`` traces ``fn`` abstractly to find the GEMMs and returns the
 zero-valued state (the pytree the statistics fill), raising on a rule that matches none.
 
+A GEMM that did not run (the branch of ``lax.cond`` not taken) gets NaN, no data, not the 0
+its taps' missing cotangent would be (``_gate``). So does a GEMM inside a user's
+``jax.custom_vjp`` / ``jax.custom_jvp`` (``GemmSite.in_custom_rule``): its derivative is the
+user's rule, which a tap's VJP cannot join (it is not tapped, with a warning).
+
 A GEMM in a scan body (a scanned layer stack) has state leaves shaped by the trip counts of
 the scans around it (``GemmSite.loop_lengths``); the policy hands the GEMM the iteration
 index (``GemmSite.loop_index``), and the taps return the statistics at that iteration's
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -62,6 +68,12 @@ class _Plan:
     fake: str | None  # fake_quant format
     quant: dict[str, Quantization]  # tensor -> how it is quantized
     stats: dict[str, tuple[str, ...]]  # tensor -> statistics to log
+    experts: int | None = None  # a grouped GEMM's group count: statistics per expert
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of one statistic of one step (one iteration): () or (experts,)."""
+        return () if self.experts is None else (self.experts,)
 
 
 def _current(recipe: Any) -> Fp8Recipe:
@@ -123,15 +135,25 @@ def _plan(config: DebugConfig, site: GemmSite) -> _Plan | None:
             recipe = make(site.fp8) if site.fp8_capable else None
         else:
             recipe, fake = None, fmt
-    # (quantization statistics replay a dot_general's operand layout; none for convolutions)
+    # (quantization statistics replay a dot_general's or lax.ragged_dot's operand layout;
+    # none for convolutions)
     history = site.fp8_history if recipe is site.fp8 else None
-    quant = (_quantizations(recipe, fake, history) if site.dimension_numbers is not None
-             else {})
+    experts = None
+    quant = {}
+    if site.group_sizes is not None:
+        experts = int(site.group_sizes.shape[0])
+        # (the grouped GEMM runs a delayed recipe as current scaling: fmtkit.fp8.ragged_dot)
+        if isinstance(recipe, Fp8Recipe) and recipe.delayed:
+            quant = _quantizations(dataclasses.replace(recipe, delayed=False), fake, None)
+        else:
+            quant = _quantizations(recipe, fake, None)
+    elif site.dimension_numbers is not None:
+        quant = _quantizations(recipe, fake, history)
     stats = {}
     for t in rule.tensors:
         allowed = BASE_STATS + (QUANT_STATS if t in quant else ())
         stats[t] = tuple(s for s in rule.stats if s in allowed)
-    return _Plan(i, recipe, fake, quant, stats)
+    return _Plan(i, recipe, fake, quant, stats, experts)
 
 
 # -- canonical layouts ----------------------------------------------------------------------
@@ -176,31 +198,74 @@ def _canonical(site: GemmSite, tensor: str, x, lhs_shape, rhs_shape):
     return _as3(x, tuple(range(nb)), m, n)
 
 
+# -- the grouped GEMM (lax.ragged_dot): statistics per expert --------------------------------
+_ROWS = ("activation", "output", "output_grad", "dgrad")  # [M, .], rows sorted by expert
+
+
+def _group_ids(group_sizes: jax.Array, m: int) -> jax.Array:
+    """The expert of each of ``m`` sorted rows (rows past the last group: ``G``, none)."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    return jnp.sum(jnp.arange(m, dtype=jnp.int32)[:, None] >= ends[None, :], axis=1)
+
+
+def _expert_rows(tensor: str, x, gid, g: int):
+    """The segments of ``tensor_stats``: the expert of each row of ``x`` as ``[rows,
+    last]``: the sorted token rows of the row tensors; K rows per expert of the stacks
+    ``[G, K, N]`` (weight, wgrad)."""
+    if tensor in _ROWS:
+        return gid, g
+    return jnp.repeat(jnp.arange(g, dtype=jnp.int32), x.shape[1]), g
+
+
+def _expert_operand(plan: _Plan, tensor: str, x, gid, g: int):
+    """(the operand as the grouped GEMM quantizes it, ``[B, free, contraction]``, and the
+    expert of each ``[B, free]`` row): the activation ``[1, M, K]`` and the output gradient
+    ``[1, M, N]`` (the data-gradient GEMM's), one quantization for all tokens; the weight
+    stack as ``[G, N, K]``, one quantization per expert (``[1, G*N, K]`` under a fake
+    quantization, which quantizes the stack as one tensor)."""
+    if tensor in _ROWS:
+        return x[None], (gid[None], g)
+    w = jnp.swapaxes(x, 1, 2)  # [G, N, K]
+    n = w.shape[1]
+    ids = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[:, None], (g, n))
+    if plan.fake is not None:
+        return w.reshape(1, g * n, -1), (ids.reshape(1, -1), g)
+    return w, (ids, g)
+
+
 def _compute(plan: _Plan, site: GemmSite, tensors: Mapping[str, jax.Array], shapes,
-             history: Any = None) -> dict[str, dict[str, jax.Array]]:
+             history: Any = None, gid: Any = None) -> dict[str, dict[str, jax.Array]]:
     out = {}
     for t, x in tensors.items():
         stats = plan.stats[t]
-        d = tensor_stats(x, stats)
-        if t in plan.quant and any(s in QUANT_STATS for s in stats):
-            d.update(quant_stats(_canonical(site, t, x, *shapes), plan.quant[t], stats,
-                                 history))
+        quant = t in plan.quant and any(s in QUANT_STATS for s in stats)
+        if plan.experts is None:
+            d = tensor_stats(x, stats)
+            if quant:
+                d.update(quant_stats(_canonical(site, t, x, *shapes), plan.quant[t], stats,
+                                     history))
+        else:
+            d = tensor_stats(x, stats, _expert_rows(t, x, gid, plan.experts))
+            if quant:
+                x3, seg = _expert_operand(plan, t, x, gid, plan.experts)
+                d.update(quant_stats(x3, plan.quant[t], stats, segments=seg))
         out[t] = {s: d[s] for s in stats}
     return out
 
 
-def _nans(like):
-    return jax.tree.map(lambda _: jnp.full((), jnp.nan, jnp.float32), like)
+def _nans(like, shape=()):
+    return jax.tree.map(lambda _: jnp.full(shape, jnp.nan, jnp.float32), like)
 
 
-def _cond_stats(static_on, on, fn, like, *xs):
+def _cond_stats(static_on, on, fn, like, *xs, shape=()):
     """``fn(*xs)`` on logging steps, NaN elsewhere: decided while tracing where the step's
     schedule is known (``static_on``, a bool: the other branch is not traced at all), else
-    at run time by ``lax.cond`` on ``on``."""
+    at run time by ``lax.cond`` on ``on``. Each statistic has ``shape`` (``(experts,)``
+    for a grouped GEMM)."""
     if static_on is True:
         return fn(*xs)
     if static_on is False:
-        return _nans(like)
+        return _nans(like, shape)
     # The branches return the statistics packed in one f32 vector, unpacked after the cond:
     # a cond returning each scalar as its own output costs a copy per statistic on every
     # quiet step (a few thousand in a transformer's step).
@@ -209,18 +274,19 @@ def _cond_stats(static_on, on, fn, like, *xs):
         return like
 
     def packed(*args):
-        return jnp.stack([jnp.asarray(v, jnp.float32).reshape(())
+        return jnp.stack([jnp.asarray(v, jnp.float32).reshape(shape)
                           for v in treedef.flatten_up_to(fn(*args))])
 
-    vec = lax.cond(on, packed, lambda *_: jnp.full((len(leaves),), jnp.nan, jnp.float32),
-                   *xs)
+    vec = lax.cond(on, packed,
+                   lambda *_: jnp.full((len(leaves), *shape), jnp.nan, jnp.float32), *xs)
     return jax.tree.unflatten(treedef, list(vec))
 
 
 # -- loop bodies: one slot of the state per iteration --------------------------------------
-def _check_loops(pattern: str, site: GemmSite, leaves: Any) -> None:
+def _check_loops(pattern: str, site: GemmSite, leaves: Any, per_step: tuple = ()) -> None:
     """Statistics of a GEMM in a loop need every loop's trip count (a scan's, not a
-    ``while`` loop's), and its state leaves shaped by them."""
+    ``while`` loop's), and its state leaves shaped by them (then by ``per_step``, the
+    experts of a grouped GEMM)."""
     if any(n is None for n in site.loop_lengths):
         raise ValueError(
             f"fmtkit.debug: the rule {pattern!r} logs statistics of GEMM {site.path!r}/"
@@ -231,11 +297,15 @@ def _check_loops(pattern: str, site: GemmSite, leaves: Any) -> None:
             "bounds becomes a scan) or write it with lax.scan / nn.scan, or give this rule "
             "tensors=() to keep only its override.")
     shapes = {tuple(jnp.shape(x)) for x in jax.tree.leaves(leaves)}
-    if shapes and shapes != {tuple(site.loop_lengths)}:
+    want = (*site.loop_lengths, *per_step)
+    if shapes and shapes != {want}:
+        why = (f"runs in loops of trip counts {tuple(site.loop_lengths)} (one slot per "
+               "iteration)" if site.loop_lengths else "runs outside loops")
+        if per_step:
+            why += f" and has {per_step[0]} experts (one value each)"
         raise ValueError(
             f"fmtkit.debug.capture: the stats_state entry of GEMM {site.path!r}/{site.name} "
-            f"has shape {sorted(shapes)[0]}, but the GEMM runs in loops of trip counts "
-            f"{tuple(site.loop_lengths)} (one slot per iteration): make the state with "
+            f"has shape {sorted(shapes)[0]}, but the GEMM {why}: make the state with "
             "fmtkit.debug.init from the same configuration, function and argument shapes.")
 
 
@@ -259,7 +329,8 @@ def _in_slot(stats, slot):
     if slot is None:
         return stats
     zero = jnp.zeros((), jnp.float32)
-    return jax.tree.map(lambda s: jnp.where(slot, s.astype(jnp.float32), zero), stats)
+    return jax.tree.map(lambda s: jnp.where(slot.reshape(slot.shape + (1,) * jnp.ndim(s)),
+                                            s.astype(jnp.float32), zero), stats)
 
 
 # -- taps: identities whose cotangent for the state's leaves is the statistics ---------------
@@ -267,18 +338,19 @@ def _grad_tap(plan, site, tensor, shapes, static_on):
     """``x -> x``; its backward returns (stats of the cotangent of x, ...)."""
 
     @jax.custom_vjp
-    def tap(leaves, on, slot, x):
+    def tap(leaves, on, slot, gid, x):
         return x
 
-    def fwd(leaves, on, slot, x):
-        return x, (on, slot, leaves)
+    def fwd(leaves, on, slot, gid, x):
+        return x, (on, slot, gid, leaves)
 
     def bwd(res, g):
-        on, slot, leaves = res
-        stats = _cond_stats(static_on, on,
-                            lambda gg: _compute(plan, site, {tensor: gg}, shapes)[tensor],
-                            leaves, g)
-        return _in_slot(stats, slot), None, None, g
+        on, slot, gid, leaves = res
+        stats = _cond_stats(
+            static_on, on,
+            lambda gg, i: _compute(plan, site, {tensor: gg}, shapes, gid=i)[tensor],
+            leaves, g, gid, shape=plan.shape)
+        return _in_slot(stats, slot), None, None, None, g
 
     tap.defvjp(fwd, bwd)
     return tap
@@ -289,32 +361,82 @@ def _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on):
     the output gradient's in its backward; both returned as the state leaves' cotangent."""
 
     @jax.custom_vjp
-    def tap(leaves, on, slot, hist, act, weight, y):
+    def tap(leaves, on, slot, hist, gid, act, weight, y):
         return y
 
-    def fwd(leaves, on, slot, hist, act, weight, y):
+    def fwd(leaves, on, slot, hist, gid, act, weight, y):
         vals = {"activation": act, "weight": weight, "output": y}
         like = {t: leaves[t] for t in fwd_tensors}
 
-        def compute(h, *xs):
-            return _compute(plan, site, dict(zip(fwd_tensors, xs)), shapes, h)
+        def compute(h, i, *xs):
+            return _compute(plan, site, dict(zip(fwd_tensors, xs)), shapes, h, i)
 
-        stats = _cond_stats(static_on, on, compute, like, hist,
-                            *(vals[t] for t in fwd_tensors))
-        return y, (on, slot, hist, stats, leaves.get("output_grad"))
+        stats = _cond_stats(static_on, on, compute, like, hist, gid,
+                            *(vals[t] for t in fwd_tensors), shape=plan.shape)
+        return y, (on, slot, hist, gid, stats, leaves.get("output_grad"))
 
     def bwd(res, g):
-        on, slot, hist, stats, g_like = res
+        on, slot, hist, gid, stats, g_like = res
         stats = dict(stats)
         if grad_logged:
-            def compute(h, gg):
-                return _compute(plan, site, {"output_grad": gg}, shapes, h)["output_grad"]
+            def compute(h, i, gg):
+                return _compute(plan, site, {"output_grad": gg}, shapes, h,
+                                i)["output_grad"]
 
-            stats["output_grad"] = _cond_stats(static_on, on, compute, g_like, hist, g)
-        return _in_slot(stats, slot), None, None, None, None, None, g
+            stats["output_grad"] = _cond_stats(static_on, on, compute, g_like, hist, gid, g,
+                                               shape=plan.shape)
+        return _in_slot(stats, slot), None, None, None, None, None, None, g
 
     tap.defvjp(fwd, bwd)
     return tap
+
+
+# -- "no data": a GEMM that did not run this step --------------------------------------------
+# A tap's cotangent is 0 wherever its backward does not run: in the branch of lax.cond a step
+# does not take (the cond's transpose runs the taken branch only), or where the GEMM's output
+# reaches no loss. ``_gate`` tells that 0 from a statistic: at the capture's entry it passes
+# the state through beside a "ran" tree of zeros of the same structure, whose cotangent
+# ``_mark`` sets to 1 for the GEMM's leaves (in the iteration's slot) where the GEMM ran; the
+# gate's backward turns each statistic whose mark stayed 0 into NaN, the "no data" of a step
+# that does not log.
+@jax.custom_vjp
+def _gate(state, ran):
+    return state, ran
+
+
+def _gate_fwd(state, ran):
+    return (state, ran), None
+
+
+def _gate_bwd(_, cts):
+    ct_state, ct_ran = cts
+    nan = jnp.full((), jnp.nan, jnp.float32)
+    return (jax.tree.map(lambda c, r: jnp.where(r > 0, c, nan), ct_state, ct_ran),
+            jax.tree.map(jnp.zeros_like, ct_ran))
+
+
+_gate.defvjp(_gate_fwd, _gate_bwd)
+
+
+@jax.custom_vjp
+def _mark(ran, slot, y):
+    """``y -> y``; its backward marks the GEMM as run: cotangent 1 for each leaf of its
+    ``ran`` entry (at the iteration's slot)."""
+    return y
+
+
+def _mark_fwd(ran, slot, y):
+    return y, (slot, ran)
+
+
+def _mark_bwd(res, g):
+    slot, ran = res
+    loops = 0 if slot is None else slot.ndim
+    ones = jax.tree.map(lambda r: jnp.ones(jnp.shape(r)[loops:], jnp.float32), ran)
+    return _in_slot(ones, slot), None, g
+
+
+_mark.defvjp(_mark_fwd, _mark_bwd)
 
 
 def _identity(y, fmt):
@@ -337,6 +459,7 @@ class _Session:
         self.step = step
         self.active = active
         self.discover = discover
+        self.ran: dict = {}  # GEMM -> its "ran" leaf (``_gate``)
         self.sites: dict[tuple[str, str], tuple[GemmSite, _Plan | None]] = {}
 
     def __call__(self, site: GemmSite, run: Callable, lhs, rhs):
@@ -360,7 +483,14 @@ class _Session:
                     "but has no entry in stats_state: make the state with fmtkit.debug.init "
                     "from the same configuration, function and argument shapes.")
         if logged:
-            _check_loops(self.config.rules[plan.rule].pattern, site, leaves)
+            _check_loops(self.config.rules[plan.rule].pattern, site, leaves, plan.shape)
+        if leaves is not None and site.in_custom_rule:
+            warnings.warn(
+                f"fmtkit.debug: GEMM {site.path!r}/{site.name} runs inside a jax.custom_vjp "
+                "or jax.custom_jvp (its derivative is the user's rule, not JAX's), so its "
+                "statistics cannot leave the step: they are NaN (no data). Its override "
+                "applies.", stacklevel=2)
+            leaves = None
         if leaves is None:
             return self._run(plan, run, lhs, rhs)
         if self.active is not None:
@@ -369,15 +499,19 @@ class _Session:
             static_on, on = None, self.config.rules[plan.rule].logs_at(self.step)
         shapes = (lhs.shape, rhs.shape)
         slot = _slot_mask(site)
+        gid = None if plan.experts is None else _group_ids(site.group_sizes, lhs.shape[0])
         # (the activation and the weight by role: site.weight_operand is 0 where the weight
-        # is the left operand, Equinox's weight @ x)
-        act, weight = (rhs, lhs) if site.weight_operand == 0 else (lhs, rhs)
+        # is the left operand, Equinox's weight @ x; a grouped GEMM's weight is its stack)
+        left = site.weight_operand == 0 and site.group_sizes is None
+        act, weight = (rhs, lhs) if left else (lhs, rhs)
         a, b = act, weight
         if "dgrad" in leaves:
-            a = _grad_tap(plan, site, "dgrad", shapes, static_on)(leaves["dgrad"], on, slot, a)
+            a = _grad_tap(plan, site, "dgrad", shapes, static_on)(leaves["dgrad"], on, slot,
+                                                                  gid, a)
         if "wgrad" in leaves:
-            b = _grad_tap(plan, site, "wgrad", shapes, static_on)(leaves["wgrad"], on, slot, b)
-        if site.weight_operand == 0:
+            b = _grad_tap(plan, site, "wgrad", shapes, static_on)(leaves["wgrad"], on, slot,
+                                                                  gid, b)
+        if left:
             a, b = b, a
         y = self._run(plan, run, a, b)
         fwd_tensors = tuple(t for t in _FWD if t in leaves)
@@ -390,7 +524,10 @@ class _Session:
                 hist = jnp.asarray(site.fp8_history, jnp.float32)
                 hist = lax.stop_gradient(hist.reshape(-1, *hist.shape[-2:]))  # [B, 3, H]
             y = _out_tap(plan, site, shapes, fwd_tensors, grad_logged, static_on)(
-                sub, on, slot, hist, lax.stop_gradient(act), lax.stop_gradient(weight), y)
+                sub, on, slot, hist, gid, lax.stop_gradient(act), lax.stop_gradient(weight), y)
+        ran = self.ran.get(site.path, {}).get(site.name)
+        if ran is not None:
+            y = _mark(ran, slot, y)
         return y
 
     @staticmethod
@@ -424,7 +561,7 @@ class _Session:
         for (path, name), (site, plan) in self.sites.items():
             if plan is None:
                 continue
-            shape = tuple(site.loop_lengths)
+            shape = (*site.loop_lengths, *plan.shape)
             entry = {t: {s: jnp.zeros(shape, jnp.float32) for s in stats}
                      for t, stats in plan.stats.items() if stats}
             if entry:
@@ -451,6 +588,16 @@ def init(config: DebugConfig, fn: Callable, *args: Any, **kwargs: Any) -> dict:
       ValueError: a rule matches no GEMM (the message names the pattern and lists the
         GEMMs), or a logged GEMM runs inside a ``while_loop`` (no static trip count).
       TypeError: ``config`` is not a ``DebugConfig``.
+
+    Example:
+      >>> from fmtkit import with_policy
+      >>> from fmtkit.debug import DebugConfig, Rule
+      >>> model = with_policy(lambda w, x: x @ w, "fp8-current")
+      >>> w, x = jnp.ones((16, 8)), jnp.full((4, 16), 0.5)
+      >>> loss = lambda w: jnp.sum(model(w, x).astype(jnp.float32))
+      >>> cfg = DebugConfig([Rule("", tensors=("activation",), stats=("amax",))])
+      >>> init(cfg, loss, w)        # a function's GEMMs sit at the module path ""
+      {'': {'dot_general_0': {'activation': {'amax': Array(0., dtype=float32)}}}}
     """
     _check_config(config)
     session = _Session(config, None, 0, discover=True)
@@ -494,6 +641,21 @@ def capture(config: DebugConfig, stats_state: Mapping | None = None,
       ValueError: ``stats_state`` with neither or both of ``step`` and ``active``; a rule
         that matches none of the GEMMs the block ran; a logged GEMM inside a
         ``while_loop``, or a state entry whose shape is not the loops' trip counts.
+
+    Example:
+      >>> from fmtkit import with_policy
+      >>> from fmtkit.debug import DebugConfig, Rule
+      >>> model = with_policy(lambda w, x: x @ w, "fp8-current")
+      >>> w, x = jnp.ones((16, 8)), jnp.full((4, 16), 0.5)
+      >>> loss = lambda w: jnp.sum(model(w, x).astype(jnp.float32))
+      >>> cfg = DebugConfig([Rule("", tensors=("activation", "output_grad"), stats=("amax",))])
+      >>> state = init(cfg, loss, w)
+      >>> def f(w, s):
+      ...     with capture(cfg, s, step=0):    # the statistics come back as the state's gradient
+      ...         return loss(w)
+      >>> grads, stats = jax.grad(f, argnums=(0, 1))(w, state)
+      >>> {t: float(v["amax"]) for t, v in stats[""]["dot_general_0"].items()}
+      {'activation': 0.5, 'output_grad': 1.0}
     """
     _check_config(config)
     if stats_state is not None and (step is None) == (active is None):
@@ -509,6 +671,9 @@ def capture(config: DebugConfig, stats_state: Mapping | None = None,
             raise TypeError("active must be the frozenset of rule indices "
                             f"config.active_rules(step) returns, got {active!r}.")
     session = _Session(config, stats_state, step, discover=False, active=active)
+    if stats_state is not None:
+        zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), stats_state)
+        session.state, session.ran = _gate(stats_state, zeros)
     with intercept_gemms(session):
         yield
     session.check_matched()

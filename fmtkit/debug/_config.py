@@ -114,9 +114,16 @@ class Rule:
       tensors: which of ``TENSORS`` to log (``()``: none, for a rule that only overrides).
       stats: which of ``STATS`` to log; a quantization statistic is logged only for an
         operand the GEMM quantizes.
-      freq, start_step, end_step: log at the steps ``s`` with ``start_step <= s`` (and
-        ``s <= end_step`` unless None) and ``(s - start_step) % freq == 0``.
+      freq: log every ``freq`` steps: at the steps ``s`` with
+        ``(s - start_step) % freq == 0``.
+      start_step: the first step logged.
+      end_step: the last step logged (None: no end).
       override: None, or one of ``OVERRIDES``.
+
+    Example:
+      >>> rule = Rule("Dense_1", tensors=("activation",), stats=("amax",), freq=10)
+      >>> bool(DebugConfig([rule]).logs_at(20)), bool(DebugConfig([rule]).logs_at(5))
+      (True, False)
     """
 
     pattern: str = ""
@@ -223,20 +230,28 @@ class DebugConfig:
         document is ``from_dict``'s (TOML: ``[[rules]]`` tables).
 
         Raises:
-          ValueError: another suffix, or a malformed document.
+          ValueError: another suffix, a syntax error (naming the file and the line), or a
+            malformed document.
         """
         path = Path(path)
         suffix = path.suffix.lower()
         if suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(path.read_text())
+            kind, parse, errors = "YAML", yaml.safe_load, yaml.YAMLError
         elif suffix == ".toml":
             import tomllib
 
-            data = tomllib.loads(path.read_text())
+            kind, parse, errors = "TOML", tomllib.loads, tomllib.TOMLDecodeError
         else:
             raise ValueError(f"path must end in .yaml, .yml or .toml, got {path.name!r}.")
+        text = path.read_text()
+        try:
+            data = parse(text)
+        except errors as err:
+            # (PyYAML names the source "<unicode string>"; the file is named here instead)
+            why = str(err).replace('in "<unicode string>", ', "")
+            raise ValueError(f"{path} is not valid {kind}: {why}") from None
         return cls.from_dict(data or {})
 
     @functools.cached_property

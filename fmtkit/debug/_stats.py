@@ -78,8 +78,34 @@ def _tiles(x: jax.Array) -> jax.Array:
     return rows.reshape(rows.shape[0], -1, min(last, TILE))
 
 
-def tensor_stats(x: jax.Array, stats: Sequence[str]) -> dict[str, jax.Array]:
-    """``BASE_STATS`` of ``x`` named in ``stats`` (f32 scalars)."""
+_SEGMENT_OPS: dict[str, Callable[..., Any]] = {
+    _ADD: jax.ops.segment_sum, _MIN: jax.ops.segment_min, _MAX: jax.ops.segment_max}
+
+
+def _segment_reduce(parts: dict[str, tuple[jax.Array, str]], ids: jax.Array, n: int
+                    ) -> dict[str, jax.Array]:
+    """``{name: (array [rows, ...], kind)}`` reduced over all axes but the rows, then over
+    the rows of each segment (``ids`` int32[rows]; a row with an id outside ``[0, n)``
+    belongs to none): ``{name: [n]}``."""
+    out = {}
+    for k, (v, kind) in parts.items():
+        if v.ndim > 1:
+            v = _reduce({k: (v, kind)}, tuple(range(1, v.ndim)))[k]
+        out[k] = _SEGMENT_OPS[kind](v, ids, num_segments=n)
+    return out
+
+
+def _no_data(values: dict[str, jax.Array], rows: jax.Array) -> dict[str, jax.Array]:
+    """NaN (no data) for the segments without a row."""
+    return {k: jnp.where(rows > 0, v, jnp.nan) for k, v in values.items()}
+
+
+def tensor_stats(x: jax.Array, stats: Sequence[str], segments: Any = None
+                 ) -> dict[str, jax.Array]:
+    """``BASE_STATS`` of ``x`` named in ``stats`` (f32 scalars); with ``segments = (ids,
+    n)``, of each of ``n`` segments of its rows (``ids`` int32[rows], the segment of each
+    row of ``x`` as ``[rows, last axis]``; other ids: no segment): f32[n], NaN for a segment
+    without a row."""
     x = jnp.asarray(x).astype(jnp.float32)
     want = set(stats)
     t = _tiles(x)
@@ -102,12 +128,30 @@ def tensor_stats(x: jax.Array, stats: Sequence[str]) -> dict[str, jax.Array]:
     if not parts:
         return {}
     tile = _reduce(parts, (2,))  # per tile, [rows, tiles]
-    tot = _reduce({k: (v, parts[k][1]) for k, v in tile.items()}, (0, 1))
-    n = x.size
+    last = x.shape[-1] if x.ndim else 1
+    if segments is None:
+        tot = _reduce({k: (v, parts[k][1]) for k, v in tile.items()}, (0, 1))
+        n = x.size
+        rows = None
+    else:
+        ids, nseg = segments
+        tot = _segment_reduce({k: (v, parts[k][1]) for k, v in tile.items()}, ids, nseg)
+        rows = jax.ops.segment_sum(jnp.ones(ids.shape, jnp.float32), ids, num_segments=nseg)
+        n = rows * last
 
     def std():
         mean = tot["sum"] / n
-        return jnp.sqrt(jnp.sum(jnp.square(x - mean)) / n)
+        if rows is None:
+            return jnp.sqrt(jnp.sum(jnp.square(x - mean)) / n)
+        dev = jnp.square(x.reshape(-1, last) - jnp.take(mean, ids, mode="clip")[:, None])
+        return jnp.sqrt(jax.ops.segment_sum(jnp.sum(dev, axis=1), ids, num_segments=nseg)
+                        / n)
+
+    def blockwise():
+        ratio = _log2_ratio(tile["amax"], tile["nz"])
+        if rows is None:
+            return jnp.max(ratio)
+        return _segment_reduce({"r": (ratio, _MAX)}, ids, nseg)["r"]
 
     fns = {
         "min": lambda: tot["min"],
@@ -118,10 +162,10 @@ def tensor_stats(x: jax.Array, stats: Sequence[str]) -> dict[str, jax.Array]:
         "l2_norm": lambda: jnp.sqrt(tot["sq"]),
         "amax": lambda: tot["amax"],
         "dynamic_range": lambda: _log2_ratio(tot["amax"], tot["nz"]),
-        "max_blockwise_dynamic_range": lambda: jnp.max(_log2_ratio(tile["amax"],
-                                                                   tile["nz"])),
+        "max_blockwise_dynamic_range": blockwise,
     }
-    return {s: fns[s]().astype(jnp.float32) for s in stats if s in fns}
+    out = {s: fns[s]().astype(jnp.float32) for s in stats if s in fns}
+    return out if rows is None else _no_data(out, rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,10 +235,12 @@ def _quantized_padded(x3: jax.Array, q: Quantization, history: Any = None
     return padded.astype(jnp.float32), deq, scale.reshape(b, scale.shape[-2], scale.shape[-1])
 
 
-def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: Any = None
-                ) -> dict[str, jax.Array]:
+def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: Any = None,
+                segments: Any = None) -> dict[str, jax.Array]:
     """``QUANT_STATS`` named in ``stats`` of the operand ``x3 [B, F, C]`` quantized by ``q``
-    (``history``: a delayed recipe's amax histories, f32[B, 3, history]).
+    (``history``: a delayed recipe's amax histories, f32[B, 3, history]); with ``segments =
+    (ids, n)``, of each of ``n`` segments of its rows (``ids`` int32[B, F]; other ids: no
+    segment): f32[n], NaN for a segment without a row.
 
     With x the operand (f32), d its quantize-dequantize, s the scales: underflow_share =
     #(x != 0 and d == 0) / #(x != 0); saturation_share = #(|x| / s > clip_threshold(fmt)) /
@@ -229,18 +275,34 @@ def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: A
         parts["signal"] = (jnp.square(x), _ADD)
     if {"sqnr_db", "mse"} & set(want):
         parts["err"] = (jnp.square(x - deq), _ADD)
-    tot = _reduce(parts, (0, 1, 2)) if parts else {}
+    rows = None
+    if segments is None:
+        tot = _reduce(parts, (0, 1, 2)) if parts else {}
+    else:
+        ids, nseg = segments
+        _, f, c = x3.shape
+        # the padded rows (to whole blocks) belong to no segment
+        ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, x.shape[1] - f)),
+                      constant_values=nseg).reshape(-1)
+        parts = {k: (v.reshape(-1, v.shape[-1]), kind) for k, (v, kind) in parts.items()}
+        if {"scale_min", "scale_max"} & set(want):
+            es = _element_scale(scale, x.shape).reshape(-1, x.shape[-1])
+            parts["smin"], parts["smax"] = (es, _MIN), (es, _MAX)
+        tot = _segment_reduce(parts, ids, nseg)
+        rows = jax.ops.segment_sum(jnp.ones(ids.shape, jnp.float32), ids, num_segments=nseg)
+        n = rows * c
     out = {
         "underflow_share": lambda: jnp.where(
             tot["n_nz"] > 0, tot["under"] / jnp.maximum(tot["n_nz"], 1), 0.0),
         "saturation_share": lambda: tot["sat"].astype(jnp.float32) / n,
         "nonfinite_count": lambda: tot["nonfinite"],
-        "scale_min": lambda: jnp.min(scale),
-        "scale_max": lambda: jnp.max(scale),
+        "scale_min": lambda: jnp.min(scale) if rows is None else tot["smin"],
+        "scale_max": lambda: jnp.max(scale) if rows is None else tot["smax"],
         "sqnr_db": lambda: _sqnr(tot["signal"], tot["err"]),
         "mse": lambda: tot["err"] / n,
     }
-    return {s: out[s]().astype(jnp.float32) for s in want}
+    res = {s: out[s]().astype(jnp.float32) for s in want}
+    return res if rows is None else _no_data(res, rows)
 
 
 def clip_threshold(fmt) -> float:

@@ -23,6 +23,13 @@ def limited_precision_matmul(a: jax.Array, b: jax.Array, *, mantissa_bits: int,
     ``mantissa_bits`` after every addition, and every ``promote_every`` elements of C it is
     added into an f32 accumulator and restarted (DeepSeek-V3's promotion; None: never).
     Sequential over C, so meant for studies and tests, not training-size GEMMs.
+
+    Example:
+      >>> a, b = jnp.full((1, 4096), 1.0 + 2**-7), jnp.ones((1, 4096))    # exact sum: 4128
+      >>> float(limited_precision_matmul(a, b, mantissa_bits=13, promote_every=None)[0, 0])
+      4097.0
+      >>> float(limited_precision_matmul(a, b, mantissa_bits=13)[0, 0])   # f32 every 128
+      4128.0
     """
     a = a.astype(jnp.float32)
     b = b.astype(jnp.float32)

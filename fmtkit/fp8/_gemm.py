@@ -15,10 +15,13 @@ the scales are folded into the operands (exact) and one dot sums the same produc
 (``_folds_scales``). Off GPUs every dot reads its FP8 operands widened exactly to bf16
 (XLA:CPU would convert them to f32 and run its slower f32 GEMM: ``_emulated_dot``), and
 per-block partials of 128-wide (or wider) blocks are one 2-D dot per block in a ``lax.scan``
-(``_block_dots``); on a GPU the operands always enter the dot as FP8.
+(``_block_dots``); on a GPU the operands always enter the dot as FP8, and a GEMM of two
+per-tensor operands takes the form XLA rewrites into cuBLASLt's FP8 GEMM
+(``_per_tensor_dot``).
 
-The private switches (``_SCAN_BLOCK_DOTS``, ``_FOLD_POW2_SCALES``, ``_WIDEN_OFF_GPU``) and
-``PARTIALS_BUDGET_BYTES`` are read here while tracing: tests set them on this module.
+The private switches (``_SCAN_BLOCK_DOTS``, ``_FOLD_POW2_SCALES``, ``_WIDEN_OFF_GPU``,
+``_CUBLASLT_FORM``) and ``PARTIALS_BUDGET_BYTES`` are read here while tracing: tests set them
+on this module.
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ def _scaled_matmul(a: ScaledArray | Operand, b: ScaledArray | Operand,
             return lax.dot_general(av, bv, (((ca,), (cb_,)), ((), ())),
                                    preferred_element_type=jnp.float32)
     if nb == 1:
+        if _cublaslt_form(a, b):
+            return _per_tensor_dot(a, b, (((ca,), (cb_,)), ((), ())), transposed)
         sa, sb = _row_scales(a), _row_scales(b)
         if transposed:
             out_t = _emulated_dot(b, a, b.sa.values, a.sa.values, (((cb_,), (ca,)), ((), ())))
@@ -335,6 +340,50 @@ def _folds_scales(a: ScaledArray, b: ScaledArray) -> bool:
     (per block), as the FP8 GEMM contract requires.
     """
     return (_FOLD_POW2_SCALES and _pow2_scales(a) and _pow2_scales(b) and not on_gpu())
+
+
+_CUBLASLT_FORM = True
+"""Private switch of the per-tensor GEMM's form on a GPU (``_per_tensor_dot``); tests turn it
+off to check that the cross-lowering test notices the form it replaces."""
+
+
+def _cublaslt_form(a: Operand, b: Operand) -> bool:
+    """Whether a GEMM of one scale per operand runs in the form XLA's GPU GEMM rewriter
+    turns into cuBLASLt's FP8 GEMM (``_per_tensor_dot``): on a GPU, with FP8 stored values
+    that enter the dot as they are (off GPUs they are widened: ``_emulated_dot``)."""
+    return (_CUBLASLT_FORM and on_gpu() and a.sa.scale.size == 1 and b.sa.scale.size == 1
+            and not (_widens(a.sa.values) or _widens(b.sa.values)))
+
+
+def _per_tensor_dot(a: Operand, b: Operand, dims, transposed: bool) -> jax.Array:
+    """``a · bᵀ`` (or, ``transposed``, ``b · aᵀ``) of two per-tensor operands on a GPU, f32:
+    ``dot(a_q, b_q) * (sa * sb)``, the form of XLA's GPU GEMM rewriter
+    (``xla/service/gpu/transforms/gemm_rewriter.cc``):
+
+    - the FP8 arrays are the dot's operands, nothing between them and the dot (its
+      ``MatchFp8Param`` "directly operating on an FP8 operand"; a convert, or a multiply by
+      anything but a broadcast scalar, between dequantization and dot stops the match);
+    - the output is f32 (cuBLASLt's FP8 GEMM writes f32, bf16, f16 or FP8);
+    - the two scales are one f32 scalar, multiplied into the dot's output through a
+      broadcast of a rank-0 array, the dot's only user: the rewriter's ``F8ScaleD`` folds it
+      into the call's scale operand, so cuBLASLt writes the scaled output in one pass. (A
+      scale kept as a [1, 1] array, or two multiplies, leaves elementwise passes over the f32
+      output after the GEMM.)
+
+    cuBLASLt has no E5M2 x E5M2 FP8 GEMM: the rewriter computes such a dot in f16 (no shipped
+    recipe has one). On Hopper cuBLASLt reads both operands contraction-minor; XLA's GPU layout
+    assignment and the rewriter lay out (transpose) the FP8 values where they are stored the
+    other way, a pass over one byte per element instead of a second quantization.
+    """
+    lhs, rhs = (b, a) if transposed else (a, b)
+    if transposed:
+        (ca, cb), batch = dims
+        dims = ((cb, ca), batch)
+    out = lax.dot_general(lhs.sa.values, rhs.sa.values, dims,
+                          preferred_element_type=jnp.float32)
+    scale = (a.sa.scale.reshape(()).astype(jnp.float32)
+             * b.sa.scale.reshape(()).astype(jnp.float32))
+    return out * scale
 
 
 def _row_scales(op: Operand) -> jax.Array:

@@ -20,6 +20,11 @@ def hadamard_matrix(n: int = 16) -> np.ndarray:
 
     Raises:
       ValueError: n not a power of two >= 2.
+
+    Example:
+      >>> h = hadamard_matrix(4)                  # orthonormal: h @ h.T is the identity
+      >>> bool(np.allclose(h @ h.T, np.eye(4)))
+      True
     """
     if not isinstance(n, int) or n < 2 or n & (n - 1):
         raise ValueError(f"n must be a power of two >= 2, got {n!r}.")
@@ -32,7 +37,13 @@ def hadamard_matrix(n: int = 16) -> np.ndarray:
 @functools.cache
 def rht_matrix(seed: int = 0, n: int = 16) -> np.ndarray:
     """``R = diag(s) H_n / sqrt(n)`` with a sign vector ``s`` drawn from ``seed`` (NumPy's
-    PCG64, stable across platforms and releases), float64 [n, n]; ``R Rᵀ = I``."""
+    PCG64, stable across platforms and releases), float64 [n, n]; ``R Rᵀ = I``.
+
+    Example:
+      >>> r = rht_matrix(seed=0, n=16)            # random signs, still orthonormal
+      >>> r.shape, bool(np.allclose(r @ r.T, np.eye(16), atol=1e-6))
+      ((16, 16), True)
+    """
     return _rht_signs(seed, n)[:, None] * hadamard_matrix(n)
 
 
@@ -50,6 +61,12 @@ def random_hadamard_transform(t: jax.typing.ArrayLike, *, seed: int = 0,
 
     Raises:
       ValueError: the last dim is not a multiple of ``size``.
+
+    Example:
+      >>> t = jnp.ones((2, 16))
+      >>> y = random_hadamard_transform(t)            # an orthonormal rotation: norms kept
+      >>> bool(jnp.allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(t, axis=-1)))
+      True
     """
     t = check_floating(t, "t")
     if t.ndim == 0 or t.shape[-1] % size:

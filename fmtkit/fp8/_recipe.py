@@ -50,12 +50,19 @@ class Fp8Recipe:
 
     Attributes:
       name: the recipe's name (for tables and CLIs).
-      x_format, w_format, grad_format: element formats of activations, weights, gradients.
-      x_tile, w_tile, grad_tile: tilings (the same tiling is applied along whichever axis a
+      x_format: element format of the activations.
+      w_format: element format of the weights.
+      grad_format: element format of the output gradients.
+      x_tile: tiling of the activations (the same tiling is applied along whichever axis a
         GEMM contracts, so x is re-quantized 128x1 for the weight gradient under "1x128").
+      w_tile: tiling of the weights.
+      grad_tile: tiling of the output gradients.
       delayed: per-tensor scales from an amax history (needs a
         ``fmtkit.DelayedScalingState``, see ``init_state``).
-      history, amax_algo, margin: delayed-scaling parameters (Transformer Engine's defaults).
+      history: length of the amax history of a delayed recipe (Transformer Engine's
+        default: 1024).
+      amax_algo: "max" of the history or its "most_recent" entry (default "max").
+      margin: scales leave ``2^margin`` headroom below the format's max (default 0).
       power_of_two: round scales up to powers of two (DeepGEMM's ``ceil_to_ue8m0``).
       mx_scale_rounding: the MX scale rule (see ``fmtkit.MXScaling``); "rceil" is what
         cuBLAS and Transformer Engine use (no element overflow).
@@ -74,6 +81,11 @@ class Fp8Recipe:
         the dot runs inside ``shard_map`` on a shard of the tensor, so every device uses the
         global scale. Under ``jax.jit`` with shardings leave it empty: reductions there are
         already global. Block scales need no reduction (they shard with their blocks).
+
+    Example:
+      >>> r = dataclasses.replace(RECIPES["blockwise"], grad_tile="128x128")
+      >>> str(r), r.x_tile, r.w_tile
+      ("blockwise(grad_tile='128x128')", '1x128', '128x128')
     """
 
     name: str = "custom"
@@ -169,16 +181,24 @@ class Fp4Recipe(Fp8Recipe):
     Attributes:
       block_scale: "e4m3" (NVFP4: E4M3 block scales and an f32 tensor scale; tiles "1xB" or
         "BxB") or "e8m0" (MXFP4: tiles "mxB").
-      x_tile, w_tile, grad_tile: NVFP4 "1x16" activations and gradients, "16x16" weights (the
-        paper's 2D weight blocks; "1x16" re-quantizes the weight along each GEMM's
-        contraction); MXFP4 "mx32".
-      x_rounding, w_rounding, grad_rounding: "nearest" (RNE) or "stochastic" (the paper:
-        gradients only; SR on activations or weights diverged at 1.2B, appendix E.3).
+      x_tile: tiling of the activations: NVFP4 "1x16", MXFP4 "mx32".
+      w_tile: tiling of the weights: NVFP4 "16x16" (the paper's 2D weight blocks; "1x16"
+        re-quantizes the weight along each GEMM's contraction), MXFP4 "mx32".
+      grad_tile: tiling of the output gradients: NVFP4 "1x16", MXFP4 "mx32".
+      x_rounding: rounding of the activations, "nearest" (RNE) or "stochastic" (the paper:
+        SR on activations or weights diverged at 1.2B, appendix E.3).
+      w_rounding: rounding of the weights, as ``x_rounding``.
+      grad_rounding: rounding of the output gradients; the paper rounds them stochastically.
       rht: the random Hadamard transform on both weight-gradient operands (never on the
         forward or dgrad: no gain there, section 4.2).
       rht_size: the Hadamard size (16: the paper's and TE's; 128 gains little, E.4.2).
       rht_seed: seed of the RHT's sign vector (one vector for every layer and the run).
       sr_seed: seed of the stochastic rounding keys (see the module docstring).
+
+    Example:
+      >>> r = FP4_RECIPES["nvfp4"]                      # fmtkit.fp4.RECIPES["nvfp4"]
+      >>> r.x_tile, r.w_tile, r.block_scale
+      ('1x16', '16x16', 'e4m3')
     """
 
     # Fp8Recipe's fields with FP4 defaults: a dataclass subclass redeclares a field to change
@@ -272,6 +292,10 @@ def get_recipe(recipe: str | Fp8Recipe) -> Fp8Recipe:
 
     Raises:
       ValueError: an unknown name. TypeError: neither a name nor an ``Fp8Recipe``.
+
+    Example:
+      >>> get_recipe("blockwise").x_tile, get_recipe("mxfp4").x_tile
+      ('1x128', 'mx32')
     """
     if isinstance(recipe, Fp8Recipe):
         return recipe

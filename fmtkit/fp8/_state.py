@@ -30,13 +30,24 @@ def init_state(recipe: str | Fp8Recipe = "delayed") -> DelayedScalingState:
     """A fresh (empty-history) state for one dot: ``amax_history`` f32[3, recipe.history].
 
     ``recipe`` is any name of ``get_recipe`` (FP8 or FP4) or a recipe; only delayed recipes
-    read the state."""
+    read the state.
+
+    Example:
+      >>> init_state("delayed").amax_history.shape    # x, w, grad rows; history 1024
+      (3, 1024)
+    """
     recipe = get_recipe(recipe)
     return DelayedScalingState(jnp.zeros((3, recipe.history), jnp.float32))
 
 
 def combine_observations(a: Any, b: Any) -> Any:
-    """Combines two micro-batches' observed-amax trees with ``max`` (gradient accumulation)."""
+    """Combines two micro-batches' observed-amax trees with ``max`` (gradient accumulation).
+
+    Example:
+      >>> a, b = {"Dense_0": jnp.array([1.0, 3.0])}, {"Dense_0": jnp.array([2.0, 0.0])}
+      >>> combine_observations(a, b)["Dense_0"].tolist()
+      [2.0, 3.0]
+    """
     return jax.tree.map(jnp.maximum, a, b)
 
 
@@ -48,6 +59,15 @@ def _describe(tree: Any) -> str:
     text = str(jax.tree.unflatten(jax.tree.structure(tree),
                                   [leaf(x) for x in jax.tree.leaves(tree)]))
     return text if len(text) <= 300 else text[:300] + "..."
+
+
+# Why observed can be empty for existing histories: the states did not exist yet when the loss
+# was differentiated (an NNX model creates them at its first call).
+_CREATED_INSIDE = (
+    " observed holds no observation: the states were created inside the differentiated "
+    "function, so nothing differentiated them. An NNX model creates its delayed-FP8 states "
+    "(fmtkit.policy.DelayedScalingVariable) at its first call: call the model once outside "
+    "the training step (e.g. model(x) before the loop), then the step differentiates them.")
 
 
 def update_state(state: Any, observed: Any) -> Any:
@@ -69,7 +89,17 @@ def update_state(state: Any, observed: Any) -> Any:
 
     Raises:
       ValueError: a leaf that is not [..., 3, history], shapes of state and observed differ,
-        or ``observed`` is not a tree of the same structure as ``state``.
+        or ``observed`` is not a tree of the same structure as ``state`` (an empty one: the
+        states were created inside the differentiated step, as an NNX model's first call
+        there does; the message says to call the model once outside the step).
+
+    Example:
+      >>> from fmtkit.scaling import DelayedScalingState
+      >>> state = init_state("delayed")                   # one dot, empty histories
+      >>> seen = jnp.zeros((3, 1024)).at[:, 0].set(jnp.array([2.0, 0.5, 0.25]))
+      >>> state = update_state(state, DelayedScalingState(seen))   # observed: a gradient
+      >>> state.amax_history[:, 0].tolist()               # newest first: x, w, grad
+      [2.0, 0.5, 0.25]
     """
     s_def, o_def = jax.tree.structure(state), jax.tree.structure(observed)
     if s_def != o_def:
@@ -78,7 +108,9 @@ def update_state(state: Any, observed: Any) -> Any:
             "state, the gradient of the loss with respect to the state (e.g. "
             "jax.grad(loss, argnums=(0, 1))(params, state)[1], or the 'fp8_state' entry of "
             "linen's gradients), not a raw array or another tree. state is "
-            f"{_describe(state)}; observed is {_describe(observed)}.")
+            f"{_describe(state)}; observed is {_describe(observed)}."
+            + (_CREATED_INSIDE if jax.tree.leaves(state) and not jax.tree.leaves(observed)
+               else ""))
 
     def upd(hist, obs):
         if hist is None:

@@ -65,6 +65,15 @@ def _tensor_amax(recipe: Fp8Recipe, tile: Tile, hist_row: jax.Array, t: jax.Arra
 
 
 
+def _used_amax(t: jax.Array, recipe: Fp8Recipe, tile: Tile) -> jax.Array:
+    """``_amax(t)`` where a GEMM or the history reads it (a per-tensor tile; a delayed
+    recipe's observation), else a zero that nothing reads: a tensor scaled per block or row
+    is not read once more for an amax it does not use (one pass over HBM less)."""
+    if recipe.delayed or tile.kind == "tensor":
+        return _amax(t, recipe)
+    return jnp.zeros((), jnp.float32)
+
+
 def _core_fwd(recipe, out_dtype, x, w, hist):
     tx, tw, _ = recipe_tiles(recipe)
     m, k = x.shape
@@ -72,7 +81,7 @@ def _core_fwd(recipe, out_dtype, x, w, hist):
     # w.T (here and for the delayed bootstrap): w is usually the transpose of a [K, N]
     # kernel (``_dot._canonicalize``), and a max over all elements is order-free: reducing the
     # un-transposed kernel avoids a transposed copy.
-    amax_x, amax_w = _amax(x, recipe), _amax(w.T, recipe)
+    amax_x, amax_w = _used_amax(x, recipe, tx), _used_amax(w.T, recipe, tw)
     kp = padded_c(k, tx, tw)
     xq = quantize_operand(x, recipe.x_format, tx, recipe,
                   _tensor_amax(recipe, tx, hist[0], x, amax_x), kp)
@@ -109,7 +118,7 @@ def _core_bwd(recipe, out_dtype, res, g):
     m, n = g.shape
     k, x_dtype, w_dtype = x_meta.shape[1], x_meta.dtype, w_meta.dtype
     tx, tw, tg = recipe_tiles(recipe)
-    amax_g = _amax(g, recipe)
+    amax_g = _used_amax(g, recipe, tg)
     d_g = _tensor_amax(recipe, tg, hist[2], g, amax_g)
     # dgrad: dx [M, K] = g [M, N] · w [N, K], contracting N.
     np_ = padded_c(n, tg, tw)

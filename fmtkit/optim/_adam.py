@@ -85,8 +85,9 @@ class ScaleByAdamState(NamedTuple):
 
     Attributes:
       count: int32 step count.
-      mu, nu: the moments, in the parameters' tree structure; each leaf an array of the
+      mu: the first moment, in the parameters' tree structure; each leaf an array of the
         storage dtype, or a ``ScaledArray`` (values + f32 scales) with a scaling recipe.
+      nu: the second moment, stored as ``mu`` is.
       seed: int32 seed of stochastic rounding, or ``None`` for round-to-nearest.
     """
 

@@ -96,6 +96,11 @@ class DynamicLossScaleState(NamedTuple):
       consecutive_overflows: int32, non-finite steps in a row (0 after a finite step); a value
         that keeps growing means the gradients are NaN for a reason the scale cannot fix.
       inner_state: the wrapped transformation's state.
+
+    Example:
+      >>> state = dynamic_loss_scale(optax.sgd(1e-3)).init({"w": jnp.ones(2)})
+      >>> float(state.loss_scale), int(state.skipped_steps)
+      (65536.0, 0)
     """
 
     loss_scale: jax.Array
@@ -110,7 +115,13 @@ class DynamicLossScaleState(NamedTuple):
 class StaticLossScaleState(NamedTuple):
     """State of ``static_loss_scale``: the constant f32 scale, the skipped-step count (int32),
     whether the last update was skipped (bool scalar) and the wrapped transformation's
-    state."""
+    state.
+
+    Example:
+      >>> state = static_loss_scale(optax.sgd(1e-3), scale=1024.0).init({"w": jnp.ones(2)})
+      >>> float(state.loss_scale)
+      1024.0
+    """
 
     loss_scale: jax.Array
     skipped_steps: jax.Array

@@ -107,6 +107,11 @@ class MasterWeightsState(NamedTuple):
       count: int32, number of updates (seeds stochastic rounding).
       seed: int32 seed of the stochastic rounding, or ``None`` for round-to-nearest-even.
       inner_state: the inner optimizer's state (built on the float32 master).
+
+    Example:
+      >>> state = master_weights(optax.sgd(1e-3)).init({"w": jnp.ones(2, jnp.bfloat16)})
+      >>> state.master["w"].dtype                     # the f32 copy of the bf16 parameter
+      dtype('float32')
     """
 
     master: Any

@@ -15,6 +15,7 @@ adapters are loaded when a model is first given.
 """
 
 import warnings
+from typing import TYPE_CHECKING
 
 from fmtkit.policy._apply import module_paths, with_policy
 from fmtkit.policy._gemm_hook import GemmSite, intercept_gemms
@@ -28,6 +29,9 @@ from fmtkit.policy._policy import (
     list_presets,
 )
 from fmtkit.policy._scopes import mark_head
+
+if TYPE_CHECKING:  # type checkers and the docs see it here; at run time it loads lazily
+    from fmtkit.policy._nnx import DelayedScalingVariable
 from fmtkit.policy._stack import find_stack, keep_blocks
 
 __all__ = [

@@ -62,8 +62,12 @@ class CustomRules:
 
         @jax.custom_jvp
         def policied(*xs):
-            return self._walk(body.jaxpr, body.consts, list(xs), [chain] * len(xs), chain,
-                              idp, fp8_local)
+            self._jvp_body += 1  # (GemmSite.in_custom_rule)
+            try:
+                return self._walk(body.jaxpr, body.consts, list(xs), [chain] * len(xs),
+                                  chain, idp, fp8_local)
+            finally:
+                self._jvp_body -= 1
 
         @policied.defjvp
         def policied_jvp(primals, tangents):

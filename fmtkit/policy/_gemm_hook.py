@@ -78,6 +78,12 @@ class GemmSite:
         ``x @ w``, and for GEMMs of two activations or two parameters). An FP8 recipe gives
         this operand its weight format, tiling and amax-history row, and its gradient is
         the weight gradient (wgrad), whichever side it is written on.
+      group_sizes: for a grouped GEMM of ``lax.ragged_dot``'s form (``lhs [M, K]`` sorted
+        by group, ``rhs [G, K, N]``), its group sizes (int32[G], traced); else None.
+      in_custom_rule: whether the GEMM runs in the primal body of a ``jax.custom_jvp`` or
+        the forward rule of a ``jax.custom_vjp``: its derivative is the user's rule, so a
+        hook's own VJP around it never runs. (The GEMMs of those derivative rules are not
+        handed to the hook: they are met only under differentiation.)
     """
 
     path: str
@@ -96,6 +102,8 @@ class GemmSite:
     loop_lengths: tuple[int | None, ...] = ()
     loop_index: tuple[Any, ...] = ()
     weight_operand: int = 1
+    in_custom_rule: bool = False
+    group_sizes: Any = None
 
 
 Hook = Callable[[GemmSite, Callable[..., Any], Any, Any], Any]

@@ -185,6 +185,7 @@ class Interpreter(ControlFlow, CustomRules):
         self._vjp: dict[int, tuple[Any, VjpParts | None]] = {}
         self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
         self._fwd_rule = 0  # depth of custom_vjp forward rules being evaluated
+        self._jvp_body = 0  # depth of custom_jvp primal bodies being evaluated
         self._rules_traced: dict[tuple, Any] = {}  # (kind, id(eqn)) -> (eqn, traced rule)
         self.analysis: Analysis | None = None
         # intercept_gemms: GEMM names per (module path, equation id path), their counts per
@@ -442,7 +443,9 @@ class Interpreter(ControlFlow, CustomRules):
         recipe = policy.fp8
         weight = self._weight_operand(eqn, idprefix)
         hook = active_hook()
-        if hook is not None:
+        # (the GEMMs of a custom_jvp's JVP rule or a custom_vjp's backward rule are derivatives
+        # of the layer's own GEMMs, met only under differentiation: not handed to the hook)
+        if hook is not None and "jvp" not in idp and "bwd" not in idp:
             return self._hooked(hook, eqn, lhs, rhs, invals[2:], recipe, idp, module, info,
                                 head, policy, cdt, target, out_dt, wide_out, algorithm,
                                 fp8_local, weight)
@@ -484,7 +487,9 @@ class Interpreter(ControlFlow, CustomRules):
             fp8_history=fp8_local.get(self.analysis.sites.get(idp))
             if capable and recipe is not None and recipe.delayed
             and eqn.primitive.name == "dot_general" else None,
-            weight_operand=weight)
+            weight_operand=weight,
+            in_custom_rule=self._fwd_rule > 0 or self._jvp_body > 0,
+            group_sizes=rest[0] if _ragged_dot_form(eqn) else None)
 
         def run(a, b, new_recipe=None):
             return self._compute(eqn, a, b, rest, new_recipe, idp, module, info, head, cdt,

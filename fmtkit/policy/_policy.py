@@ -440,6 +440,10 @@ def as_rules(policy_or_rules: Any) -> Rules:
 
     A ``Rules``; a ``Policy`` (every module); a preset name; a policy string; or a sequence of
     (pattern, policy) pairs (unmatched modules untouched).
+
+    Example:
+      >>> type(as_rules("p=f32,c=bf16")).__name__, type(as_rules("bf16-mixed")).__name__
+      ('Rules', 'Rules')
     """
     if isinstance(policy_or_rules, Rules):
         return policy_or_rules
@@ -473,9 +477,10 @@ def as_rules(policy_or_rules: Any) -> Rules:
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets. What stays in f32 follows the seeds (000: "softmax, LayerNorm / RMSNorm, loss: fp32";
-# 001: Switch Transformer's selective precision, router input, logits and softmax in fp32) and
-# Fedus et al. 2021, "Switch Transformers", section 2.4 ("Selective precision").
+# Presets. What stays in f32 follows mixed-precision practice (softmax, LayerNorm / RMSNorm and
+# the loss in f32: PyTorch autocast's f32 op list; DeepSeek-V3, arXiv 2412.19437, section 3.3)
+# and, for routers (router input, logits and softmax in f32), Fedus et al. 2021, "Switch
+# Transformers", section 2.4 ("Selective precision").
 
 # Norm layers by class (Flax's and any user subclass) and by the usual names (ln, ln_1, ln_f,
 # ln1, norm, norm1, final_norm, attention_norm, ffn_norm, ..., and linen's LayerNorm_0).
@@ -562,7 +567,12 @@ _PRESETS: Mapping[str, tuple[str, Rules]] = MappingProxyType({
 
 
 def list_presets() -> tuple[str, ...]:
-    """Names of the named policy presets, e.g. ``("fp32", "bf16-mixed", ...)``."""
+    """Names of the named policy presets, e.g. ``("fp32", "bf16-mixed", ...)``.
+
+    Example:
+      >>> list_presets()[:4]
+      ('fp32', 'bf16-mixed', 'fp16-mixed', 'pure-bf16')
+    """
     return tuple(_PRESETS)
 
 
@@ -584,7 +594,12 @@ def get_preset(name: str) -> Rules:
 
 
 def describe_presets() -> str:
-    """A text listing of every preset with its rules (what ``fmtkit policies`` prints)."""
+    """A text listing of every preset with its rules (what ``fmtkit policies`` prints).
+
+    Example:
+      >>> print(describe_presets().splitlines()[0])
+      fp32: Everything in float32 (the reference).
+    """
     out = []
     for name, (doc, rules) in _PRESETS.items():
         out.append(f"{name}: {doc}\n{rules}")

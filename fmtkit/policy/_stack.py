@@ -32,6 +32,10 @@ def find_stack(paths: Iterable[str]) -> tuple[str, int]:
 
     Raises:
       ValueError: no numbered siblings among the paths, or a stack with gaps in its numbers.
+
+    Example:
+      >>> find_stack(["Block_0/Dense_0", "Block_1/Dense_0", "head"])
+      ('Block_', 2)
     """
     found: dict[str, set[int]] = collections.defaultdict(set)
     for path in paths:

@@ -25,6 +25,18 @@ Three models, every variant of one model timed in alternation in the same run (m
   ``with_policy(model, "bf16-mixed")``, ``fp8-NAME`` is ``with_policy(model, "fp8-NAME")``
   (the bf16-mixed preset plus the recipe on every linear layer but the head). Flax's op has
   no seam in this model (its layers take no ``dot_general_cls``), so it is MLP-only.
+* **llama**: a Llama-style stack at a width where FP8's GEMM speed shows: ``--llama-layers``
+  (4) pre-norm blocks of d_model ``--llama-d-model`` (4096), ``--llama-heads`` (32) heads,
+  a SwiGLU MLP of ``--llama-ff`` (11008), RMSNorm, no biases, ``--llama-tokens`` (8192)
+  tokens a step in sequences of ``--llama-seq`` (2048); the same variants as the
+  transformer (``with_policy`` presets). Its GEMMs are 8192 x 4096 x 4096 and
+  8192 x 11008 x 4096: on a CPU that is minutes a step, so off GPUs it runs at a rehearsal
+  size (d_model 64, MLP 172, 128 tokens) and says so, unless ``--llama-full``.
+
+Example, the realistic configuration beside the d_model-1024 one (on a GPU)::
+
+    fmtkit bench fp8-step --models transformer,llama --recipes current,delayed,blockwise \
+        --d-model 1024 --layers 4 --heads 8 --seq 1024 --lm-batch 8
 
 Every mlp / transformer step is ``jax.jit`` of loss + gradient + SGD update. Printed: each
 variant's step time and its ratios to the bf16, f32 and Flax-op steps (where the model has
@@ -239,6 +251,81 @@ def _transformer_variants(args, kinds):
     return out
 
 
+LLAMA = {"d_model": 4096, "ff": 11008, "layers": 4, "heads": 32, "tokens": 8192, "seq": 2048}
+"""The realistic configuration: the block widths of Llama 2 7B (hidden size 4096, SwiGLU
+intermediate size 11008, 32 heads: its published config; Touvron et al. 2023,
+arXiv:2307.09288), 4 blocks, 8192 tokens a step."""
+LLAMA_REHEARSAL = {"d_model": 64, "ff": 172, "layers": 4, "heads": 4, "tokens": 128,
+                   "seq": 64}
+"""The same model off GPUs: widths scaled by 1/64, 128 tokens."""
+
+
+class _LlamaBlock(nn.Module):
+    """A pre-norm Llama-style block: RMSNorm, causal self-attention without biases, RMSNorm,
+    SwiGLU MLP (``down(silu(gate(h)) * up(h))``)."""
+
+    d_model: int
+    d_ff: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RMSNorm(name="attn_norm")(x)
+        qkv = nn.DenseGeneral((3, self.heads, self.d_model // self.heads), use_bias=False,
+                              name="qkv")(h)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], bool))
+        a = nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask=mask)
+        x = x + nn.DenseGeneral(self.d_model, axis=(-2, -1), use_bias=False, name="o")(a)
+        h = nn.RMSNorm(name="mlp_norm")(x)
+        gate = nn.Dense(self.d_ff, use_bias=False, name="gate")(h)
+        up = nn.Dense(self.d_ff, use_bias=False, name="up")(h)
+        return x + nn.Dense(self.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
+
+
+class _Llama(nn.Module):
+    """Byte embeddings, ``layers`` ``_LlamaBlock`` s, RMSNorm and the output head."""
+
+    d_model: int
+    d_ff: int
+    heads: int
+    layers: int
+    vocab: int = 256
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d_model, name="embed")(tokens)
+        for i in range(self.layers):
+            x = _LlamaBlock(self.d_model, self.d_ff, self.heads, name=f"block_{i}")(x)
+        return nn.Dense(self.vocab, use_bias=False, name="head")(nn.RMSNorm(name="ln_f")(x))
+
+
+def llama_size(full: bool) -> tuple[dict, bool]:
+    """The llama model's sizes and whether they are the realistic ones: ``LLAMA`` on a GPU
+    or when asked (``full``), else ``LLAMA_REHEARSAL``."""
+    real = full or jax.default_backend() == "gpu"
+    return (LLAMA if real else LLAMA_REHEARSAL), real
+
+
+def _llama_variants(size: dict, kinds, lr: float):
+    from fmtkit.policy import with_policy
+
+    tokens = models.random_tokens(jax.random.key(0), size["tokens"] // size["seq"],
+                                  size["seq"])
+    plain = _Llama(size["d_model"], size["ff"], size["heads"], size["layers"])
+    out = {}
+    for kind in kinds:
+        if kind == "flax-fp8":
+            continue
+        model = plain if kind == "f32" else with_policy(
+            plain, "bf16-mixed" if kind == "bf16" else
+            kind if kind in fp4.RECIPES else f"fp8-{kind}")
+        variables = dict(jax.jit(model.init)(jax.random.key(1), tokens))
+        step = _step(lambda v, t, m=model: m.apply(v, t),
+                     lambda logits, t: models.lm_loss(logits.astype(jnp.float32), t), lr)
+        out[kind] = (step, variables, tokens)
+    return out
+
+
 def _run(name: str, variants: dict, repeats: int) -> dict[str, Any]:
     compile_s, losses, steps, kernel_calls = {}, {}, {}, {}
     for k, (step, state, batch) in variants.items():
@@ -288,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lm-batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--baselines", default="f32,bf16",
+                   help="the non-FP8 variants timed beside the recipes (f32, bf16 or both)")
+    p.add_argument("--llama-full", action="store_true",
+                   help="the llama model at its realistic size off GPUs too (minutes a step)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=None, help="output folder (default runs/bench-fp8-step)")
     args = p.parse_args(argv)
@@ -297,14 +388,18 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     model_names = [m for m in args.models.split(",") if m]
     for m in model_names:
-        if m not in ("dense", "mlp", "transformer"):
-            p.error(f"--models: unknown model {m!r}; valid: dense, mlp, transformer")
+        if m not in ("dense", "mlp", "transformer", "llama"):
+            p.error(f"--models: unknown model {m!r}; valid: dense, mlp, transformer, llama")
     recipes = [r for r in args.recipes.split(",") if r]
     for r in recipes:
         if r not in fp8.RECIPES and r not in fp4.RECIPES:
             p.error(f"--recipes: unknown recipe {r!r}; valid: "
                     f"{', '.join([*fp8.RECIPES, *fp4.RECIPES])}")
-    kinds = ["f32", "bf16", *recipes, "flax-fp8"]
+    baselines = [b for b in args.baselines.split(",") if b]
+    for b in baselines:
+        if b not in ("f32", "bf16"):
+            p.error(f"--baselines: unknown variant {b!r}; valid: f32, bf16")
+    kinds = [*baselines, *recipes, "flax-fp8"]
 
     results: dict[str, Any] = {"args": vars(args), "targets": TARGETS,
                                "flax_targets": FLAX_TARGETS}
@@ -324,6 +419,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"TransformerLM {cfg}")
         results["transformer"] = _run("transformer", _transformer_variants(args, kinds),
                                       args.repeats)
+    if "llama" in model_names:
+        size, real = llama_size(args.llama_full)
+        print(f"Llama-style {size}" + ("" if real else (
+            f" (a rehearsal size: the realistic one, {LLAMA}, runs on a GPU or with "
+            "--llama-full)")))
+        results["llama"] = _run("llama", _llama_variants(size, kinds, args.lr),
+                                args.repeats)
+        results["llama"]["size"], results["llama"]["realistic"] = size, real
     print("ratios to Flax's Fp8DirectDotGeneralOp in the same model (target):")
     for m in model_names:
         row = results[m].get("ratio_to_flax")

@@ -417,12 +417,10 @@ def test_public_surface():
 def test_choose_config(out_dtype):
     from pallas_kernels.config import choose_config
 
-    # Worked by hand with the cost model (waves x tile area x relative cost, 132 SMs):
-    # 4096x7168: 128x128 -> 1792 tiles, 14 waves x 16384 = 229376; 128x256 -> 896 tiles,
-    # 7 waves x 32768 x 0.93 = 213320; 256x128 -> 7 waves x 32768 x 1.13 = 259195.
+    # The cost model and its choices at DeepSeek-V3's shapes: test_tile_heuristic.py.
+    # 4096x7168: 128x256 (896 tiles, 7 full waves, fewest L2 bytes per FLOP).
     assert choose_config(4096, 7168, 7168, out_dtype) == SHIPPED_CONFIGS["128x256"]
-    # N = 2112: 128x128 -> 32 x 17 = 544 tiles, 5 waves x 16384 = 81920; 128x256 ->
-    # 32 x 9 = 288 tiles, 3 waves x 32768 x 0.93 = 91423.
+    # N = 2112: 128x128 -> 544 tiles in 5 waves (82% full) beats 128x256's 288 in 3 (73%).
     assert choose_config(4096, 2112, 7168, out_dtype) == SHIPPED_CONFIGS["128x128"]
     # A 64-token GEMM would waste half of every 128-row tile: a 64-row config is chosen.
     assert choose_config(64, 7168, 7168, out_dtype).block_m == 64

@@ -39,3 +39,35 @@ def test_bench_fp8_step_runs_every_variant(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.index("ratios to Flax's") > out.index("transformer")
     assert out.index("ratios to the bf16 step") > out.index("transformer")  # ratios last
+
+
+def test_llama_configuration_has_llama_2_7b_block_widths():
+    """The realistic configuration's parameters, counted by hand from the widths (Llama 2
+    7B's block: hidden 4096, SwiGLU 11008, no biases) without running it; off GPUs the
+    default size is the rehearsal one."""
+    import jax
+
+    size = bench_fp8_step.LLAMA
+    assert (size["d_model"], size["ff"], size["layers"], size["tokens"]) == (4096, 11008, 4,
+                                                                               8192)
+    model = bench_fp8_step._Llama(size["d_model"], size["ff"], size["heads"], size["layers"])
+    tokens = jax.ShapeDtypeStruct((size["tokens"] // size["seq"], size["seq"]), "int32")
+    shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    count = sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
+    d, f, v = 4096, 11008, 256
+    block = 4 * d * d + 3 * d * f + 2 * d  # q, k, v, o; gate, up, down; two RMSNorm scales
+    assert count == 4 * block + 2 * v * d + d  # embedding, head, final norm
+    if jax.default_backend() != "gpu":
+        assert bench_fp8_step.llama_size(False) == (bench_fp8_step.LLAMA_REHEARSAL, False)
+    assert bench_fp8_step.llama_size(True) == (size, True)
+
+
+@pytest.mark.slow  # about a minute on 2 cores
+def test_bench_fp8_step_llama_rehearsal_on_cpu(tmp_path, capsys):
+    rc = bench_fp8_step.main(["--models", "llama", "--recipes", "current", "--repeats", "1",
+                              "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())["llama"]
+    assert set(res["seconds"]) == {"f32", "bf16", "current"}
+    assert res["realistic"] is False and res["size"] == bench_fp8_step.LLAMA_REHEARSAL
+    assert "a rehearsal size" in capsys.readouterr().out

@@ -106,6 +106,46 @@ def test_parse_ptxas_attributes_lines_to_kernels_by_name():
     assert got[a]["wgmma_serialization_warnings"] == []
 
 
+def test_parse_sass_counts_instructions_per_kernel():
+    """SASS lines (predicated or not) are counted per kernel by the marker before them;
+    lines after the end marker belong to no kernel."""
+    log = "\n".join([
+        f"{compilation.KERNEL_MARK}k1 ===",
+        "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+        "        /*0010*/              @!P0 LDG.E R2, desc[UR4][R2.64] ;",
+        "        /*0020*/                   HGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8] ;",
+        "        /*0030*/               @P1 BRA 0x40 ;",
+        "        /*0040*/                   UTMALDG.2D [UR8], [UR4] ;",
+        f"{compilation.KERNEL_MARK}end ===",
+        "        /*0000*/                   LDG.E R2, desc[UR4][R2.64] ;",
+        f"{compilation.KERNEL_MARK}k2 ===",
+        "        /*0000*/                   STG.E desc[UR4][R2.64], R0 ;",
+    ])
+    got = compilation.parse_sass(log)
+    assert got == {"k1": {"instructions": 5, "LDG": 1, "HGMMA": 1, "BRA": 1, "UTMALDG": 1},
+                   "k2": {"instructions": 1, "STG": 1}}
+
+
+def test_gemm_targets_and_rewriter_lines():
+    from tools.gpu_check.per_tensor import gemm_targets
+    from tools.gpu_check.report import rewriter_lines
+
+    hlo = ('%a = custom-call(x, y), custom_call_target="__cublas$lt$matmul$f8"\n'
+           '%b = custom-call(x, y), custom_call_target="__cublas$lt$matmul"\n'
+           '%c = custom-call(x), custom_call_target="mosaic_gpu_v2"\n'
+           '%d = custom-call(x, y), custom_call_target="__cublas$lt$matmul$f8"\n'
+           '%e = fusion(x, y), kind=kCustom, backend_config={"fusion_backend_config":'
+           '{"kind":"__triton_gemm"}}')
+    assert gemm_targets(hlo) == {"__cublas$lt$matmul$f8": 2, "__cublas$lt$matmul": 1,
+                                 "__triton_gemm": 1}
+    log = ("I gemm_rewriter.cc:1] %dot.1 rewritten into FP8 Custom Call.\n"
+           "unrelated\n"
+           "I gemm_rewriter.cc:2] Possible intended FP8 GEMM operating on %x not rewritten "
+           "into FP8 Custom Call.")
+    lines = rewriter_lines(log)
+    assert len(lines) == 2 and "not rewritten" in lines[0]
+
+
 def test_float64_errors_finds_the_block_with_a_wrong_scale():
     """The correctness measure on a known error: the reference output with one 128x128
     output block scaled by 1.01 has that block as its worst, with rel_fro 1e-2."""
@@ -156,8 +196,8 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
         for key in ("lower_s", "compile_s", "first_run_s"):
             assert k[key] > 0
         for key in ("registers", "spill_store_bytes", "spill_load_bytes",
-                    "wgmma_serialization_warnings", "ptxas_lines"):
-            assert k[key] is None  # ptxas runs only on a GPU
+                    "wgmma_serialization_warnings", "ptxas_lines", "sass"):
+            assert k[key] is None  # ptxas and nvdisasm run only on a GPU
     [c] = [r for s, r in report["correctness"].items() if s.startswith("matmul")]
     for dt in ("bfloat16", "float32"):
         for key in ("rel_fro_vs_float64", "max_abs_error", "worst_blocks",
@@ -176,9 +216,19 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
         assert t["min_s"] <= t["median_s"] <= t["max_s"] and t["tflops_median"] > 0
     assert impls["torch_scaled_mm_blockwise"] is None and bench["torch_error"]
     assert bench["xla_fp8_uses_cublaslt_fp8"] is None  # a GPU-only fact
-    steps = report["train"]["steps_per_s"]
-    assert set(steps) >= {"bf16-mixed", "fp8-current", "fp8-blockwise"}
-    assert all(v > 0 for v in steps.values())
+    for key, model in (("train", "transformer"), ("train_llama", "llama")):
+        steps = report[key]["steps_per_s"]
+        assert report[key]["model"] == model
+        assert set(steps) == {"f32", "bf16-mixed", "fp8-current", "fp8-delayed",
+                              "fp8-blockwise"}
+        assert all(v > 0 for k, v in steps.items() if k != "f32" or model == "llama")
+    assert report["train"]["steps_per_s"]["f32"] is None  # the d_model-1024 step: no f32
+    assert report["train_llama"]["realistic"] is False  # the rehearsal size on CPU
+    pt = report["per_tensor"]  # fmtkit's per-tensor GEMMs beside XLA bf16
+    assert set(pt["impls"]) == {"fmtkit_per_tensor_gemm", "xla_bf16_gemm",
+                                "fmtkit_current_fwd_bwd", "xla_bf16_fwd_bwd"}
+    assert pt["gemm_uses_cublaslt_fp8"] is None and pt["fwd_bwd_cublaslt_fp8_calls"] is None
+    assert report["fp8_rewriter_log"] == []  # XLA:CPU has no GEMM rewriter
     opt = report["optimizer"]  # the studies' optax chain beside plain adamw, tiny sizes
     assert opt["ok"] and opt["params"] == 2 * (64 * 64 + 64)
     for name in ("studies_chain", "optax_adamw"):

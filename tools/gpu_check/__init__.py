@@ -12,7 +12,8 @@ output and the telemetry samples; rebuilt after every phase). Phases, in order:
    forward form (bf16 out) and the weight-gradient form (B scaled per row, f32 out), each
    under its own kernel name, with lowering, XLA compile (Mosaic GPU's PTX and ptxas) and
    first-run times taken separately, and ptxas's registers, spill bytes and any wgmma
-   serialization warning attributed to the kernel by name (``MOSAIC_GPU_DUMP_PTXAS=1``).
+   serialization warning attributed to the kernel by name (``MOSAIC_GPU_DUMP_PTXAS=1``), and
+   its SASS instruction counts (``MOSAIC_GPU_DUMP_SASS=1``: global loads, HGMMA, TMA...).
    Configs that fail here are left out of the later phases.
 2. ``correctness``: block-magnitude data (per-block magnitudes spread over 2^-6..2^6, so
    every scale differs and a misapplied one shows) at the production shapes, bf16 and f32
@@ -23,14 +24,20 @@ output and the telemetry samples; rebuilt after every phase). Phases, in order:
 3. ``bench``: per production shape, interleaved rounds (>= 30) of the kernel with bf16
    and with f32 output, XLA's bf16 dot, XLA's per-tensor FP8 dot (whether XLA made it a
    cuBLASLt FP8 GEMM is read from the compiled HLO) and ``torch._scaled_mm`` with
-   blockwise scales when torch is importable; min / median / max and TFLOP/s.
-4. ``train``: the policied training step of a small transformer LM under bf16-mixed,
-   fp8-current and fp8-blockwise (steps/s), through the ``fmtkit bench fp8-step`` CLI
+   blockwise scales when torch is importable; min / median / max and TFLOP/s. Then
+   ``fp8-per-tensor``: fmtkit's per-tensor FP8 GEMM and the three GEMMs of its ``current``
+   recipe against XLA bf16, with the GEMM custom calls they compiled to and XLA's GEMM
+   rewriter's FP8 log lines (``TF_CPP_VMODULE=gemm_rewriter=1``).
+4. ``train``: the policied training steps of a Llama-style stack at d_model 4096 (SwiGLU
+   11008, 4 blocks, 8192 tokens) and of a d_model-1024 transformer LM under f32 (the Llama
+   stack only), bf16-mixed, fp8-current, fp8-delayed and fp8-blockwise (steps/s), through
+   the ``fmtkit bench fp8-step`` CLI
    (run as a command: the tool never imports ``studies``); and the optimizer step of the
    studies' optax chain (``fmtkit.optim`` master weights and dynamic loss scaling around
    adamw) beside plain ``optax.adamw``, interleaved, with their ratio.
 5. ``tune``: every shipped config at 8192^3 and 4096x7168x2048 (data for ``choose_config``).
-6. ``pytest``: the compiled-mode kernel tests, in the time left.
+6. ``pytest``: the compiled-mode kernel tests and the per-tensor cuBLASLt test, in the time
+   left.
 
 Nothing can hang the window: every item runs in a worker subprocess (its own process
 group) that the watcher kills when the item overruns its timeout, when the phase's share

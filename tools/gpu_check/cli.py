@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             phase_env = dict(env)
             if phase == "compile":  # ptxas's register/spill report of every kernel compiled
-                phase_env.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_RESOURCES="1")
+                phase_env.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_RESOURCES="1",
+                                 MOSAIC_GPU_DUMP_SASS="1")
+            if phase == "bench":  # XLA's GEMM rewriter says which FP8 dots it rewrote, or why not
+                phase_env.update(TF_CPP_VMODULE="gemm_rewriter=1", TF_CPP_MIN_LOG_LEVEL="0")
             left = deadline_at - time.time()
             phase_deadline = time.time() + max(MIN_PHASE_S, PHASE_SHARE[phase] * left)
             data = run_phase(phase, work, min(deadline_at, phase_deadline),

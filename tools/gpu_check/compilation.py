@@ -20,7 +20,8 @@ from tools.gpu_check.correctness import (
     float64_errors,
 )
 
-__all__ = ["COMPILE_SHAPE", "KERNEL_MARK", "compile_kernel", "environment", "parse_ptxas"]
+__all__ = ["COMPILE_SHAPE", "KERNEL_MARK", "SASS_OPCODES", "compile_kernel", "environment",
+           "parse_ptxas", "parse_sass"]
 
 # Several tiles per CTA for every config on 132 SMs and 8 K blocks (every ring wraps).
 COMPILE_SHAPE = (4096, 2048, 1024)
@@ -135,3 +136,33 @@ def parse_ptxas(log_text: str, kernels: list[str]) -> dict[str, dict]:
                 line for line in lines if "wgmma" in line.lower() and "serializ" in line.lower()],
             "lines": lines}
     return out
+
+
+# The SASS (``MOSAIC_GPU_DUMP_SASS=1``: Mosaic GPU prints each kernel's SASS to stdout as it
+# compiles, between the item's markers).
+
+SASS_OPCODES = ("LDG", "STG", "LDS", "STS", "LDSM", "HGMMA", "UTMALDG", "UTMASTG", "SYNCS",
+                "BAR", "WARPGROUP", "FFMA", "FMUL", "BRA")
+"""The instructions counted per kernel: global loads and stores (a scale read from global
+memory in the K loop shows as LDG), shared memory, wgmma (HGMMA), TMA copies (UTMALDG /
+UTMASTG), barriers (SYNCS: mbarriers), the promotion's f32 multiply-adds and branches."""
+_SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)[.\s]")
+
+
+def parse_sass(log_text: str) -> dict[str, dict]:
+    """Per kernel (by the ``KERNEL_MARK`` marker printed before its compile), the count of
+    each of ``SASS_OPCODES`` and of all SASS instructions in the log's dump."""
+    counts: dict[str, dict[str, int]] = {}
+    marked = None
+    for line in log_text.splitlines():
+        if line.startswith(KERNEL_MARK):
+            name = line.removeprefix(KERNEL_MARK).removesuffix(" ===").strip()
+            marked = None if name == "end" else name
+            continue
+        m = _SASS_LINE.search(line) if marked else None
+        if m:
+            c = counts.setdefault(marked, {"instructions": 0})
+            c["instructions"] += 1
+            if m.group(1) in SASS_OPCODES:
+                c[m.group(1)] = c.get(m.group(1), 0) + 1
+    return counts

@@ -18,6 +18,7 @@ from tools.gpu_check.correctness import check_gradients, check_matmul, check_qua
 from tools.gpu_check.files import record, write_json
 from tools.gpu_check.grouped import grouped_items
 from tools.gpu_check.optimizer import optax_chain
+from tools.gpu_check.per_tensor import PER_TENSOR_SHAPE, per_tensor_gemms
 from tools.gpu_check.train import train_step
 from tools.gpu_check.tune import TUNE_ROUNDS, TUNE_SHAPES, tune_shape
 
@@ -76,7 +77,11 @@ def phase_items(phase: str, *, rehearsal: bool, work: Path, excluded: set[str]
             items.append((f"{m}x{n}x{k}", lambda m=m, n=n, k=k: bench_shape(
                 m, n, k, impl=impl, config=chosen(m, n, k), rounds=rounds,
                 rehearsal=rehearsal)))
+        p = tiny if rehearsal else PER_TENSOR_SHAPE
+        items.append(("fp8-per-tensor", lambda: per_tensor_gemms(*p, rounds=rounds,
+                                                                  rehearsal=rehearsal)))
     elif phase == "train":
+        items.append(("llama-step", lambda: train_step(work, rehearsal, model="llama")))
         items.append(("transformer-step", lambda: train_step(work, rehearsal)))
         items.append(("optax-chain", lambda: optax_chain(rehearsal=rehearsal)))
     elif phase == "tune":

@@ -1,0 +1,102 @@
+"""The tile heuristic's cost model (``pallas_kernels.config.tile_cycles``: waves and L1 / L2
+traffic) against the tile choices DeepGEMM publishes, and the choices it makes among the
+tiles this kernel has.
+
+DeepGEMM (deepseek-ai/DeepGEMM) picks its Hopper FP8 GEMM tiles with a cost model of waves
+and L1 / L2 bytes (``csrc/jit_kernels/heuristics/sm90.hpp``) over BLOCK_M 64 / 128 (256 with
+bf16 output), BLOCK_N in steps of 16 up to 192 for its 1D2D kernel (a width above 128 only
+where its unrolling allows: ``n % (n - 128) == 0`` or ``128 % (n - 128) == 0``; never both
+blocks above 128) and 2-CTA clusters multicasting one operand. Its README (section
+"Unaligned block sizes", e.g. at commit a437e0b) publishes one choice with its reason: for
+M = 256, N = 7168, BLOCK_M = 128 with BLOCK_N = 112 instead of 128, so that
+(256 / 128) * (7168 / 112) = 128 of the 132 SMs work instead of (256 / 128) * (7168 / 128) =
+112.
+"""
+
+import math
+
+import pytest
+
+from pallas_kernels.config import SHIPPED_CONFIGS, choose_config, tile_cycles
+
+SMS = 132
+
+
+def _deepgemm_candidates(bf16_out=True):
+    """(block_m, block_n, cluster) DeepGEMM's 1D2D kernel may use on an H100/H200 (the rules
+    in the module docstring, in words from sm90.hpp)."""
+    block_ms = (64, 128, 256) if bf16_out else (64, 128)
+    block_ns = [n for n in range(16, 193, 16)
+                if n <= 128 or n % (n - 128) == 0 or 128 % (n - 128) == 0]
+    for cluster in ((1, 1), (2, 1), (1, 2)):
+        for bm in block_ms:
+            for bn in block_ns:
+                if not (bm > 128 and bn > 128):
+                    yield bm, bn, cluster
+
+
+def _best(m, n, k, candidates, cost=tile_cycles):
+    return min(candidates, key=lambda c: cost(m, n, k, c[0], c[1], cluster=c[2]))
+
+
+def test_model_reproduces_deepgemms_published_unaligned_choice():
+    for k in (7168, 2048):  # DeepSeek-V3's projections with N = 7168
+        assert _best(256, 7168, k, _deepgemm_candidates()) == (128, 112, (1, 1))
+    # The README's arithmetic: busy SMs with each width
+    assert math.ceil(256 / 128) * math.ceil(7168 / 128) == 112
+    assert math.ceil(256 / 128) * math.ceil(7168 / 112) == 128
+
+
+def test_a_wave_blind_model_misses_the_published_choice():
+    """Negative control: the same traffic without the last wave's fill prefers the widest
+    tile (fewer bytes per FLOP); the wave term is what finds 112."""
+    def wave_blind(m, n, k, bm, bn, cluster):
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        fill = tiles / (math.ceil(tiles / SMS) * SMS)
+        return tile_cycles(m, n, k, bm, bn, cluster=cluster) * fill
+
+    assert _best(256, 7168, 7168, _deepgemm_candidates(), wave_blind) != (128, 112, (1, 1))
+
+
+def test_model_by_hand():
+    """One value worked by hand: 4096 x 7168 x 2048, 128 x 128 tiles, bf16 out, 132 SMs.
+    1792 tiles, 14 waves (fill 1792 / 1848). Per tile L2 bytes 2048 * 256 + 32768 = 557056,
+    L1 bytes 2 * 2048 * 256 + 2 * 32768 = 1114112. L2: 1792 * 557056 / 6153.8 B per clock
+    (the chip's cap, below 64 * 132) = 162216 clocks; L1: 1792 * 1114112 / (128 * 132) =
+    118164; the larger over the fill: 167284."""
+    assert tile_cycles(4096, 7168, 2048, 128, 128) == pytest.approx(
+        1792 * 557056 / (8e6 / 1.3e3) / (1792 / 1848), rel=1e-9)
+    assert tile_cycles(4096, 7168, 2048, 128, 128) == pytest.approx(167284, rel=1e-4)
+    # multicast halves one operand's L2 bytes; a one-wave cluster is never chosen
+    assert tile_cycles(4096, 7168, 2048, 128, 128, cluster=(2, 1)) < tile_cycles(
+        4096, 7168, 2048, 128, 128)
+    assert tile_cycles(256, 256, 2048, 128, 128, cluster=(2, 1)) == math.inf
+
+
+# DeepSeek-V3's GEMMs at 4096 tokens (DeepGEMM's README table; 8192^3 beside them) and the
+# shipped tile the heuristic takes for each. 128x256 has the fewest L2 bytes per FLOP of the
+# tiles without spills; at N = 2112 it needs 3 waves of 288 tiles (73% full) where 128x128
+# needs 5 of 544 (82%), and at 64 rows only the 64-row tiles do not compute padding.
+SHAPES = {(4096, 7168, 16384): "128x256", (4096, 7168, 2048): "128x256",
+          (4096, 24576, 1536): "128x256", (4096, 2112, 7168): "128x128",
+          (4096, 4096, 7168): "128x256", (8192, 8192, 8192): "128x256",
+          (64, 2112, 7168): "64x128", (64, 7168, 16384): "64x128"}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=lambda s: "x".join(map(str, s)))
+def test_choice_among_the_kernels_tiles(shape):
+    for out_dtype in ("bfloat16", "float32"):
+        assert choose_config(*shape, out_dtype) == SHIPPED_CONFIGS[SHAPES[shape]]
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] > 64],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_deepgemms_own_choices_are_out_of_the_kernels_reach(shape):
+    """What the model picks from DeepGEMM's candidates at the 4096-token shapes needs what
+    this kernel lacks: a 2-CTA cluster with TMA multicast (more than one wave), or a width
+    that is not 128 or 256 columns (144-192 wide single-pass warpgroup tiles), or 256 rows
+    with 128 columns (which spills in this kernel: its measured cost is 1.13x). So the
+    heuristic's choice differs from DeepGEMM's wherever this holds."""
+    bm, bn, cluster = _best(*shape, _deepgemm_candidates())
+    shipped = {(c.block_m, c.block_n) for c in SHIPPED_CONFIGS.values()}
+    assert cluster != (1, 1) or (bm, bn) not in shipped or (bm, bn) == (256, 128)
