@@ -282,18 +282,22 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                 raise TypeError("fp8_state must be the dict init_fp8_state returns, got "
                                 f"{type(fp8_state).__name__}.")
 
-        def call(tree):
+        def call(tree, nested=False):
             a, k, state = tree
             out, _ = _trace.run(*traced_call(a, k),
-                                fp8_state=dict(state) if state is not None else None)
+                                fp8_state=dict(state) if state is not None else None,
+                                nested=nested)
             return out
 
         if _scopes.is_tracing():
             # Called inside another policied model's trace: this policy decides the ops it
-            # binds (their scope tells the outer policy to keep them as traced), and only the
-            # outer call is recorded for inspect_policy.
-            with jax.named_scope(_scopes.NESTED_SCOPE), _scopes.not_recording():
-                return call((args, kwargs, fp8_state))
+            # binds (their scope tells the outer policy to keep them as traced), as a nested
+            # autocast region does. Its outputs are not the model's, so none of its matmuls is
+            # the output head by role (only by mark_head): its FP8 recipe covers them all.
+            # inspect_policy reads each op under the op scope this call records it with.
+            _scopes.note_nested_call()
+            with jax.named_scope(_scopes.NESTED_SCOPE):
+                return call((args, kwargs, fp8_state), nested=True)
 
         # Eager calls: compiled once per input signature (fmtkit.policy._eager); under rules
         # that change nothing ("fp32"), op by op, as the unwrapped function runs.
@@ -307,7 +311,8 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
         f32[*layers, 3, history]}`` (empty without a delayed recipe); traced, not run."""
         if not delayed:
             return {}
-        slots = _trace.fp8_slots(*traced_call(args, kwargs))
+        slots = _trace.fp8_slots(*traced_call(args, kwargs),
+                                 nested=_scopes.is_tracing())
         return {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
 
     policied._fmtkit_rules = rules  # type: ignore[attr-defined]

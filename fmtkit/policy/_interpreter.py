@@ -53,6 +53,7 @@ from fmtkit.policy._scopes import (
     Recorder,
     Registry,
     name_stack_scopes,
+    recorded_op,
     scope_chain,
 )
 from fmtkit.scaling import DelayedScalingState
@@ -170,8 +171,11 @@ class Interpreter(ControlFlow, CustomRules):
     """Evaluates a traced jaxpr under a plan's rules (see the module docstring)."""
 
     def __init__(self, plan: Plan, registry: Registry, *, fp8_state: dict | None = None,
-                 record: Recorder | None = None):
+                 record: Recorder | None = None, nested: bool = False):
         self.plan = plan
+        # A policied function called inside another policied model's trace: its ops are
+        # recorded, its modules reported under the enclosing model's.
+        self.nested = nested
         self.rules = plan.rules
         self.registry = registry
         self.fp8_state = fp8_state
@@ -299,12 +303,18 @@ class Interpreter(ControlFlow, CustomRules):
 
     def _eqn(self, eqn, invals, chain, idp, idprefix, fp8_local) -> list[Any]:
         name = eqn.primitive.name
+        if name_stack_scopes(eqn.source_info.name_stack)[2]:
+            # An inner policied function's op (NESTED_SCOPE): its policy decided it, and it
+            # is read (inspect_policy) as the op that call recorded.
+            inner = recorded_op(eqn.source_info.name_stack) if self.record is not None else None
+            scope = (jax.named_scope(f"{OP_SCOPE}{inner}") if inner is not None
+                     else self._record(eqn, chain, idp) if self.record is not None
+                     else contextlib.nullcontext())
+            with scope:
+                return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
         scope = (self._record(eqn, chain, idp) if self.record is not None
                  else contextlib.nullcontext())
         with scope:
-            if name_stack_scopes(eqn.source_info.name_stack)[2]:
-                # An inner policied function's op (NESTED_SCOPE): its policy decided it.
-                return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if name in _ops.INLINE_CALLS:
                 return self._jit(eqn, invals, chain, idp, fp8_local)
             if name == "custom_jvp_call":
@@ -592,8 +602,9 @@ class Interpreter(ControlFlow, CustomRules):
         dot = self.analysis.dots.get(idp)
         head = bool(dot and dot.head and self.head_applies(module))
         type_name = info.type_names[0] if info.type_names else "-"
-        self.record.modules.setdefault(
-            info.path, (type_name, policy, self.plan.rule(info.path, info.type_names)))
+        if not self.nested:
+            self.record.modules.setdefault(
+                info.path, (type_name, policy, self.plan.rule(info.path, info.type_names)))
         facts = [None if isinstance(v, jex.Literal) else self.analysis.facts.get((idp[:-1], v))
                  for v in eqn.invars]
         self.record.ops.append(OpRecord(
