@@ -31,11 +31,41 @@ def flax_kind(model: Any, argname: str = "model") -> str:
     if isinstance(model, type) and issubclass(model, (nn.Module, nnx.Module)):
         raise TypeError(f"{argname} must be a Flax module instance, got the class "
                         f"{model.__name__}; instantiate it first.")
+    if _is_hf_flax_model(model):
+        raise TypeError(_HF_WRAPPING.format(argname=argname,
+                                            cls=type(model).__qualname__))
     if callable(model) and not isinstance(model, type):
         return "function"
     raise TypeError(
         f"{argname} must be a flax.linen.Module or flax.nnx.Module instance or a JAX function, "
         f"got {type(model).__module__}.{type(model).__qualname__}.")
+
+
+def _is_hf_flax_model(model: Any) -> bool:
+    """Whether ``model`` looks like a Hugging Face Flax model (``FlaxPreTrainedModel``): not
+    a module itself, it holds a linen module (``.module``), its parameters (``.params``) and a
+    ``.config``, and its ``__call__`` takes the parameters by keyword (``params=``). Duck-typed:
+    fmtkit does not import transformers."""
+    import flax.linen as nn
+
+    return (not isinstance(model, type) and isinstance(getattr(model, "module", None), nn.Module)
+            and hasattr(model, "params") and hasattr(model, "config"))
+
+
+# transformers' FlaxPreTrainedModel.__call__ runs
+# ``self.module.apply({"params": params or self.params}, input_ids, ..., deterministic=not
+# train, rngs=rngs)`` (e.g. models/bert/modeling_flax_bert.py): the module and that
+# variables dict are what a policy can see.
+_HF_WRAPPING = (
+    "{argname} is a Hugging Face Flax model ({cls}), not a Flax module: its __call__ takes "
+    "the parameters by keyword (params=), which a policy cannot see as parameters, so no "
+    "matmul would be a projection (no FP8, nothing cast at use). Wrap its linen module and "
+    "apply it with the parameters, as the model's __call__ does: policied = "
+    "with_policy(hf_model.module, rules); policied.apply({{\"params\": hf_model.params}}, "
+    "input_ids, attention_mask, ..., deterministic=True) (the module's own arguments; "
+    "policied.init gives the same variables). Or wrap a function that takes the parameters "
+    "first: with_policy(lambda params, *inputs: hf_model(*inputs, params=params), "
+    "rules)(hf_model.params, input_ids, attention_mask).")
 
 
 def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
@@ -124,7 +154,9 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
       ``init_fp8_state`` under a delayed FP8 recipe).
 
     Raises:
-      TypeError: ``model`` is not a Flax module or a function; a rule is malformed.
+      TypeError: ``model`` is not a Flax module or a function; a rule is malformed; a Hugging
+        Face Flax model object (its parameters go by keyword: the message says how to wrap
+        its ``.module``).
       ValueError: unknown preset (a near miss gets "did you mean"), a bare dtype name
         ("bf16": say "bf16-mixed" or ``Policy.parse("p=bf16")``), FP8 dtype, invalid regex,
         already-wrapped model, parameters narrower than their ``param_dtype`` (at wrap for
@@ -284,9 +316,12 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
 
         def call(tree, nested=False):
             a, k, state = tree
+            # (one positional argument under "auto": traced_call has said why no matmul has
+            # a parameter operand)
+            said = argnums_spec == _AUTO and not _param_args(argnums_spec, a)
             out, _ = _trace.run(*traced_call(a, k),
                                 fp8_state=dict(state) if state is not None else None,
-                                nested=nested)
+                                nested=nested, warn_no_projection=not said)
             return out
 
         if _scopes.is_tracing():

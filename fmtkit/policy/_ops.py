@@ -85,6 +85,15 @@ WIDE_OPS = frozenset({
     "tridiagonal", "tridiagonal_solve", "custom_linear_solve", "pure_callback", "io_callback",
 })
 
+# Scatters and generic reductions: their body is the scalar combiner JAX builds for the
+# operand dtype (``jnp.bincount``, ``x.at[i].add``, ``segment_sum``, ``lax.reduce``), never
+# a matmul. They run on their inputs in their traced dtypes (the combiner is typed by them),
+# as the sums they mostly are would in f32, without the warning of an unknown body.
+COMBINER_OPS = frozenset({
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
+    "reduce", "reduce_window", "select_and_scatter",
+})
+
 # Call primitives whose bodies the interpreter enters (``_interpreter`` handles the other
 # bodies: scan, remat, cond, while, shard_map, custom_jvp/vjp; any primitive with a body it
 # does not know runs as written, inputs cast back, with a warning).

@@ -80,6 +80,10 @@ class Traced:
         return Plan.of(rules, self.registry.visited() or {"": ()})
 
 
+# The start of the error JAX (0.11) raises for ``jax.set_mesh`` entered inside a trace.
+_SET_MESH_IN_TRACE = "`set_mesh` can only be used outside of `jax.jit`"
+
+
 def trace(fn: Callable, args: tuple, kwargs: dict, *,
           is_param: Callable[[tuple, Any], bool] = lambda path, x: True,
           scopes: Callable | None = None, cache: _trace_cache.TraceCache | None = None,
@@ -127,7 +131,18 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     narrow = any(floating_dtype(x.dtype) and np.dtype(x.dtype).itemsize < 4 for x in dyn)
     mode = "standard" if narrow else jax.config.jax_numpy_dtype_promotion
     with jax.numpy_dtype_promotion(mode):
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+        try:
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+        except ValueError as err:
+            if _SET_MESH_IN_TRACE not in str(err):
+                raise
+            raise ValueError(
+                "with_policy traces the model (as jax.jit does), and JAX refuses "
+                "jax.set_mesh inside a trace: the model enters a mesh with jax.set_mesh. "
+                "Enter it around the call instead (with jax.set_mesh(mesh): "
+                "policied(...), jitted or not); inside the model, jax.sharding.auto_axes, "
+                "explicit_axes, reshard and use_abstract_mesh work under every "
+                "preset.") from err
     avals, out_tree = jax.tree.flatten(out_shape)
     # A constant that is a tracer (the model closed over a value of an enclosing trace)
     # exists in that trace only: such a jaxpr is not kept.
@@ -152,7 +167,8 @@ def fp8_slots(traced: Traced, plan: Plan, main: Sequence[bool | str] | None = No
 
 def run(traced: Traced, plan: Plan, *, main: Sequence[bool | str] | None = None,
         fp8_state: dict | None = None, record: Recorder | None = None,
-        nested: bool = False) -> tuple[Any, Interpreter]:
+        nested: bool = False, warn_no_projection: bool = True
+        ) -> tuple[Any, Interpreter]:
     """Interprets a trace under a plan (``Traced.plan``); returns (output tree, the
     interpreter).
 
@@ -165,11 +181,13 @@ def run(traced: Traced, plan: Plan, *, main: Sequence[bool | str] | None = None,
     ``nested``: a policied function called inside another policied model's trace. Its
     outputs are not the model's, so no matmul is the head by role (only by ``mark_head``);
     its ops are recorded (``inspect_policy``) under the enclosing model's modules.
+    ``warn_no_projection``: False where the caller has already said why the rules' FP8
+    recipe finds no projection.
     """
     main = [True] * len(traced.out_avals) if main is None else list(main)
     interp = Interpreter(plan, traced.registry, fp8_state=fp8_state,
                          record=record if record is not None else active_recorder(),
-                         nested=nested)
+                         nested=nested, warn_no_projection=warn_no_projection)
     interp.analyze(traced.closed, traced.params,
                    [not nested and m is True and floating_dtype(a.dtype)
                     for m, a in zip(main, traced.out_avals)])
