@@ -136,7 +136,9 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
         or a sequence (``()``: none). "auto" (default): the first argument when the function
         is called with two or more positional arguments (``apply(params, x)``), none when
         called with one (``f(x)``: data; under an FP8 policy that warns, since no matmul
-        then has a parameter operand); say ``params_argnums=0`` for ``f(params)``.
+        then has a parameter operand); say ``params_argnums=0`` for ``f(params)``. Under
+        every frontend an FP8/FP4 policy that finds no projection (no matmul it covers has
+        a parameter operand) warns: nothing would run in FP8.
       cache_traces: keep the model's traced jaxpr per input signature, as ``jax.jit`` keeps
         its traces (key: the model — a linen module by value, an NNX graphdef, a function
         object — the arguments' tree structure, array shapes/dtypes/shardings, and the

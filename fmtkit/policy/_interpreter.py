@@ -175,9 +175,9 @@ class Interpreter(ControlFlow, CustomRules):
                  warn_no_projection: bool = True):
         self.plan = plan
         # Matmuls (not convolutions, not the head) whose module has an FP8/FP4 recipe, and
-        # how many of them are projections; none of the latter warns (``_warn_no_projection``).
+        # how many of them have a parameter operand; none warns (``_warn_no_projection``).
         self._fp8_covered = 0
-        self._fp8_projections = 0
+        self._fp8_with_params = 0
         self._warn_no_projection_on = warn_no_projection
         # A policied function called inside another policied model's trace: its ops are
         # recorded, its modules reported under the enclosing model's.
@@ -413,7 +413,9 @@ class Interpreter(ControlFlow, CustomRules):
             policy = self.rules.head
         elif policy.fp8 is not None and eqn.primitive.name != "conv_general_dilated":
             self._fp8_covered += 1
-            self._fp8_projections += bool(info is not None and info.projection)
+            self._fp8_with_params += any(not isinstance(v, jex.Literal)
+                                         and self.analysis.is_param(idprefix, v)
+                                         for v in eqn.invars[:2])
         cdt = np.dtype(policy.compute_dtype)
         traced = [np.dtype(v.aval.dtype) for v in eqn.invars[:2]]
         if any(_is_complex(d) for d in traced):
@@ -651,12 +653,13 @@ class Interpreter(ControlFlow, CustomRules):
             UserWarning, stacklevel=3)
 
     def _warn_no_projection(self) -> None:
-        """Warns when the rules' FP8/FP4 recipes cover matmuls but none of them is a
-        projection (an operand that is a view of the parameters): the recipe then quantizes
-        nothing, and ``inspect_policy``'s ``fp8_fraction`` is NaN. Usually the parameters
-        were not where the frontend looks for them (a function's ``params_argnums``, a
-        Hugging Face model's ``params=`` keyword)."""
-        if (not self._warn_no_projection_on or self.nested or self._fp8_projections
+        """Warns when the rules' FP8/FP4 recipes cover matmuls but none of them has a
+        parameter operand (a view of the parameters): the recipe then quantizes nothing,
+        and ``inspect_policy``'s ``fp8_fraction`` is NaN. Usually the parameters were not
+        where the frontend looks for them (a function's ``params_argnums``, a Hugging Face
+        model's ``params=`` keyword). (A one-hot embedding lookup has a parameter operand
+        and stays out of FP8 by design: it does not warn.)"""
+        if (not self._warn_no_projection_on or self.nested or self._fp8_with_params
                 or not self._fp8_covered):
             return
         recipes = sorted({p.fp8.name for p in (self.rules.default,

@@ -141,8 +141,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
                 "jax.set_mesh inside a trace: the model enters a mesh with jax.set_mesh. "
                 "Enter it around the call instead (with jax.set_mesh(mesh): "
                 "policied(...), jitted or not); inside the model, jax.sharding.auto_axes, "
-                "explicit_axes, reshard and use_abstract_mesh work under every "
-                "preset.") from err
+                "explicit_axes and reshard work under every preset.") from err
     avals, out_tree = jax.tree.flatten(out_shape)
     # A constant that is a tracer (the model closed over a value of an enclosing trace)
     # exists in that trace only: such a jaxpr is not kept.

@@ -126,7 +126,10 @@ B, T = 4, 8                                       # expert width, experts per to
 
 def init(key):
     ks = jax.random.split(key, 9)
-    n = lambda k, shape, fan: jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan)  # noqa
+
+    def n(k, shape, fan):
+        return jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan)
+
     return {
         "embed": n(ks[0], (V, D), D),  # tied: unit-variance logits at the start
         "q": n(ks[1], (D, H, DH), D), "k": n(ks[2], (D, H, DH), D),
