@@ -72,6 +72,17 @@ def test_auto_axes_on_an_explicit_mesh(preset, placed):
         assert abs(float(got[0]) - float(ref[0])) <= 0.1 * abs(float(ref[0]))
 
 
+@pytest.mark.slow
+def test_auto_axes_negative_control(monkeypatch):
+    """Mutation: the region's ops bound under the enclosing (Explicit) mesh: JAX refuses."""
+    from fmtkit.policy import _interpreter
+
+    monkeypatch.setattr(_interpreter, "_traced_mesh", lambda eqn: None)
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="should match the aval mesh"):
+        _value_and_grad(with_policy(model, "fp32"))(PARAMS, X)
+
+
 @functools.cache
 def results() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
