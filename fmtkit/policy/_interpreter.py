@@ -659,8 +659,7 @@ class Interpreter(ControlFlow, CustomRules):
         where the frontend looks for them (a function's ``params_argnums``, a Hugging Face
         model's ``params=`` keyword). (A one-hot embedding lookup has a parameter operand
         and stays out of FP8 by design: it does not warn.)"""
-        if (not self._warn_no_projection_on or self.nested or self._fp8_with_params
-                or not self._fp8_covered):
+        if not self._warn_no_projection_on or self._fp8_with_params or not self._fp8_covered:
             return
         recipes = sorted({p.fp8.name for p in (self.rules.default,
                                                 *(p for _, p in self.rules.rules))
@@ -691,10 +690,10 @@ def _traced_mesh(eqn):
     """The abstract mesh an equation was traced under, where it differs from the current
     one (else None): the sharding-in-types mesh of its results' avals.
 
-    ``jax.sharding.auto_axes`` (and ``explicit_axes``, ``use_mesh``/``set_mesh`` entered
-    inside the model) leave no primitive around their region: its equations sit inline,
-    their avals on the region's mesh (``Auto`` axes where the model's are ``Explicit``), and
-    JAX refuses to bind them under another context mesh. They are bound again under theirs.
+    ``jax.sharding.auto_axes`` (and ``explicit_axes``) leave no primitive around their
+    region: its equations sit inline, their avals on the region's mesh (``Auto`` axes where
+    the model's are ``Explicit``), and JAX refuses to bind them under another context mesh.
+    They are bound again under theirs.
     """
     if eqn.primitive.name in _MESH_MOVES or not eqn.outvars:
         return None

@@ -196,7 +196,6 @@ def name_stack_scopes(name_stack) -> tuple[tuple[int, ...], bool, bool]:
             NESTED_SCOPE in text)
 
 
-
 def recorded_op(name_stack) -> int | None:
     """The index of the innermost op scope (``fmtkit_op_<i>``) in a name stack, or None: the
     op a nested policied call recorded for an equation it bound."""
