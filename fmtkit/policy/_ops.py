@@ -66,6 +66,9 @@ VIEW_OPS = frozenset({
     "expand_dims", "slice", "dynamic_slice", "copy", "copy_p", "reduce_precision",
     # inside shard_map: a replicated weight marked device-varying, an FSDP shard gathered
     "pvary", "all_gather",
+    # sharding in types: a weight resharded (JAX's LLM examples reshard expert and router
+    # weights before use), or moved into an auto_axes region
+    "reshard", "mesh_cast",
 })
 
 # Primitives whose result depends on their operand's exact dtype, not only its value: a bit

@@ -142,7 +142,8 @@ def init(key):
 
 
 SPECS = {"embed": P(), "q": P(), "k": P(), "v": P(), "o": P(), "router": P(),
-         "we_gate": P("expert"), "we_up": P("expert"), "we_down": P("expert"),
+         "we_gate": P(None, None, "data"), "we_up": P(None, None, "data"),
+         "we_down": P(None, "data", None),  # stored sharded over "data", resharded for use
          "attn_gamma": P(), "ffn_gamma": P(), "final_gamma": P()}
 
 
@@ -203,8 +204,10 @@ def qwen3_moe(p, tokens):
                        out_sharding=P("data", None, None))
     h = rms_norm(x, p["ffn_gamma"])
     weights, idx = route(h, p["router"])
-    ff = experts(jax.sharding.reshard(h.reshape(-1, D), P()), p["we_gate"], p["we_up"],
-                 p["we_down"], weights, idx)
+    # the expert weights resharded onto the expert axis, as JAX's examples do before shard_map
+    we = [jax.sharding.reshard(p[n], P("expert", None, None))
+          for n in ("we_gate", "we_up", "we_down")]
+    ff = experts(jax.sharding.reshard(h.reshape(-1, D), P()), *we, weights, idx)
     x = x + jax.sharding.reshard(ff.reshape(B, T, D), P("data", None, None))
     return jnp.einsum("btd,vd->btv", rms_norm(x, p["final_gamma"]), p["embed"])
 
