@@ -114,3 +114,21 @@ def test_inspect_policy_after_a_call_negative_control(monkeypatch):
     outer = with_policy(model, "bf16-mixed")
     jax.block_until_ready(outer(PARAMS, X))
     assert not inspect_policy(outer, PARAMS, X, argnums=0).fp8_fraction() == 1.0
+
+
+def test_policied_linen_model_applied_inside_a_bf16_model_keeps_fp8():
+    """A policied linen block applied inside a policied function is a region too: its two
+    Dense layers on E4M3 (no head by role), the model's own matmul on bf16."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(jax.nn.relu(nn.Dense(8)(x)))
+
+    inner = with_policy(Block(), "fp8-current")
+    variables = inner.init(jax.random.key(0), X)
+    outer = with_policy(lambda v, x: jnp.tanh(inner.apply(v, x)) @ PARAMS["o"], "bf16-mixed")
+    pairs = dot_operand_dtypes(jax.make_jaxpr(outer)(variables, X))
+    assert pairs.count((E4M3, E4M3)) == 2, pairs
+    assert pairs.count((BF16, BF16)) == 1, pairs
