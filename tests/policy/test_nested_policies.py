@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from jaxpr_utils import dot_operand_dtypes
 
 from fmtkit import with_policy
@@ -96,6 +97,7 @@ def test_mark_head_inside_the_block_keeps_its_head_out_of_fp8():
     assert _fp8_count(dot_operand_dtypes(closed)) == 0
 
 
+@pytest.mark.slow
 def test_inspect_policy_after_a_call_and_twice():
     """The outer model's kept trace (from a call, or an earlier inspect_policy) does not hide
     the block's ops from a later report."""
@@ -105,6 +107,7 @@ def test_inspect_policy_after_a_call_and_twice():
         assert inspect_policy(outer, PARAMS, X, argnums=0).fp8_fraction() == 1.0
 
 
+@pytest.mark.slow
 def test_inspect_policy_after_a_call_negative_control(monkeypatch):
     """Mutation: the trace not told a policied function ran inside it: the kept trace from a
     call (no op scopes) is reused, and the report loses the block's FP8 GEMMs."""
@@ -116,6 +119,7 @@ def test_inspect_policy_after_a_call_negative_control(monkeypatch):
     assert not inspect_policy(outer, PARAMS, X, argnums=0).fp8_fraction() == 1.0
 
 
+@pytest.mark.slow
 def test_policied_linen_model_applied_inside_a_bf16_model_keeps_fp8():
     """A policied linen block applied inside a policied function is a region too: its two
     Dense layers on E4M3 (no head by role), the model's own matmul on bf16."""
