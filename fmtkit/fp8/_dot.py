@@ -159,18 +159,19 @@ def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precisi
         return core(x, w, hist).reshape(out_shape).astype(out_dtype)
 
     explicit = _explicit_axes()
-    if not explicit:
-        y = compute(lhs, rhs, hist)
-        return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
     # An explicit-sharding mesh: the quantization and the three GEMMs run with the mesh's
     # axes in auto mode (XLA partitions them as it partitions the dots they replace), and y
     # gets the sharding lax.dot_general gives (out_sharding, or its own rule, which raises
     # JAX's error where that is ambiguous); the gradients get their operands' shardings, as
-    # the transposes of the traced dot would.
-    if out_sharding is None:
+    # the transposes of the traced dot would. Operands on no mesh (arrays made before
+    # jax.set_mesh and passed into a jit under it) give no sharding: the GEMMs run as they are.
+    if explicit and out_sharding is None:
         out_sharding = jax.eval_shape(functools.partial(
             lax.dot_general, dimension_numbers=dimension_numbers,
             preferred_element_type=out_dtype), lhs, rhs).sharding
+    if not explicit or out_sharding is None:
+        y = compute(lhs, rhs, hist)
+        return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
     return jax.sharding.auto_axes(compute, axes=explicit, out_sharding=out_sharding)(
         lhs, rhs, hist)
 

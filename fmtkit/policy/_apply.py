@@ -31,11 +31,41 @@ def flax_kind(model: Any, argname: str = "model") -> str:
     if isinstance(model, type) and issubclass(model, (nn.Module, nnx.Module)):
         raise TypeError(f"{argname} must be a Flax module instance, got the class "
                         f"{model.__name__}; instantiate it first.")
+    if _is_hf_flax_model(model):
+        raise TypeError(_HF_WRAPPING.format(argname=argname,
+                                            cls=type(model).__qualname__))
     if callable(model) and not isinstance(model, type):
         return "function"
     raise TypeError(
         f"{argname} must be a flax.linen.Module or flax.nnx.Module instance or a JAX function, "
         f"got {type(model).__module__}.{type(model).__qualname__}.")
+
+
+def _is_hf_flax_model(model: Any) -> bool:
+    """Whether ``model`` looks like a Hugging Face Flax model (``FlaxPreTrainedModel``): not
+    a module itself, it holds a linen module (``.module``), its parameters (``.params``) and a
+    ``.config``, and its ``__call__`` takes the parameters by keyword (``params=``). Duck-typed:
+    fmtkit does not import transformers."""
+    import flax.linen as nn
+
+    return (not isinstance(model, type) and isinstance(getattr(model, "module", None), nn.Module)
+            and hasattr(model, "params") and hasattr(model, "config"))
+
+
+# transformers' FlaxPreTrainedModel.__call__ runs
+# ``self.module.apply({"params": params or self.params}, input_ids, ..., deterministic=not
+# train, rngs=rngs)`` (e.g. models/bert/modeling_flax_bert.py): the module and that
+# variables dict are what a policy can see.
+_HF_WRAPPING = (
+    "{argname} is a Hugging Face Flax model ({cls}), not a Flax module: its __call__ takes "
+    "the parameters by keyword (params=), which a policy cannot see as parameters, so no "
+    "matmul would be a projection (no FP8, nothing cast at use). Wrap its linen module and "
+    "apply it with the parameters, as the model's __call__ does: policied = "
+    "with_policy(hf_model.module, rules); policied.apply({{\"params\": hf_model.params}}, "
+    "input_ids, attention_mask, ..., deterministic=True) (the module's own arguments; "
+    "policied.init gives the same variables). Or wrap a function that takes the parameters "
+    "first: with_policy(lambda params, *inputs: hf_model(*inputs, params=params), "
+    "rules)(hf_model.params, input_ids, attention_mask).")
 
 
 def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
@@ -106,7 +136,9 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
         or a sequence (``()``: none). "auto" (default): the first argument when the function
         is called with two or more positional arguments (``apply(params, x)``), none when
         called with one (``f(x)``: data; under an FP8 policy that warns, since no matmul
-        then has a parameter operand); say ``params_argnums=0`` for ``f(params)``.
+        then has a parameter operand); say ``params_argnums=0`` for ``f(params)``. Under
+        every frontend an FP8/FP4 policy that finds no projection (no matmul it covers has
+        a parameter operand) warns: nothing would run in FP8.
       cache_traces: keep the model's traced jaxpr per input signature, as ``jax.jit`` keeps
         its traces (key: the model — a linen module by value, an NNX graphdef, a function
         object — the arguments' tree structure, array shapes/dtypes/shardings, and the
@@ -124,7 +156,9 @@ def with_policy(model: Any, policy_or_rules: Policy | Rules | str | Any, *,
       ``init_fp8_state`` under a delayed FP8 recipe).
 
     Raises:
-      TypeError: ``model`` is not a Flax module or a function; a rule is malformed.
+      TypeError: ``model`` is not a Flax module or a function; a rule is malformed; a Hugging
+        Face Flax model object (its parameters go by keyword: the message says how to wrap
+        its ``.module``).
       ValueError: unknown preset (a near miss gets "did you mean"), a bare dtype name
         ("bf16": say "bf16-mixed" or ``Policy.parse("p=bf16")``), FP8 dtype, invalid regex,
         already-wrapped model, parameters narrower than their ``param_dtype`` (at wrap for
@@ -282,18 +316,25 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
                 raise TypeError("fp8_state must be the dict init_fp8_state returns, got "
                                 f"{type(fp8_state).__name__}.")
 
-        def call(tree):
+        def call(tree, nested=False):
             a, k, state = tree
+            # (one positional argument under "auto": traced_call has said why no matmul has
+            # a parameter operand)
+            said = argnums_spec == _AUTO and not _param_args(argnums_spec, a)
             out, _ = _trace.run(*traced_call(a, k),
-                                fp8_state=dict(state) if state is not None else None)
+                                fp8_state=dict(state) if state is not None else None,
+                                nested=nested, warn_no_projection=not said)
             return out
 
         if _scopes.is_tracing():
             # Called inside another policied model's trace: this policy decides the ops it
-            # binds (their scope tells the outer policy to keep them as traced), and only the
-            # outer call is recorded for inspect_policy.
-            with jax.named_scope(_scopes.NESTED_SCOPE), _scopes.not_recording():
-                return call((args, kwargs, fp8_state))
+            # binds (their scope tells the outer policy to keep them as traced), as a nested
+            # autocast region does. Its outputs are not the model's, so none of its matmuls is
+            # the output head by role (only by mark_head): its FP8 recipe covers them all.
+            # inspect_policy reads each op under the op scope this call records it with.
+            _scopes.note_nested_call()
+            with jax.named_scope(_scopes.NESTED_SCOPE):
+                return call((args, kwargs, fp8_state), nested=True)
 
         # Eager calls: compiled once per input signature (fmtkit.policy._eager); under rules
         # that change nothing ("fp32"), op by op, as the unwrapped function runs.
@@ -307,7 +348,8 @@ def _policied_function(fn: Any, rules: Rules, strict: bool, params_argnums: Any,
         f32[*layers, 3, history]}`` (empty without a delayed recipe); traced, not run."""
         if not delayed:
             return {}
-        slots = _trace.fp8_slots(*traced_call(args, kwargs))
+        slots = _trace.fp8_slots(*traced_call(args, kwargs),
+                                 nested=_scopes.is_tracing())
         return {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
 
     policied._fmtkit_rules = rules  # type: ignore[attr-defined]

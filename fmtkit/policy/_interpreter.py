@@ -53,6 +53,7 @@ from fmtkit.policy._scopes import (
     Recorder,
     Registry,
     name_stack_scopes,
+    recorded_op,
     scope_chain,
 )
 from fmtkit.scaling import DelayedScalingState
@@ -170,8 +171,17 @@ class Interpreter(ControlFlow, CustomRules):
     """Evaluates a traced jaxpr under a plan's rules (see the module docstring)."""
 
     def __init__(self, plan: Plan, registry: Registry, *, fp8_state: dict | None = None,
-                 record: Recorder | None = None):
+                 record: Recorder | None = None, nested: bool = False,
+                 warn_no_projection: bool = True):
         self.plan = plan
+        # Matmuls (not convolutions, not the head) whose module has an FP8/FP4 recipe, and
+        # how many of them have a parameter operand; none warns (``_warn_no_projection``).
+        self._fp8_covered = 0
+        self._fp8_with_params = 0
+        self._warn_no_projection_on = warn_no_projection
+        # A policied function called inside another policied model's trace: its ops are
+        # recorded, its modules reported under the enclosing model's.
+        self.nested = nested
         self.rules = plan.rules
         self.registry = registry
         self.fp8_state = fp8_state
@@ -237,6 +247,7 @@ class Interpreter(ControlFlow, CustomRules):
                          self.fp8_state or {}, leave)
         self._ran = True
         self._warn_convs()
+        self._warn_no_projection()
         return out
 
     def _walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local,
@@ -268,8 +279,11 @@ class Interpreter(ControlFlow, CustomRules):
 
         for i, eqn in enumerate(jaxpr.eqns):
             chain = scope_chain(eqn, prefix)
-            invals = [read(v, chain) for v in eqn.invars]
-            outs = self._eqn(eqn, invals, chain, (*idprefix, i), idprefix, fp8_local)
+            mesh = _traced_mesh(eqn)
+            with (jax.sharding.use_abstract_mesh(mesh) if mesh is not None
+                  else contextlib.nullcontext()):
+                invals = [read(v, chain) for v in eqn.invars]
+                outs = self._eqn(eqn, invals, chain, (*idprefix, i), idprefix, fp8_local)
             for v, x in zip(eqn.outvars, outs):
                 env[v], chains[v] = x, chain
         if leave is None:
@@ -300,12 +314,18 @@ class Interpreter(ControlFlow, CustomRules):
 
     def _eqn(self, eqn, invals, chain, idp, idprefix, fp8_local) -> list[Any]:
         name = eqn.primitive.name
+        if name_stack_scopes(eqn.source_info.name_stack)[2]:
+            # An inner policied function's op (NESTED_SCOPE): its policy decided it, and it
+            # is read (inspect_policy) as the op that call recorded.
+            inner = recorded_op(eqn.source_info.name_stack) if self.record is not None else None
+            scope = (jax.named_scope(f"{OP_SCOPE}{inner}") if inner is not None
+                     else self._record(eqn, chain, idp) if self.record is not None
+                     else contextlib.nullcontext())
+            with scope:
+                return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
         scope = (self._record(eqn, chain, idp) if self.record is not None
                  else contextlib.nullcontext())
         with scope:
-            if name_stack_scopes(eqn.source_info.name_stack)[2]:
-                # An inner policied function's op (NESTED_SCOPE): its policy decided it.
-                return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if name in _ops.INLINE_CALLS:
                 return self._jit(eqn, invals, chain, idp, fp8_local)
             if name == "custom_jvp_call":
@@ -320,7 +340,7 @@ class Interpreter(ControlFlow, CustomRules):
                                                                   fp8_local)
                 if outs is not None:
                     return outs
-            if (name in _ops.DTYPE_EXACT or name in _ops.WIDE_OPS
+            if (name in _ops.DTYPE_EXACT or name in _ops.WIDE_OPS or name in _ops.COMBINER_OPS
                     or (self.identity and not list(jex.jaxprs_in_params(eqn.params)))):
                 # bit patterns, FFT, linear algebra, callbacks, every op of "fp32": as traced
                 return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
@@ -392,6 +412,11 @@ class Interpreter(ControlFlow, CustomRules):
         head = info is not None and info.head and self.head_applies(module)
         if head:
             policy = self.rules.head
+        elif policy.fp8 is not None and eqn.primitive.name != "conv_general_dilated":
+            self._fp8_covered += 1
+            self._fp8_with_params += any(not isinstance(v, jex.Literal)
+                                         and self.analysis.is_param(idprefix, v)
+                                         for v in eqn.invars[:2])
         cdt = np.dtype(policy.compute_dtype)
         traced = [np.dtype(v.aval.dtype) for v in eqn.invars[:2]]
         if any(_is_complex(d) for d in traced):
@@ -597,8 +622,9 @@ class Interpreter(ControlFlow, CustomRules):
         dot = self.analysis.dots.get(idp)
         head = bool(dot and dot.head and self.head_applies(module))
         type_name = info.type_names[0] if info.type_names else "-"
-        self.record.modules.setdefault(
-            info.path, (type_name, policy, self.plan.rule(info.path, info.type_names)))
+        if not self.nested:
+            self.record.modules.setdefault(
+                info.path, (type_name, policy, self.plan.rule(info.path, info.type_names)))
         facts = [None if isinstance(v, jex.Literal) else self.analysis.facts.get((idp[:-1], v))
                  for v in eqn.invars]
         self.record.ops.append(OpRecord(
@@ -631,10 +657,56 @@ class Interpreter(ControlFlow, CustomRules):
             "warnings.filterwarnings('ignore', message='Convolutions in module').",
             UserWarning, stacklevel=3)
 
+    def _warn_no_projection(self) -> None:
+        """Warns when the rules' FP8/FP4 recipes cover matmuls but none of them has a
+        parameter operand (a view of the parameters): the recipe then quantizes nothing,
+        and ``inspect_policy``'s ``fp8_fraction`` is NaN. Usually the parameters were not
+        where the frontend looks for them (a function's ``params_argnums``, a Hugging Face
+        model's ``params=`` keyword). (A one-hot embedding lookup has a parameter operand
+        and stays out of FP8 by design: it does not warn.)"""
+        if not self._warn_no_projection_on or self._fp8_with_params or not self._fp8_covered:
+            return
+        recipes = sorted({p.fp8.name for p in (self.rules.default,
+                                                *(p for _, p in self.rules.rules))
+                          if p is not None and p.fp8 is not None})
+        self._warn("no-projection", (
+            f"with_policy: the FP8/FP4 recipe {' / '.join(recipes)} found no projection to "
+            f"quantize: none of the {self._fp8_covered} matmul(s) it covers has a parameter "
+            "operand, so all ran on the compute dtype (inspect_policy's fp8_fraction is "
+            "NaN). A matmul is a projection when one operand is a view of the parameters: a "
+            "linen model's variables['params'], an NNX model's nnx.Param, a plain "
+            "function's parameter argument(s) (params_argnums; 'auto' takes the first "
+            "positional argument when there are two or more). A Hugging Face Flax model "
+            "takes its parameters by keyword: wrap hf_model.module and apply it with "
+            "{'params': hf_model.params}."))
+
     def _warn(self, key: str, msg: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(msg, UserWarning, stacklevel=2)
+
+
+# Primitives that move a value between meshes (``auto_axes``/``explicit_axes`` enter and
+# leave their region with them): bound in the enclosing context, as they were traced.
+_MESH_MOVES = frozenset({"reshard", "mesh_cast"})
+
+
+def _traced_mesh(eqn):
+    """The abstract mesh an equation was traced under, where it differs from the current
+    one (else None): the sharding-in-types mesh of its results' avals.
+
+    ``jax.sharding.auto_axes`` (and ``explicit_axes``) leave no primitive around their
+    region: its equations sit inline, their avals on the region's mesh (``Auto`` axes where
+    the model's are ``Explicit``), and JAX refuses to bind them under another context mesh.
+    They are bound again under theirs.
+    """
+    if eqn.primitive.name in _MESH_MOVES or not eqn.outvars:
+        return None
+    mesh = getattr(getattr(eqn.outvars[0].aval, "sharding", None), "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    current = jax.sharding.get_abstract_mesh()
+    return None if mesh == current else mesh
 
 
 def _ragged_dot_form(eqn) -> bool:

@@ -10,6 +10,7 @@ policy (linen's interceptor stack is not part of jit's cache key).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Mapping
@@ -226,8 +227,15 @@ class PolicyModel:
         leaves = [(tuple(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf
                   in jax.tree_util.tree_leaves_with_path(variables.get("params", {}))]
         plan.check_param_dtypes(leaves, "variables['params']")
-        out, _ = _trace.run(traced, plan, main=_main_outputs(traced, mutable),
-                            fp8_state=None if fp8_state is None else dict(fp8_state))
+        # Applied inside another policied model's trace: a nested region, as a policied
+        # function is (``_apply.with_policy``): its rules decide its ops, no head by role.
+        nested = _scopes.is_tracing()
+        if nested:
+            _scopes.note_nested_call()
+        with jax.named_scope(_scopes.NESTED_SCOPE) if nested else contextlib.nullcontext():
+            out, _ = _trace.run(traced, plan, main=_main_outputs(traced, mutable),
+                                fp8_state=None if fp8_state is None else dict(fp8_state),
+                                nested=nested)
         return out
 
 

@@ -66,6 +66,9 @@ VIEW_OPS = frozenset({
     "expand_dims", "slice", "dynamic_slice", "copy", "copy_p", "reduce_precision",
     # inside shard_map: a replicated weight marked device-varying, an FSDP shard gathered
     "pvary", "all_gather",
+    # sharding in types: a weight resharded (JAX's LLM examples reshard expert and router
+    # weights before use), or moved into an auto_axes region
+    "reshard", "mesh_cast",
 })
 
 # Primitives whose result depends on their operand's exact dtype, not only its value: a bit
@@ -83,6 +86,15 @@ WIDE_OPS = frozenset({
     "fft", "eigh", "eig", "svd", "qr", "geqrf", "geqp3", "householder_product", "lu",
     "lu_pivots_to_permutation", "cholesky", "triangular_solve", "schur", "hessenberg",
     "tridiagonal", "tridiagonal_solve", "custom_linear_solve", "pure_callback", "io_callback",
+})
+
+# Scatters and generic reductions: their body is the scalar combiner JAX builds for the
+# operand dtype (``jnp.bincount``, ``x.at[i].add``, ``segment_sum``, ``lax.reduce``), never
+# a matmul. They run on their inputs in their traced dtypes (the combiner is typed by them),
+# as the sums they mostly are would in f32, without the warning of an unknown body.
+COMBINER_OPS = frozenset({
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
+    "reduce", "reduce_window", "select_and_scatter",
 })
 
 # Call primitives whose bodies the interpreter enters (``_interpreter`` handles the other

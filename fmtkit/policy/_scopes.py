@@ -32,6 +32,7 @@ HEAD_SCOPE = "fmtkit_head_output"
 # policy decided their dtypes, and the outer one binds them as traced (the inner one wins).
 NESTED_SCOPE = "fmtkit_nested_policy"
 _MODULE_RX = re.compile(MODULE_SCOPE + r"(\d+)")
+_OP_RX = re.compile(OP_SCOPE + r"(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Registry:
     def __init__(self):
         self.modules: list[ModuleInfo] = []
         self._index: dict[ModuleInfo, int] = {}
+        # Whether a policied function was called inside this trace (``note_nested_call``).
+        self.nested_calls = False
 
     def index(self, path: str, type_names: Sequence[str]) -> int:
         info = ModuleInfo(path, tuple(type_names))
@@ -128,18 +131,6 @@ def recording():
         _ACTIVE.recorder = prev
 
 
-@contextlib.contextmanager
-def not_recording():
-    """Suspends the enclosing ``recording`` (a nested policied call records nothing: the
-    outer interpreter records the ops it binds)."""
-    prev = _ACTIVE.recorder
-    _ACTIVE.recorder = None
-    try:
-        yield
-    finally:
-        _ACTIVE.recorder = prev
-
-
 def active_recorder() -> Recorder | None:
     """The recorder of the enclosing ``recording`` on this thread, or None."""
     return _ACTIVE.recorder
@@ -148,6 +139,14 @@ def active_recorder() -> Recorder | None:
 def is_tracing() -> bool:
     """Whether a policied trace is being recorded on this thread."""
     return _ACTIVE.registry is not None
+
+
+def note_nested_call() -> None:
+    """Notes in the trace being recorded that a policied function is called inside it: its
+    ops carry the op scopes of the ``recording`` active then, so the trace is not reused by
+    another recording (``_trace.trace``)."""
+    if _ACTIVE.registry is not None:
+        _ACTIVE.registry.nested_calls = True
 
 
 def module_scope(path: str, type_names: Sequence[str]):
@@ -196,3 +195,9 @@ def name_stack_scopes(name_stack) -> tuple[tuple[int, ...], bool, bool]:
     return (tuple(int(i) for i in _MODULE_RX.findall(text)), HEAD_SCOPE in text,
             NESTED_SCOPE in text)
 
+
+def recorded_op(name_stack) -> int | None:
+    """The index of the innermost op scope (``fmtkit_op_<i>``) in a name stack, or None: the
+    op a nested policied call recorded for an equation it bound."""
+    found = _OP_RX.findall(str(name_stack))
+    return int(found[-1]) if found else None

@@ -80,6 +80,10 @@ class Traced:
         return Plan.of(rules, self.registry.visited() or {"": ()})
 
 
+# The start of the error JAX (0.11) raises for ``jax.set_mesh`` entered inside a trace.
+_SET_MESH_IN_TRACE = "`set_mesh` can only be used outside of `jax.jit`"
+
+
 def trace(fn: Callable, args: tuple, kwargs: dict, *,
           is_param: Callable[[tuple, Any], bool] = lambda path, x: True,
           scopes: Callable | None = None, cache: _trace_cache.TraceCache | None = None,
@@ -101,10 +105,13 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
     key = (None if cache is None or not _TRACE_CACHE
            else _trace_cache.signature(leaves, dyn_idx, treedef, static_types))
+    # A trace with policied functions called inside it carries the op scopes of the recording
+    # active when it was made (inspect_policy's): another recording traces it again.
+    recording = active_recorder() is not None
     if key is not None:
         key = (cache_key, key)
         hit = cache.get(key)
-        if hit is not None:
+        if hit is not None and not (recording and hit[1].nested_calls):
             closed, registry, out_tree, avals = hit
             return Traced(closed, registry, dyn, params, out_tree, avals)
     registry = Registry()
@@ -124,29 +131,42 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     narrow = any(floating_dtype(x.dtype) and np.dtype(x.dtype).itemsize < 4 for x in dyn)
     mode = "standard" if narrow else jax.config.jax_numpy_dtype_promotion
     with jax.numpy_dtype_promotion(mode):
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+        try:
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+        except ValueError as err:
+            if _SET_MESH_IN_TRACE not in str(err):
+                raise
+            raise ValueError(
+                "with_policy traces the model (as jax.jit does), and JAX refuses "
+                "jax.set_mesh inside a trace: the model enters a mesh with jax.set_mesh. "
+                "Enter it around the call instead (with jax.set_mesh(mesh): "
+                "policied(...), jitted or not); inside the model, jax.sharding.auto_axes, "
+                "explicit_axes and reshard work under every preset.") from err
     avals, out_tree = jax.tree.flatten(out_shape)
     # A constant that is a tracer (the model closed over a value of an enclosing trace)
     # exists in that trace only: such a jaxpr is not kept.
-    if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+    if (key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts)
+            and not (recording and registry.nested_calls)):
         cache.put(key, (closed, registry, out_tree, avals))
     return Traced(closed, registry, dyn, params, out_tree, avals)
 
 
-def fp8_slots(traced: Traced, plan: Plan, main: Sequence[bool | str] | None = None
-              ) -> dict[str, tuple[int, ...]]:
+def fp8_slots(traced: Traced, plan: Plan, main: Sequence[bool | str] | None = None,
+              nested: bool = False) -> dict[str, tuple[int, ...]]:
     """Shapes of the delayed-FP8 amax histories the plan needs for this trace, by slot name
     (``"<module path>:dot<i>"``; shape ``[*layers, *batch, 3, history]``: a leading axis per
-    enclosing ``scan`` and per batch dimension of the dot); ``main`` as in ``run``."""
+    enclosing ``scan`` and per batch dimension of the dot); ``main`` and ``nested`` as in
+    ``run``."""
     main = [True] * len(traced.out_avals) if main is None else main
     interp = Interpreter(plan, traced.registry)
     return interp.analyze(traced.closed, traced.params,
-                          [m is True and floating_dtype(a.dtype)
+                          [not nested and m is True and floating_dtype(a.dtype)
                            for m, a in zip(main, traced.out_avals)]).site_shapes
 
 
 def run(traced: Traced, plan: Plan, *, main: Sequence[bool | str] | None = None,
-        fp8_state: dict | None = None, record: Recorder | None = None
+        fp8_state: dict | None = None, record: Recorder | None = None,
+        nested: bool = False, warn_no_projection: bool = True
         ) -> tuple[Any, Interpreter]:
     """Interprets a trace under a plan (``Traced.plan``); returns (output tree, the
     interpreter).
@@ -156,12 +176,20 @@ def run(traced: Traced, plan: Plan, *, main: Sequence[bool | str] | None = None,
     statistics, RNG state), a module path for a value that module sowed (as that module sees
     it: a sub-module's output reaches it cast to the sub-module's output dtype, as the ops
     it runs read it).
+
+    ``nested``: a policied function called inside another policied model's trace. Its
+    outputs are not the model's, so no matmul is the head by role (only by ``mark_head``);
+    its ops are recorded (``inspect_policy``) under the enclosing model's modules.
+    ``warn_no_projection``: False where the caller has already said why the rules' FP8
+    recipe finds no projection.
     """
     main = [True] * len(traced.out_avals) if main is None else list(main)
     interp = Interpreter(plan, traced.registry, fp8_state=fp8_state,
-                         record=record if record is not None else active_recorder())
+                         record=record if record is not None else active_recorder(),
+                         nested=nested, warn_no_projection=warn_no_projection)
     interp.analyze(traced.closed, traced.params,
-                   [m is True and floating_dtype(a.dtype) for m, a in zip(main, traced.out_avals)])
+                   [not nested and m is True and floating_dtype(a.dtype)
+                    for m, a in zip(main, traced.out_avals)])
     # State is not a module output (no output cast applies); a sown value is read where
     # its module sowed it.
     outs = interp.run(traced.closed, traced.dyn,
