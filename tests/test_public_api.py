@@ -80,6 +80,10 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
     "fmtkit.telemetry": ("NumericsStats", "cast_stats", "compare", "quantize_stats",
                          "tree_stats"),
     "fmtkit.distributed": ("reduce_gradients",),
+    "fmtkit.stats": (
+        "BASE_STATS", "BLOCK_STATS", "QUANT_STATS", "RECONSTRUCTION_STATS", "TILE",
+        "Quantization", "block_stats", "clip_threshold", "quant_stats", "reconstruction_stats",
+        "tensor_stats"),
     "fmtkit.memory": ("MemoryLedger", "ledger"),
     "pallas_kernels": (
         "TuningConfig", "blockwise_fp8_dgrad", "blockwise_fp8_matmul",
