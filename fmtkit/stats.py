@@ -99,6 +99,7 @@ BLOCK_STATS: tuple[str, ...] = ("sqnr_db", "saturation_block_share", "underflow_
 # The tile of max_blockwise_dynamic_range: 1x128, the activation tile of DeepSeek-V3's
 # blockwise FP8 recipe (section 3.3.1) and of Transformer Engine's blockwise recipe.
 TILE = 128
+"""The tile of ``max_blockwise_dynamic_range``: 1x128 along the tensor's last axis."""
 
 _ADD, _MIN, _MAX = "add", "min", "max"
 _COMBINE: dict[str, Callable[[Any, Any], Any]] = {_ADD: lax.add, _MIN: lax.min,

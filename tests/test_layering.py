@@ -61,6 +61,8 @@ ALLOWED: dict[str, set[str]] = {
     "fmtkit.qwix": {*CORE, "fmtkit.fp8"},
     # Per-GEMM statistics and overrides, built on the policy's GEMM hook: debug -> policy.
     "fmtkit.debug": {*CORE, "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy"},
+    # The deprecated former path of fmtkit.debug.log, re-exporting it.
+    "fmtkit.debuglog": {"fmtkit.debug"},
     # The package facade re-exports the public names of every core module.
     "fmtkit": {*CORE, "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8", "fmtkit.fp4",
                "fmtkit.optim",

@@ -91,7 +91,11 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "quantize_128x128", "quantize_128x128_reference", "quantize_1x128",
         "quantize_1x128_reference"),
     "fmtkit.qwix": ("FmtkitProvider", "FmtkitRule", "from_qarray", "to_qarray"),
+    # the deprecated former path of fmtkit.debug.log (warns once, on import)
     "fmtkit.debuglog": (
+        "DECISIONS_NAME", "JSONL_NAME", "REDUCTIONS", "StatsLogger", "flatten_stats",
+        "reduce_stat", "split_tag"),
+    "fmtkit.debug.log": (
         "DECISIONS_NAME", "JSONL_NAME", "REDUCTIONS", "StatsLogger", "flatten_stats",
         "reduce_stat", "split_tag"),
 }
