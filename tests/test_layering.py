@@ -88,7 +88,8 @@ FACADES: dict[str, str] = {
     # public module: the package whose private modules it re-exports under its own path.
     # FP4 recipes are Fp8Recipe subclasses that share the FP8 operand and GEMM modules, so
     # their implementation lives in the fmtkit.fp8 package (_fp4_quant, _hadamard, _fp4_vjp,
-    # _recipe); fmtkit.fp4 is its public path and defines nothing but a default.
+    # _recipe); fmtkit.fp4 is its public path and defines nothing but a default and the
+    # view of quantization_stats under its earlier key names.
     "fmtkit.fp4": "fmtkit.fp8",
 }
 
