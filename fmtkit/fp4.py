@@ -61,16 +61,27 @@ through ``jax.nn.scaled_matmul`` (cuDNN's block-scaled dot) instead.
 The implementation lives in the FP8 family's package, whose operand and GEMM modules it
 shares (``fmtkit/fp8/_fp4_quant.py``, ``_hadamard.py``, ``_fp4_vjp.py``; the recipes in
 ``_recipe.py``); this module is its public path.
+
+Deprecated spellings: the statistics of ``quantization_stats`` carry the names of
+``fmtkit.stats`` (``BLOCK_STATS``); its earlier keys ``saturated_blocks``,
+``underflow_blocks`` and ``zero_fraction`` still read ``saturation_block_share``,
+``underflow_block_share`` and ``underflow_share``, and warn once with a
+``DeprecationWarning``.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+import jax
 
 from fmtkit import fp8
 from fmtkit.fp8._fp4_quant import E2M1 as E2M1
 from fmtkit.fp8._fp4_quant import E4M3 as E4M3
 from fmtkit.fp8._fp4_quant import Fp4Array, dequantize, mxfp4_quantize, nvfp4_quantize
 from fmtkit.fp8._fp4_vjp import GEMM_SCOPE as GEMM_SCOPE
-from fmtkit.fp8._fp4_vjp import quantization_stats
+from fmtkit.fp8._fp4_vjp import quantization_stats as _block_stats_of
 from fmtkit.fp8._hadamard import hadamard_matrix, random_hadamard_transform, rht_matrix
 from fmtkit.fp8._recipe import FP4_RECIPES as RECIPES
 from fmtkit.fp8._recipe import Fp4Recipe, get_recipe
@@ -102,3 +113,59 @@ def dot_general_fn(recipe: str | Fp4Recipe = "nvfp4", *, name: str | None = None
       (32, 16)
     """
     return fp8.dot_general_fn(get_recipe(recipe), name=name)
+
+
+# Earlier keys of quantization_stats: the fmtkit.stats name each one reads.
+_RENAMED = {"saturated_blocks": "saturation_block_share",
+            "underflow_blocks": "underflow_block_share", "zero_fraction": "underflow_share"}
+_WARNED: set[str] = set()
+
+
+class _QuantizationStats(dict):
+    """The statistics of ``quantization_stats`` (a dict, a pytree node that keeps its type
+    through ``jit``): the earlier keys read their renamed statistic, warning once."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if key in _RENAMED:
+            if key not in _WARNED:
+                _WARNED.add(key)
+                warnings.warn(f"quantization_stats(...)[{key!r}] is deprecated: use "
+                              f"[{_RENAMED[key]!r}] (the same value, named as in "
+                              "fmtkit.stats).", DeprecationWarning, stacklevel=2)
+            key = _RENAMED[key]
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self or key in _RENAMED else default
+
+
+jax.tree_util.register_pytree_with_keys(
+    _QuantizationStats,
+    lambda d: ([(jax.tree_util.DictKey(k), v) for k, v in dict.items(d)], tuple(d)),
+    lambda keys, values: _QuantizationStats(zip(keys, values, strict=True)),
+    lambda d: (list(dict.values(d)), tuple(d)))
+
+
+def quantization_stats(t: jax.typing.ArrayLike, recipe: str | Fp4Recipe = "nvfp4",
+                       operand: Literal["x", "w", "grad"] = "x") -> dict[str, jax.Array]:
+    """What one GEMM operand loses to a recipe's FP4 quantization (telemetry, in-jit).
+
+    ``t`` is laid out ``[free, contraction]`` (x: [tokens, K]; w: [N, K], a Flax kernel
+    transposed; grad: [tokens, N]), zero-padded to its blocks, and quantized as the forward
+    (x, w) or dgrad (grad) GEMM does (stochastic rounding with a fixed key).
+
+    Returns:
+      ``fmtkit.stats.BLOCK_STATS`` (f32 scalars, defined in ``fmtkit.stats``): ``sqnr_db``,
+      ``saturation_block_share`` (blocks with an element beyond ±6 after scaling, clipped:
+      an E4M3 block scale rounded down, or MX's "floor" rule), ``underflow_block_share``
+      (nonzero blocks that dequantize to all zeros: an E4M3 scale of 0, or every element
+      under half of E2M1's smallest step), ``underflow_share`` (nonzero elements quantized
+      to 0). The earlier keys ``saturated_blocks``, ``underflow_blocks`` and
+      ``zero_fraction`` still read them, with a ``DeprecationWarning``.
+
+    Example:
+      >>> s = quantization_stats(jnp.ones((16, 32)), "nvfp4", "w")
+      >>> float(s["sqnr_db"]), float(s["underflow_share"])   # 1 is exact in E2M1
+      (inf, 0.0)
+    """
+    return _QuantizationStats(_block_stats_of(t, recipe, operand))

@@ -1,22 +1,20 @@
 """In-jit numerics statistics of a cast or a quantization, for one array or a whole pytree.
 
 All statistics are computed in f32 with a handful of fused reductions, so they are cheap
-enough to log every step inside a jitted train step.
+enough to log every step inside a jitted train step. The statistics are
+``fmtkit.stats.RECONSTRUCTION_STATS``, under the names and definitions of ``fmtkit.stats``
+(x the input, d its reconstruction): ``underflow_share``, ``overflow_share`` (for a cast,
+beyond ±fmt.max; for a quantization, |x / scale| beyond it), ``amax``, ``sqnr_db``,
+``rel_error`` and ``nonfinite_share``.
 
-Definitions (x is the input, y its reconstruction, both in f32; "finite" excludes inf/NaN):
-  underflow = #(x != 0 and y == 0) / #(x != 0)                 (flushed to zero)
-  overflow  = #(x finite and (|x| > limit or y not finite)) / #(x finite)
-              limit is fmt.max in the cast domain (|x / scale| for a quantization)
-  amax      = max |x| over finite x
-  sqnr_db   = 10 log10(sum x^2 / sum (x - y)^2)   (inf for an exact reconstruction)
-  rel_error = ||x - y||_2 / ||x||_2
-  nonfinite = #(y not finite) / size
-sqnr_db and rel_error are taken over the entries whose input and reconstruction are finite;
-overflow to inf/NaN is reported by ``overflow`` and ``nonfinite`` instead of swamping them.
+Deprecated spellings: the fields ``underflow``, ``overflow`` and ``nonfinite`` of
+``NumericsStats`` still read ``underflow_share``, ``overflow_share`` and
+``nonfinite_share``, and warn once with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,29 +24,56 @@ import jax.numpy as jnp
 from fmtkit.casting import Overflow, Rounding, cast, check_floating
 from fmtkit.formats import Format, get_format
 from fmtkit.scaling import Recipe, TensorScaling, dequantize, quantize
+from fmtkit.stats import reconstruction_stats
 
 __all__ = ["NumericsStats", "cast_stats", "compare", "quantize_stats", "tree_stats"]
 
 
+# Earlier field names of NumericsStats: the fmtkit.stats name each one reads.
+_RENAMED = {"underflow": "underflow_share", "overflow": "overflow_share",
+            "nonfinite": "nonfinite_share"}
+_WARNED: set[str] = set()
+
+
+def _renamed(stats: NumericsStats, old: str) -> jax.Array:
+    """The field an earlier name reads, with a ``DeprecationWarning`` the first time."""
+    if old not in _WARNED:
+        _WARNED.add(old)
+        warnings.warn(f"NumericsStats.{old} is deprecated: use NumericsStats.{_RENAMED[old]} "
+                      "(the same value, named as in fmtkit.stats).", DeprecationWarning,
+                      stacklevel=3)
+    return getattr(stats, _RENAMED[old])
+
+
 class NumericsStats(NamedTuple):
-    """Scalar f32 statistics of one cast or quantization (see the module docstring).
+    """Scalar f32 statistics of one cast or quantization (definitions: ``fmtkit.stats``).
 
     Example:
       >>> NumericsStats._fields
-      ('underflow', 'overflow', 'amax', 'sqnr_db', 'rel_error', 'nonfinite')
+      ('underflow_share', 'overflow_share', 'amax', 'sqnr_db', 'rel_error', 'nonfinite_share')
     """
 
-    underflow: jax.Array
-    overflow: jax.Array
+    underflow_share: jax.Array
+    overflow_share: jax.Array
     amax: jax.Array
     sqnr_db: jax.Array
     rel_error: jax.Array
-    nonfinite: jax.Array
+    nonfinite_share: jax.Array
 
+    @property
+    def underflow(self) -> jax.Array:
+        """Deprecated: ``underflow_share``."""
+        return _renamed(self, "underflow")
 
-def _frac(mask: jax.Array, of: jax.Array) -> jax.Array:
-    n = jnp.sum(of, dtype=jnp.float32)
-    return jnp.where(n > 0, jnp.sum(mask & of, dtype=jnp.float32) / jnp.maximum(n, 1.0), 0.0)
+    @property
+    def overflow(self) -> jax.Array:
+        """Deprecated: ``overflow_share``."""
+        return _renamed(self, "overflow")
+
+    @property
+    def nonfinite(self) -> jax.Array:
+        """Deprecated: ``nonfinite_share``."""
+        return _renamed(self, "nonfinite")
 
 
 def compare(x: jax.typing.ArrayLike, y: jax.typing.ArrayLike,
@@ -70,24 +95,7 @@ def compare(x: jax.typing.ArrayLike, y: jax.typing.ArrayLike,
     y = check_floating(y, "y").astype(jnp.float32)
     if x.shape != y.shape:
         raise ValueError(f"x and y must have the same shape, got {x.shape} and {y.shape}.")
-    finite = jnp.isfinite(x)
-    y_bad = ~jnp.isfinite(y)
-    over = y_bad if overflowed is None else (y_bad | overflowed)
-    xf = jnp.where(finite, x, 0.0)
-    err = jnp.where(finite & ~y_bad, x - y, 0.0)
-    sig = jnp.sum(xf * xf)
-    noise = jnp.sum(err * err)
-    sqnr = 10.0 * (jnp.log10(sig) - jnp.log10(noise))
-    sqnr = jnp.where(noise == 0, jnp.inf, sqnr)
-    rel = jnp.where(sig > 0, jnp.sqrt(noise) / jnp.sqrt(jnp.maximum(sig, 1e-38)), 0.0)
-    return NumericsStats(
-        underflow=_frac((y == 0), (x != 0) & finite),
-        overflow=_frac(over, finite),
-        amax=jnp.max(jnp.abs(xf)) if x.size else jnp.float32(0.0),
-        sqnr_db=sqnr.astype(jnp.float32),
-        rel_error=rel.astype(jnp.float32),
-        nonfinite=jnp.mean(y_bad, dtype=jnp.float32) if x.size else jnp.float32(0.0),
-    )
+    return NumericsStats(**reconstruction_stats(x, y, overflowed))
 
 
 def cast_stats(x: jax.typing.ArrayLike, fmt: str | Format, *, rounding: Rounding = "nearest",
@@ -96,8 +104,8 @@ def cast_stats(x: jax.typing.ArrayLike, fmt: str | Format, *, rounding: Rounding
     """Statistics of ``cast(x, fmt, ...)`` against x.
 
     Example:
-      >>> s = cast_stats(jnp.array([1e-8, 1.0, 7e4]), "fp16")
-      >>> round(float(s.underflow), 3), round(float(s.overflow), 3)  # 1e-8 flushes, 7e4 overflows
+      >>> s = cast_stats(jnp.array([1e-8, 1.0, 7e4]), "fp16")  # 1e-8 flushes, 7e4 overflows
+      >>> round(float(s.underflow_share), 3), round(float(s.overflow_share), 3)
       (0.333, 0.333)
     """
     fmt = get_format(fmt)
@@ -109,7 +117,8 @@ def cast_stats(x: jax.typing.ArrayLike, fmt: str | Format, *, rounding: Rounding
 
 def quantize_stats(x: jax.typing.ArrayLike, fmt: str | Format,
                    recipe: Recipe = TensorScaling(), *, state: Any = None) -> NumericsStats:
-    """Statistics of ``qdq(x, fmt, recipe)``; overflow counts values clipped at ±fmt.max.
+    """Statistics of ``qdq(x, fmt, recipe)``; ``overflow_share`` counts values clipped at
+    ±fmt.max.
 
     Example:
       >>> x = jnp.array([1.0, 0.3, -2.0, 1e-4])
@@ -131,7 +140,7 @@ def tree_stats(tree: Any, fn: Callable[[jax.Array], NumericsStats]) -> dict[str,
     Example:
       >>> grads = {"w": jnp.full((3,), 1e-8), "b": jnp.ones((2,))}
       >>> stats = tree_stats(grads, lambda g: cast_stats(g, "fp16"))
-      >>> float(stats["w"].underflow)
+      >>> float(stats["w"].underflow_share)
       1.0
     """
     out = {}

@@ -1,6 +1,6 @@
 """``fmtkit debug RUNDIR``: the worst GEMMs of a run's statistics log, and plots over steps.
 
-Reads ``RUNDIR/stats.jsonl`` (written by ``fmtkit.debuglog.StatsLogger``) and prints, for
+Reads ``RUNDIR/stats.jsonl`` (written by ``fmtkit.debug.log.StatsLogger``) and prints, for
 each metric, the ``--top`` entries (module path, GEMM, tensor) whose worst value over the
 logged steps is the worst, with that value and the step it was reached at (the earliest such
 step on a tie). Worst means largest for every metric but ``sqnr_db``, where it is the
@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from fmtkit.debuglog import DECISIONS_NAME, JSONL_NAME, split_tag
+from fmtkit.debug.log import DECISIONS_NAME, JSONL_NAME, split_tag
 
 # metric: True if larger is worse. The defaults are the figures an FP8 run goes wrong by.
 METRICS: dict[str, bool] = {
@@ -53,7 +53,7 @@ def read_log(rundir: str | Path) -> list[tuple[int, dict[str, float]]]:
     path = rundir / JSONL_NAME
     if not path.is_file():
         raise ValueError(f"RUNDIR {str(rundir)!r} has no {JSONL_NAME} (write one with "
-                         "fmtkit.debuglog.StatsLogger)")
+                         "fmtkit.debug.log.StatsLogger)")
     records = []
     size = path.stat().st_size
     where = f"RUNDIR {str(rundir)!r}: {JSONL_NAME}"

@@ -266,8 +266,9 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
             vals = [s[op] for s in d["layers"].values()]
             parts.append(
                 f"{op} SQNR {np.median([v['sqnr_db'] for v in vals]):.1f} dB, saturated "
-                f"{100 * np.median([v['saturated_blocks'] for v in vals]):.1f}% / underflow "
-                f"{100 * np.median([v['underflow_blocks'] for v in vals]):.2f}% of blocks")
+                f"{100 * np.median([v['saturation_block_share'] for v in vals]):.1f}% "
+                f"/ underflow "
+                f"{100 * np.median([v['underflow_block_share'] for v in vals]):.2f}% of blocks")
         c = d.get("grad_noise_curve") or {
             "steps": ["init", "end"], "ratio": [d["grad_noise_ratio"]["initial"],
                                                 d["grad_noise_ratio"]["trained"]]}

@@ -119,7 +119,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
         out = {}
         for name, r in recs.items():
             stats = compare(normal, qdq(x, fmt, r)[:, config.block:])
-            out[name] = (stats.rel_error, stats.sqnr_db, stats.underflow)
+            out[name] = (stats.rel_error, stats.sqnr_db, stats.underflow_share)
         return out
 
     per = {name: {"rel_error": [], "sqnr_db": [], "underflow": []} for name in recs}

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = ["fmtkit", "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy", "fmtkit.debug",
                   "fmtkit.optim",
                   "fmtkit.scaling", "fmtkit.casting", "fmtkit.formats", "fmtkit.telemetry",
-                  "fmtkit.distributed", "fmtkit.memory", "pallas_kernels", "fmtkit.debuglog",
-                  "fmtkit.qwix"]
+                  "fmtkit.distributed", "fmtkit.memory", "pallas_kernels", "fmtkit.debug.log",
+                  "fmtkit.qwix", "fmtkit.stats"]
 ENTRY = re.compile(r"^:::\s+([\w.]+)\s*$", re.M)
 HEADING = re.compile(r"""^\s+heading:\s*["']([\w.]+)["']\s*$""", re.M)
 ROW = re.compile(r"^\|\s*`([\w.]+)`", re.M)

@@ -1,4 +1,4 @@
-"""Imports flow one way: formats -> casting -> scaling -> {policy, optim, fp8} -> studies.
+"""Imports flow one way: formats -> casting -> scaling -> stats -> {policy, optim, fp8} -> studies.
 
 The test reads every module of ``fmtkit``, ``pallas_kernels``, ``studies`` and ``tools`` with
 ``ast``
@@ -40,12 +40,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fmtkit", "pallas_kernels", "studies", "tools")
 
-CORE = ("fmtkit.formats", "fmtkit.casting", "fmtkit.scaling")
+# The statistics of a tensor and of its quantization are core: every unit above reports them.
+CORE = ("fmtkit.formats", "fmtkit.casting", "fmtkit.scaling", "fmtkit.stats")
 ALLOWED: dict[str, set[str]] = {
     # unit: the units it may import (besides itself and third-party packages)
     "fmtkit.formats": set(),
     "fmtkit.casting": {"fmtkit.formats"},
     "fmtkit.scaling": {"fmtkit.formats", "fmtkit.casting"},
+    "fmtkit.stats": {"fmtkit.formats", "fmtkit.casting", "fmtkit.scaling"},
     "fmtkit.telemetry": {*CORE},
     "fmtkit.distributed": {*CORE},
     "fmtkit.fp8": {*CORE},
@@ -59,6 +61,8 @@ ALLOWED: dict[str, set[str]] = {
     "fmtkit.qwix": {*CORE, "fmtkit.fp8"},
     # Per-GEMM statistics and overrides, built on the policy's GEMM hook: debug -> policy.
     "fmtkit.debug": {*CORE, "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy"},
+    # The deprecated former path of fmtkit.debug.log, re-exporting it.
+    "fmtkit.debuglog": {"fmtkit.debug"},
     # The package facade re-exports the public names of every core module.
     "fmtkit": {*CORE, "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8", "fmtkit.fp4",
                "fmtkit.optim",
@@ -84,7 +88,8 @@ FACADES: dict[str, str] = {
     # public module: the package whose private modules it re-exports under its own path.
     # FP4 recipes are Fp8Recipe subclasses that share the FP8 operand and GEMM modules, so
     # their implementation lives in the fmtkit.fp8 package (_fp4_quant, _hadamard, _fp4_vjp,
-    # _recipe); fmtkit.fp4 is its public path and defines nothing but a default.
+    # _recipe); fmtkit.fp4 is its public path and defines nothing but a default and the
+    # view of quantization_stats under its earlier key names.
     "fmtkit.fp4": "fmtkit.fp8",
 }
 

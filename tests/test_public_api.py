@@ -80,6 +80,10 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
     "fmtkit.telemetry": ("NumericsStats", "cast_stats", "compare", "quantize_stats",
                          "tree_stats"),
     "fmtkit.distributed": ("reduce_gradients",),
+    "fmtkit.stats": (
+        "BASE_STATS", "BLOCK_STATS", "QUANT_STATS", "RECONSTRUCTION_STATS", "TILE",
+        "Quantization", "block_stats", "clip_threshold", "quant_stats", "reconstruction_stats",
+        "tensor_stats"),
     "fmtkit.memory": ("MemoryLedger", "ledger"),
     "pallas_kernels": (
         "TuningConfig", "blockwise_fp8_dgrad", "blockwise_fp8_matmul",
@@ -87,7 +91,11 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "quantize_128x128", "quantize_128x128_reference", "quantize_1x128",
         "quantize_1x128_reference"),
     "fmtkit.qwix": ("FmtkitProvider", "FmtkitRule", "from_qarray", "to_qarray"),
+    # the deprecated former path of fmtkit.debug.log (warns once, on import)
     "fmtkit.debuglog": (
+        "DECISIONS_NAME", "JSONL_NAME", "REDUCTIONS", "StatsLogger", "flatten_stats",
+        "reduce_stat", "split_tag"),
+    "fmtkit.debug.log": (
         "DECISIONS_NAME", "JSONL_NAME", "REDUCTIONS", "StatsLogger", "flatten_stats",
         "reduce_stat", "split_tag"),
 }

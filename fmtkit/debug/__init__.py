@@ -31,34 +31,24 @@ GEMMs in loop bodies (layer stacks under ``nn.scan``, ``nnx.scan``, ``lax.scan``
 ``f32[L]`` for a scan of length ``L`` (``f32[L1, L2]`` for nested scans, outermost first),
 entry ``i`` the statistic of iteration ``i`` (in the order of the scanned inputs, also for a
 reverse scan), still keyed by module path and GEMM name; with the state as ``layers``,
-``fmtkit.debuglog.StatsLogger`` logs each iteration under its own tag,
+``fmtkit.debug.log.StatsLogger`` logs each iteration under its own tag,
 ``f"{module_path}[{i}]/{gemm_name}/{tensor}/{stat}"``. The grouped GEMM of an MoE layer
 (``lax.ragged_dot``, FP8 under the FP8 presets) has one value per expert in the same way:
 ``f32[G]`` leaves (``f32[L, G]`` in a scan), expert ``g``'s row tensors the rows of its
 tokens (NaN for an expert without tokens), its weight and wgrad its slice of the stack, its
 quantization statistics replaying the grouped GEMM's (one scale per expert for the weights).
 Statistics of a GEMM inside a
-``while_loop`` (no static trip count) raise ``ValueError``. Statistics (f32, computed in
-f32):
+``while_loop`` (no static trip count) raise ``ValueError``.
 
-* ``min``, ``max``, ``mean``, ``std`` (population), ``l1_norm`` = sum |x|, ``l2_norm`` =
-  sqrt(sum x^2), ``amax`` = max |x|;
-* ``dynamic_range`` = log2(amax / smallest nonzero |x|) (0 without a nonzero element);
-* ``max_blockwise_dynamic_range``: the largest dynamic range of a 1x128 tile along the
-  tensor's last axis (zero-padded; a tile without a nonzero element counts 0);
-
-and, for an operand the GEMM quantizes (activation, weight, output_grad under an FP8 recipe,
-delayed ones with their scales from the amax history, or under a ``fake_quant`` override;
-not FP4 recipes, whose two-level scales have no ``fmtkit.scaling`` equivalent), replaying
-its quantization on the operand laid out ``[free, contraction]`` (the output gradient as
-the data-gradient GEMM reads it), with x the operand, d its quantize-dequantize and s each
-element's scale:
-
-* ``underflow_share`` = #(x != 0 and d == 0) / #(x != 0) (0 without a nonzero element);
-* ``saturation_share`` = #(|x| / s > fmt.max + half its last step) / size (clipped);
-* ``nonfinite_count`` = #(x not finite); ``scale_min``, ``scale_max`` over the scales;
-* ``sqnr_db`` = 10 log10(sum x^2 / sum (x - d)^2) (inf when d == x); ``mse`` = mean((x -
-  d)^2).
+The statistics (f32, computed in f32; names and definitions in ``fmtkit.stats``):
+``BASE_STATS`` of every tensor (``min``, ``max``, ``mean``, ``std``, ``l1_norm``,
+``l2_norm``, ``amax``, ``dynamic_range``, ``max_blockwise_dynamic_range``) and
+``QUANT_STATS`` (``underflow_share``, ``saturation_share``, ``nonfinite_count``,
+``scale_min``, ``scale_max``, ``sqnr_db``, ``mse``) of an operand the GEMM quantizes
+(activation, weight, output_grad under an FP8 recipe, delayed ones with their scales from
+the amax history, or under a ``fake_quant`` override; not FP4 recipes, whose two-level
+scales have no ``fmtkit.scaling`` equivalent), replaying its quantization on the operand
+laid out ``[free, contraction]`` (the output gradient as the data-gradient GEMM reads it).
 
 Example:
   >>> import jax, jax.numpy as jnp

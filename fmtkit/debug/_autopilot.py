@@ -126,7 +126,7 @@ class Decision:
     value: float
 
     def log(self, logger: Any) -> None:
-        """Records the decision with ``logger.log_decision`` (``fmtkit.debuglog.StatsLogger``):
+        """Records the decision with ``logger.log_decision`` (``fmtkit.debug.log.StatsLogger``):
         the reason is ``f"{tensor}/{stat}"``."""
         logger.log_decision(self.step, self.module, self.gemm, self.setting,
                             f"{self.tensor}/{self.stat}", self.value)

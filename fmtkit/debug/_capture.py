@@ -48,11 +48,11 @@ from fmtkit.debug._config import (
     DebugConfig,
     parse_override,
 )
-from fmtkit.debug._stats import Quantization, quant_stats, tensor_stats
 from fmtkit.fp4 import Fp4Recipe
 from fmtkit.fp8 import RECIPES, Fp8Recipe
 from fmtkit.policy import GemmSite, intercept_gemms
 from fmtkit.scaling import TensorScaling, qdq
+from fmtkit.stats import Quantization, quant_stats, tensor_stats
 
 __all__ = ["capture", "init"]
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from fmtkit.formats import get_format
 from fmtkit.policy import Policy, Rules
+from fmtkit.stats import BASE_STATS, QUANT_STATS
 
 __all__ = ["BASE_STATS", "OVERRIDES", "QUANT_STATS", "STATS", "TENSORS", "DebugConfig",
            "Rule"]
@@ -32,16 +33,10 @@ that is a view of a parameter, the left one in Equinox's ``weight @ x``; else th
 cotangents of the output (``output_grad``), of the activation (``dgrad``) and of the weight
 (``wgrad``)."""
 
-BASE_STATS: tuple[str, ...] = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "amax",
-                               "dynamic_range", "max_blockwise_dynamic_range")
-"""Statistics of every tensor (``fmtkit.debug`` module docstring: their definitions)."""
-
-QUANT_STATS: tuple[str, ...] = ("underflow_share", "saturation_share", "nonfinite_count",
-                                "scale_min", "scale_max", "sqnr_db", "mse")
-"""Statistics of an operand the GEMM quantizes (activation, weight, output_grad)."""
-
 STATS: tuple[str, ...] = BASE_STATS + QUANT_STATS
-"""Every statistic name."""
+"""Every statistic name: ``fmtkit.stats.BASE_STATS`` of every tensor and
+``fmtkit.stats.QUANT_STATS`` of an operand the GEMM quantizes (activation, weight,
+output_grad); their definitions are in ``fmtkit.stats``."""
 
 QUANTIZED_TENSORS: tuple[str, ...] = ("activation", "weight", "output_grad")
 """The tensors a quantizing GEMM quantizes (``QUANT_STATS`` apply to these only)."""

@@ -27,10 +27,8 @@ from fmtkit.fp8._fp4_quant import (
     E2M1_MAX,
     E4M3,
     Fp4Array,
-    blocks,
     mxfp4_quantize,
     nvfp4_quantize,
-    scale_view,
     tensor_amax,
 )
 from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, scaled_matmul
@@ -39,6 +37,7 @@ from fmtkit.fp8._jvp import fwd_and_bwd_core
 from fmtkit.fp8._operands import pad2, padded_c, recipe_tiles, round_up, tile_of
 from fmtkit.fp8._recipe import Fp4Recipe, get_recipe
 from fmtkit.scaling import ScaledArray
+from fmtkit.stats import block_stats
 
 
 def _sr_key(recipe: Fp4Recipe, t: jax.Array, role: int) -> jax.Array:
@@ -204,12 +203,12 @@ def quantization_stats(t: jax.typing.ArrayLike, recipe: str | Fp4Recipe = "nvfp4
     (x, w) or dgrad (grad) GEMM does (stochastic rounding with a fixed key).
 
     Returns:
-      f32 scalars: ``sqnr_db`` (10 log10 of signal over quantization-error power),
-      ``saturated_blocks`` (share of blocks with an element beyond ±6 after scaling, clipped:
-      an E4M3 block scale rounded down, or MX's "floor" rule), ``underflow_blocks`` (share of
-      nonzero blocks that dequantize to all zeros: an E4M3 scale of 0, or every element
-      under half of E2M1's smallest step), ``zero_fraction`` (share of nonzero elements
-      quantized to 0).
+      ``fmtkit.stats.BLOCK_STATS`` (f32 scalars, defined in ``fmtkit.stats``): ``sqnr_db``,
+      ``saturation_block_share`` (blocks with an element beyond ±6 after scaling, clipped:
+      an E4M3 block scale rounded down, or MX's "floor" rule), ``underflow_block_share``
+      (nonzero blocks that dequantize to all zeros: an E4M3 scale of 0, or every element
+      under half of E2M1's smallest step), ``underflow_share`` (nonzero elements quantized
+      to 0).
     """
     recipe = get_recipe(recipe)
     if not isinstance(recipe, Fp4Recipe):
@@ -222,18 +221,5 @@ def quantization_stats(t: jax.typing.ArrayLike, recipe: str | Fp4Recipe = "nvfp4
     tile = tile_of(getattr(recipe, f"{operand}_tile"))
     t = pad2(t, round_up(t.shape[0], tile.f), round_up(t.shape[1], tile.c))
     q = _quantize_operand(t, recipe, operand, {"x": 0, "w": 1, "grad": 2}[operand])
-    deq = q.dequantize()
     dec = q.block_scale.astype(jnp.float32) * q.tensor_scale  # decode scale per block
-    a = blocks(jnp.abs(t), q.block)
-    axes = tuple(range(1, 2 * t.ndim, 2))
-    sat = jnp.any(a > jnp.float32(E2M1_MAX) * scale_view(dec, q.block), axis=axes)
-    nonzero = jnp.any(a > 0, axis=axes)
-    dead = nonzero & ~jnp.any(blocks(deq, q.block) != 0, axis=axes)
-    err = jnp.sum(jnp.square(deq - t))
-    n_nz = jnp.maximum(jnp.sum(t != 0), 1)
-    return {
-        "sqnr_db": 10 * jnp.log10(jnp.sum(jnp.square(t)) / err),
-        "saturated_blocks": jnp.mean(sat.astype(jnp.float32)),
-        "underflow_blocks": jnp.sum(dead) / jnp.maximum(jnp.sum(nonzero), 1),
-        "zero_fraction": jnp.sum((t != 0) & (deq == 0)) / n_nz,
-    }
+    return block_stats(t, q.dequantize(), dec, E2M1_MAX)

@@ -14,7 +14,7 @@ import pytest
 
 import fmtkit.debug as debug
 from fmtkit import with_policy
-from fmtkit.debuglog import StatsLogger
+from fmtkit.debug.log import StatsLogger
 
 NAN = float("nan")
 

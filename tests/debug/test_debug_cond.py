@@ -17,7 +17,7 @@ from jax import lax
 
 import fmtkit.debug as debug
 from fmtkit import with_policy
-from fmtkit.debuglog import StatsLogger
+from fmtkit.debug.log import StatsLogger
 
 pytestmark = pytest.mark.slow  # each test compiles a training step (a few seconds)
 

@@ -1,4 +1,4 @@
-"""fmtkit.debuglog: the TensorBoard files and JSON lines hold exactly the statistics given.
+"""fmtkit.debug.log: the TensorBoard files and JSON lines hold exactly the statistics given.
 
 The event files are read back with TensorBoard's own reader (``EventAccumulator`` from the
 ``tensorboard`` package, independent of tensorboardX that writes them); the expected tags and
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmtkit import debuglog as dlog
-from fmtkit.debuglog import REDUCTIONS, StatsLogger, flatten_stats, reduce_stat, split_tag
+from fmtkit.debug import log as dlog
+from fmtkit.debug.log import REDUCTIONS, StatsLogger, flatten_stats, reduce_stat, split_tag
 
 NAN = float("nan")
 INF = float("inf")
@@ -311,7 +311,7 @@ def test_flatten_reduces_a_leading_device_axis_and_pools_std():
 _DEVICES = r'''
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from fmtkit.debuglog import StatsLogger
+from fmtkit.debug.log import StatsLogger
 
 assert jax.device_count() == 4, jax.devices()
 x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
@@ -357,3 +357,17 @@ def test_no_file_is_opened_before_writing_on_other_processes(tmp_path):
     assert not log.writes and log.write(1, synthetic(1)) == 0
     log.close()
     assert dlog.JSONL_NAME == "stats.jsonl" and not (tmp_path / "x").exists()
+
+
+def test_the_former_module_path_warns_and_re_exports(monkeypatch):
+    import importlib
+    import sys
+
+    from fmtkit.debug import log
+
+    monkeypatch.delitem(sys.modules, "fmtkit.debuglog", raising=False)
+    with pytest.warns(DeprecationWarning, match="fmtkit.debuglog is deprecated: use "
+                                                "fmtkit.debug.log"):
+        old = importlib.import_module("fmtkit.debuglog")
+    assert old.__all__ == log.__all__
+    assert all(getattr(old, n) is getattr(log, n) for n in log.__all__)

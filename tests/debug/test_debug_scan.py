@@ -380,7 +380,7 @@ def test_logs_hold_one_tag_per_layer(tmp_path):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fmtkit.debuglog import StatsLogger, flatten_stats
+    from fmtkit.debug.log import StatsLogger, flatten_stats
 
     loss, params, *_ = _function_case("bf16-mixed")
     cfg = debug.DebugConfig([debug.Rule("", gemm="dot_general_0", tensors=("activation",),

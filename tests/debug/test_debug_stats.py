@@ -328,7 +328,7 @@ def test_quantization_statistics_count_clipping_and_underflow():
     # An unscaled E4M3 cast (tile "none"): 1000 and -500 clip to 448 (|x| > 464), 470 too,
     # 460 rounds to 448 without clipping; 1e-4 flushes to zero (below E4M3's smallest
     # subnormal 2^-9 / 2); inf is non-finite.
-    from fmtkit.debug._stats import Quantization, quant_stats
+    from fmtkit.stats import Quantization, quant_stats
 
     x = jnp.asarray([[1000.0, -500.0, 470.0, 460.0, 1e-4, 1.0, 0.0, jnp.inf]])[None]
     got = quant_stats(x, Quantization("e4m3", None), debug.QUANT_STATS)

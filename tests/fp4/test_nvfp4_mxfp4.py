@@ -340,3 +340,52 @@ def test_backward_gemms_equal_float64_products_of_their_quantized_operands():
     b = fp4.random_hadamard_transform(jnp.pad(x.T, ((0, 0), (0, 8))))
     ref = (deq(a) @ deq(b).T).T  # dw [N, K] -> the kernel's [K, N]
     np.testing.assert_allclose(np.asarray(dw), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_quantization_stats_against_numpy_on_the_quantized_operand():
+    # The statistics of fmtkit.stats, recomputed in float64 NumPy from the public quantizer's
+    # output: a 16x16 weight block of 1e-12-sized values gets an E4M3 block scale of 0.
+    rng = np.random.default_rng(0)
+    t = rng.standard_normal((32, 48)).astype(np.float32)
+    t[:16, :16] *= 1e-12
+    q = fp4.nvfp4_quantize(jnp.asarray(t), (16, 16))
+    d = np.asarray(q.dequantize(), np.float64)
+    # The clipping threshold 6 * decode scale as the statistics define it, in f32: a block's
+    # largest element sits within an f32 rounding of it, where f64 would decide otherwise.
+    dec = np.asarray(q.block_scale.astype(jnp.float32)) * np.float32(q.tensor_scale)
+    x = t.astype(np.float64)
+    xb, db = x.reshape(2, 16, 3, 16), d.reshape(2, 16, 3, 16)
+    nonzero = (xb != 0).any(axis=(1, 3))
+    dead = nonzero & ~(db != 0).any(axis=(1, 3))
+    sat = (np.abs(t.reshape(2, 16, 3, 16)) > np.float32(6.0) * dec[:, None, :, None]
+           ).any(axis=(1, 3))
+    want = {"sqnr_db": 10 * np.log10(np.sum(x**2) / np.sum((x - d) ** 2)),
+            "saturation_block_share": sat.mean(), "underflow_block_share": dead.sum() / 6,
+            "underflow_share": np.sum((x != 0) & (d == 0)) / np.sum(x != 0)}
+    assert want["underflow_block_share"] == 1 / 6  # the block of 1e-12s flushes whole
+    got = fp4.quantization_stats(jnp.asarray(t), "nvfp4", "w")
+    assert list(got) == ["sqnr_db", "saturation_block_share", "underflow_block_share",
+                         "underflow_share"]
+    for k, v in want.items():
+        np.testing.assert_allclose(float(got[k]), v, rtol=1e-5, err_msg=k)  # f32 sums
+
+
+@pytest.mark.slow
+def test_quantization_stats_earlier_keys_warn_once_and_read_the_renamed_statistic(
+        monkeypatch):
+    import re
+    import warnings
+
+    monkeypatch.setattr(fp4, "_WARNED", set())
+    t = jnp.linspace(-3.0, 3.0, 16 * 32, dtype=jnp.float32).reshape(16, 32)
+    got = jax.jit(fp4.quantization_stats, static_argnums=(1, 2))(t, "nvfp4", "x")
+    for old, new in (("saturated_blocks", "saturation_block_share"),
+                     ("underflow_blocks", "underflow_block_share"),
+                     ("zero_fraction", "underflow_share")):
+        with pytest.warns(DeprecationWarning,
+                          match=re.escape(f"['{old}'] is deprecated: use ['{new}']")):
+            assert got[old] is got[new]  # the type survives jit
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert got.get(old) is got[new]  # once: no second warning

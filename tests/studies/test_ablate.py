@@ -269,7 +269,7 @@ def test_fp4_regime_smoke_gaps_plots_and_telemetry(tmp_path):
         # E2M1 in 16-blocks keeps ~17-21 dB of a Gaussian-like operand.
         assert 12 < s["w"]["sqnr_db"] < 30 and 12 < s["x"]["sqnr_db"] < 30
         assert 5 < s["grad"]["sqnr_db"] < 30  # SR: noisier than RNE
-        assert 0 <= s["x"]["saturated_blocks"] <= 1 and s["w"]["underflow_blocks"] == 0
+        assert 0 <= s["x"]["saturation_block_share"] <= 1 and s["w"]["underflow_block_share"] == 0
     assert all(0 < r < math.inf for r in tele["nvfp4"]["grad_noise_ratio"].values())
     # The noise ratio over training: at 0, 1 and 2 steps (5 points over 2 steps, deduplicated).
     curve = tele["nvfp4"]["grad_noise_curve"]

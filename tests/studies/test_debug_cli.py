@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmtkit.debuglog import StatsLogger
+from fmtkit.debug.log import StatsLogger
 from studies.cli import main
 
 STEPS = (0, 10, 20, 30)

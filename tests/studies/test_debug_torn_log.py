@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from fmtkit.debuglog import StatsLogger
+from fmtkit.debug.log import StatsLogger
 from studies.cli import main
 from studies.debug_report import read_decisions, read_log
 

@@ -1,9 +1,49 @@
-"""The statistics of one tensor, computed in f32 inside the compiled step.
+"""Numerics statistics of a tensor and of its cast or quantization: every statistic fmtkit
+reports, computed in f32 inside the compiled step, each named once.
 
-``tensor_stats`` gives ``BASE_STATS`` of any tensor; ``quant_stats`` the ``QUANT_STATS`` of
-an operand against its quantization by a scaling recipe (``Quantization``: the format and the
-``fmtkit.scaling`` recipe of the GEMM that quantizes it, laid out ``[free, contraction]``).
-The definitions are in ``fmtkit.debug``'s module docstring.
+``fmtkit.debug`` (per-GEMM statistics), ``fmtkit.telemetry`` (a cast or a quantization) and
+``fmtkit.fp4.quantization_stats`` (an FP4 GEMM operand) report these names. A ``_share`` is a
+fraction in [0, 1] (0 when its denominator is empty), a ``_count`` a number of elements.
+With x the input, d its reconstruction (cast, or quantize-dequantize), s each element's
+scale, all in f32, and "finite" excluding inf and NaN:
+
+Of any tensor (``BASE_STATS``; ``tensor_stats``):
+
+* ``min``, ``max``, ``mean``, ``std`` (population), ``l1_norm`` = sum |x|, ``l2_norm`` =
+  sqrt(sum x^2), ``amax`` = max |x|;
+* ``dynamic_range`` = log2(amax / smallest nonzero |x|) (0 without a nonzero element);
+* ``max_blockwise_dynamic_range``: the largest dynamic range of a 1x128 tile (``TILE``)
+  along the tensor's last axis (zero-padded; a tile without a nonzero element counts 0).
+
+Of a quantization by a scaling recipe (``QUANT_STATS``; ``quant_stats``):
+
+* ``underflow_share`` = #(x != 0 and d == 0) / #(x != 0): the values flushed to zero;
+* ``saturation_share`` = #(|x| / s > ``clip_threshold(fmt)``) / size: the values clipped
+  at the format's largest value;
+* ``nonfinite_count`` = #(x not finite);
+* ``scale_min``, ``scale_max``: the scale range, over the scales;
+* ``sqnr_db`` = 10 log10(sum x^2 / sum (x - d)^2) (inf when d == x);
+* ``mse`` = mean((x - d)^2).
+
+Of a reconstruction (``RECONSTRUCTION_STATS``; ``reconstruction_stats``, what
+``fmtkit.telemetry`` reports), over the finite inputs:
+
+* ``underflow_share`` as above, over the finite nonzero x;
+* ``overflow_share`` = #(x finite and (beyond the format's range or d not finite)) /
+  #(x finite), the range being ±fmt.max in the cast domain (|x / s| for a quantization);
+* ``nonfinite_share`` = #(d not finite) / size;
+* ``amax`` over the finite x; ``sqnr_db`` as above and ``rel_error`` = ||x - d||_2 /
+  ||x||_2, both over the entries whose x and d are finite (an overflow to inf or NaN is
+  reported by ``overflow_share`` and ``nonfinite_share`` instead of swamping them).
+
+Of a block-scaled quantization (``BLOCK_STATS``; ``block_stats``, what
+``fmtkit.fp4.quantization_stats`` reports), with x zero-padded to whole blocks:
+
+* ``sqnr_db`` and ``underflow_share`` as above (of the elements);
+* ``saturation_block_share`` = #(blocks with an |x| > limit * s) / #blocks (limit: the
+  element format's largest value);
+* ``underflow_block_share`` = #(blocks with a nonzero x whose d is all zero) / #(blocks with
+  a nonzero x).
 
 Cost: each function reads its tensor in as few passes as the definitions allow, every
 requested reduction of a pass being one operand of a single variadic ``lax.reduce`` (XLA
@@ -13,6 +53,12 @@ form took about three times as long). ``tensor_stats`` reduces each 1xTILE tile 
 then the tiles, so the blockwise dynamic range, the whole-tensor one and the sums come out
 of the same pass (the standard deviation needs the mean, so it takes a second);
 ``quant_stats`` quantizes the operand once and shares it among its statistics.
+
+Example:
+  >>> x = jnp.array([1.0, 2.0, 1e-9, 0.0])
+  >>> s = quant_stats(x.reshape(1, 1, 4), Quantization("e4m3", None), QUANT_STATS)
+  >>> float(s["underflow_share"]), float(s["nonfinite_count"])   # 1e-9 flushes to 0
+  (0.3333333432674408, 0.0)
 """
 
 from __future__ import annotations
@@ -30,9 +76,30 @@ from fmtkit.casting import cast
 from fmtkit.formats import get_format
 from fmtkit.scaling import BlockScaling, MXScaling, delayed_amax_of, dequantize, quantize
 
+__all__ = ["BASE_STATS", "BLOCK_STATS", "QUANT_STATS", "RECONSTRUCTION_STATS", "TILE",
+           "Quantization", "block_stats", "clip_threshold", "quant_stats",
+           "reconstruction_stats", "tensor_stats"]
+
+BASE_STATS: tuple[str, ...] = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "amax",
+                               "dynamic_range", "max_blockwise_dynamic_range")
+"""Statistics of any tensor (``tensor_stats``; definitions in the module docstring)."""
+
+QUANT_STATS: tuple[str, ...] = ("underflow_share", "saturation_share", "nonfinite_count",
+                                "scale_min", "scale_max", "sqnr_db", "mse")
+"""Statistics of a tensor against its quantization by a scaling recipe (``quant_stats``)."""
+
+RECONSTRUCTION_STATS: tuple[str, ...] = ("underflow_share", "overflow_share", "amax",
+                                         "sqnr_db", "rel_error", "nonfinite_share")
+"""Statistics of a tensor against a reconstruction of it (``reconstruction_stats``)."""
+
+BLOCK_STATS: tuple[str, ...] = ("sqnr_db", "saturation_block_share", "underflow_block_share",
+                                "underflow_share")
+"""Statistics of a block-scaled quantization, per block and per element (``block_stats``)."""
+
 # The tile of max_blockwise_dynamic_range: 1x128, the activation tile of DeepSeek-V3's
 # blockwise FP8 recipe (section 3.3.1) and of Transformer Engine's blockwise recipe.
 TILE = 128
+"""The tile of ``max_blockwise_dynamic_range``: 1x128 along the tensor's last axis."""
 
 _ADD, _MIN, _MAX = "add", "min", "max"
 _COMBINE: dict[str, Callable[[Any, Any], Any]] = {_ADD: lax.add, _MIN: lax.min,
@@ -190,22 +257,6 @@ def _block(recipe: Any) -> tuple[int, int]:
     return (1, 1)
 
 
-# The statistics quant_stats computes (fmtkit.debug's QUANT_STATS; not imported from the
-# configuration module, which names them for users).
-_QUANT_STATS = ("underflow_share", "saturation_share", "nonfinite_count", "scale_min",
-                "scale_max", "sqnr_db", "mse")
-
-
-def quantized(x3: jax.Array, q: Quantization, history: Any = None
-              ) -> tuple[jax.Array, jax.Array]:
-    """(dequantized f32 ``[B, F, C]``, scales f32) of ``x3 [B, F, C]`` under ``q``; each
-    dimension a block does not divide is zero-padded for the quantization, as the GEMMs do,
-    and sliced back."""
-    _, f, c = x3.shape
-    _, deq, scale = _quantized_padded(x3, q, history)
-    return deq[:, :f, :c], scale
-
-
 def _quantized_padded(x3: jax.Array, q: Quantization, history: Any = None
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(the f32 operand zero-padded to whole blocks, its quantize-dequantize, the scales
@@ -242,16 +293,12 @@ def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: A
     (ids, n)``, of each of ``n`` segments of its rows (``ids`` int32[B, F]; other ids: no
     segment): f32[n], NaN for a segment without a row.
 
-    With x the operand (f32), d its quantize-dequantize, s the scales: underflow_share =
-    #(x != 0 and d == 0) / #(x != 0); saturation_share = #(|x| / s > clip_threshold(fmt)) /
-    size (clipped at the format's largest value); nonfinite_count = #(not finite x);
-    scale_min / scale_max over s; sqnr_db = 10 log10(sum x^2 / sum (x - d)^2); mse =
-    mean((x - d)^2).
+    The definitions are in the module docstring.
 
     The element statistics are reduced over the operand as quantized, zero-padded to whole
     blocks: a padding zero is finite, not counted as nonzero, quantizes to zero (no error)
     and stays below the clipping threshold, so it changes no count or sum."""
-    want = [s for s in stats if s in _QUANT_STATS]
+    want = [s for s in stats if s in QUANT_STATS]
     if not want:
         return {}
     x, deq, scale = _quantized_padded(x3, q, history)
@@ -292,8 +339,7 @@ def quant_stats(x3: jax.Array, q: Quantization, stats: Sequence[str], history: A
         rows = jax.ops.segment_sum(jnp.ones(ids.shape, jnp.float32), ids, num_segments=nseg)
         n = rows * c
     out = {
-        "underflow_share": lambda: jnp.where(
-            tot["n_nz"] > 0, tot["under"] / jnp.maximum(tot["n_nz"], 1), 0.0),
+        "underflow_share": lambda: _share(tot["under"], tot["n_nz"]),
         "saturation_share": lambda: tot["sat"].astype(jnp.float32) / n,
         "nonfinite_count": lambda: tot["nonfinite"],
         "scale_min": lambda: jnp.min(scale) if rows is None else tot["smin"],
@@ -324,3 +370,71 @@ def _element_scale(scale: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
 def _sqnr(signal: jax.Array, noise: jax.Array) -> jax.Array:
     return jnp.where(noise > 0, 10.0 * jnp.log10(signal / jnp.where(noise > 0, noise, 1.0)),
                      jnp.inf)
+
+
+def _share(count: jax.Array, of: jax.Array) -> jax.Array:
+    """``count / of`` (0 when ``of`` is 0)."""
+    return jnp.where(of > 0, count / jnp.maximum(of, 1), 0.0)
+
+
+def reconstruction_stats(x: jax.Array, y: jax.Array, overflowed: jax.Array | None = None
+                         ) -> dict[str, jax.Array]:
+    """``RECONSTRUCTION_STATS`` (f32 scalars) of ``y``, a reconstruction of ``x`` (same shape,
+    both f32); ``overflowed``: an optional boolean mask of the inputs beyond the format's
+    range (counted in ``overflow_share`` besides the inputs whose ``y`` is not finite).
+
+    Example:
+      >>> s = reconstruction_stats(jnp.array([1.0, 2.0]), jnp.array([1.0, 2.5]))
+      >>> round(float(s["sqnr_db"]), 2)   # 10 log10((1 + 4) / 0.25)
+      13.01
+    """
+    finite = jnp.isfinite(x)
+    y_bad = ~jnp.isfinite(y)
+    over = y_bad if overflowed is None else (y_bad | overflowed)
+    xf = jnp.where(finite, x, 0.0)
+    err = jnp.where(finite & ~y_bad, x - y, 0.0)
+    sig = jnp.sum(xf * xf)
+    noise = jnp.sum(err * err)
+    sqnr = 10.0 * (jnp.log10(sig) - jnp.log10(noise))
+    sqnr = jnp.where(noise == 0, jnp.inf, sqnr)
+    rel = jnp.where(sig > 0, jnp.sqrt(noise) / jnp.sqrt(jnp.maximum(sig, 1e-38)), 0.0)
+
+    def frac(mask, of):
+        return _share(jnp.sum(mask & of, dtype=jnp.float32), jnp.sum(of, dtype=jnp.float32))
+
+    return {
+        "underflow_share": frac((y == 0), (x != 0) & finite),
+        "overflow_share": frac(over, finite),
+        "amax": jnp.max(jnp.abs(xf)) if x.size else jnp.float32(0.0),
+        "sqnr_db": sqnr.astype(jnp.float32),
+        "rel_error": rel.astype(jnp.float32),
+        "nonfinite_share": jnp.mean(y_bad, dtype=jnp.float32) if x.size else jnp.float32(0.0),
+    }
+
+
+def block_stats(x: jax.Array, d: jax.Array, scale: jax.Array, limit: float
+                ) -> dict[str, jax.Array]:
+    """``BLOCK_STATS`` (f32 scalars) of the 2-D ``x`` (f32, zero-padded to whole blocks)
+    against ``d``, its block-scaled quantize-dequantize, given ``scale``: the decode scale of
+    each block (f32 ``[F / bf, C / bc]``, the block shape following from the shapes) and
+    ``limit``: the element format's largest value (6 for E2M1).
+
+    Example:
+      >>> x = jnp.array([[1.0, 9.0, 0.0, 1e-3]])     # two 1x2 blocks, scale 1
+      >>> d = jnp.array([[1.0, 6.0, 0.0, 0.0]])
+      >>> s = block_stats(x, d, jnp.ones((1, 2)), 6.0)
+      >>> float(s["saturation_block_share"]), float(s["underflow_block_share"])
+      (0.5, 0.5)
+    """
+    (f, c), (sf, sc) = x.shape, scale.shape
+    split = (sf, f // sf, sc, c // sc)
+    a = jnp.abs(x).reshape(split)
+    sat = jnp.any(a > jnp.float32(limit) * scale[:, None, :, None], axis=(1, 3))
+    nonzero = jnp.any(a > 0, axis=(1, 3))
+    dead = nonzero & ~jnp.any(d.reshape(split) != 0, axis=(1, 3))
+    return {
+        "sqnr_db": _sqnr(jnp.sum(jnp.square(x)), jnp.sum(jnp.square(d - x))),
+        "saturation_block_share": jnp.mean(sat.astype(jnp.float32)),
+        "underflow_block_share": _share(jnp.sum(dead), jnp.sum(nonzero)),
+        "underflow_share": _share(jnp.sum((x != 0) & (d == 0)), jnp.sum(x != 0)),
+    }
