@@ -4,7 +4,7 @@
                              [--layers 2] [--seq 64] [--batch 8] [--rounds 10]
                              [--tensors activation,...] [--stats amax,...]
 
-The steps are ``jax.jit`` of loss + grad + SGD update of ``studies.models.TransformerLM``
+The steps are ``jax.jit`` of loss + grad + SGD update of ``studies.lib.models.TransformerLM``
 under ``with_policy(model, POLICY)``. "off" is the step without ``fmtkit.debug``; "on"
 logs every statistic of all six tensors of every GEMM (``Rule("")``) every ``--freq``
 steps, the statistics coming out as the gradient of the debug state (``fmtkit.debug``),
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 import fmtkit.debug as debug
 from fmtkit.policy import list_presets, with_policy
-from studies import models
 from studies.bench._timing import write_results
+from studies.lib import models
 
 TARGET = 1.10  # the budget: statistics at freq=10 within 10% of the step without
 

@@ -20,7 +20,7 @@ Three models, every variant of one model timed in alternation in the same run (m
   bf16 inputs; the delayed recipe threads its ``DelayedScalingState`` and records observations
   with ``fmtkit.fp8.update_state``), ``flax-fp8`` (Flax's ``Fp8DirectDotGeneralOp``, delayed per
   tensor, its state overwritten by its gradient as Flax prescribes).
-* **transformer**: ``studies.models.TransformerLM`` (``--d-model``, ``--layers``,
+* **transformer**: ``studies.lib.models.TransformerLM`` (``--d-model``, ``--layers``,
   ``--seq``, ``--lm-batch``): ``f32`` is the plain model, ``bf16`` is
   ``with_policy(model, "bf16-mixed")``, ``fp8-NAME`` is ``with_policy(model, "fp8-NAME")``
   (the bf16-mixed preset plus the recipe on every linear layer but the head). Flax's op has
@@ -65,8 +65,8 @@ from flax.linen import fp8_ops
 
 import pallas_kernels  # noqa: F401  registers the Pallas GEMM backend for "auto" from a checkout too
 from fmtkit import DelayedScalingState, fp4, fp8
-from studies import models
 from studies.bench._timing import time_interleaved, write_results
+from studies.lib import models
 
 DN = (((1,), (0,)), ((), ()))  # x [B, in] · w [in, out]
 TARGETS = {"current": 1.15, "delayed": 1.15, "rowwise": 1.15, "blockwise": 1.5, "mxfp8": 1.5}

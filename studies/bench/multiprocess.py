@@ -190,7 +190,7 @@ def _run(setup: str, steps: int, processes: int) -> dict:
             env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
             cmd = worker
         else:
-            cmd = [sys.executable, "-m", "studies.launch", "--num-processes", "2",
+            cmd = [sys.executable, "-m", "studies.app.launch", "--num-processes", "2",
                    "--timeout", "600", "--", *worker]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=660)
         if r.returncode:

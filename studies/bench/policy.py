@@ -17,7 +17,7 @@ which reuses the model's jaxpr kept per input signature); the equations of the t
 and fusions; and an eager (un-jitted) ``apply``, which a policied model compiles once per
 input signature.
 
-The model is ``studies.models.TransformerLM`` (or ``NnxTransformerLM``). The baseline is the
+The model is ``studies.lib.models.TransformerLM`` (or ``NnxTransformerLM``). The baseline is the
 same class configured by hand the way a user writes mixed precision with Flax's own knobs:
 ``dtype=bfloat16, param_dtype=float32``, norms and router with ``dtype=float32``, logits cast
 to f32 (linen: attention softmax in f32 too, as the policy does). The policied model is the
@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fmtkit.policy import with_policy
-from studies import models
 from studies.bench._timing import time_fn, time_interleaved, write_results
+from studies.lib import models
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
 _OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = \S+ ([\w\-]+)\(", re.MULTILINE)

@@ -29,7 +29,7 @@ def _measure(devices: int, repeats: int) -> dict:
 
     from fmtkit import with_policy
     from studies.bench._timing import time_interleaved
-    from studies.models import TransformerConfig, TransformerLM, lm_loss
+    from studies.lib.models import TransformerConfig, TransformerLM, lm_loss
 
     cfg = TransformerConfig(d_model=128, num_heads=4, num_layers=2, d_ff=256, max_len=64)
     model = with_policy(TransformerLM(cfg), "bf16-mixed")

@@ -192,11 +192,11 @@ def _options(help_text: str) -> set[str]:
 def cli() -> dict:
     """The command line as its own ``--help`` describes it: commands, studies, benchmarks,
     and the options of each."""
-    from studies import cli as cli_module
-    from studies import runner
+    from studies.app import cli as cli_module
+    from studies.app import runner
 
     commands = set(re.findall(r'sub\.add_parser\("([\w-]+)"',
-                              (ROOT / "studies" / "cli.py").read_text()))
+                              (ROOT / "studies" / "app" / "cli.py").read_text()))
     options = {c: _options(_help(cli_module.main, [c, "--help"]))
                for c in commands - {"study", "bench"}}
     options["study"] = {"--list", "--help", "-h"}
@@ -253,7 +253,7 @@ def bad_command_lines(text: str) -> list[str]:
 
 
 def _bad_cli_values(cmd: str, option: str, value: str) -> list[str]:
-    from studies.regimes import REGIMES
+    from studies.lib.regimes import REGIMES
     from studies.training import SETUPS
 
     if _is_placeholder(value) or value.startswith("-"):

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from studies._common import Progress, figure, no_progress, plot_style, save
+from studies.lib.common import Progress, figure, no_progress, plot_style, save
 
 MODES = ("f32", "bf16-comm", "bf16")
 
@@ -150,9 +150,9 @@ def run(config: Config = Config(), progress: Progress = no_progress) -> dict[str
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                         + f" --xla_force_host_platform_device_count={config.devices}"
                         + " --xla_allow_excess_precision=false").strip()
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = ("import json, dataclasses; from studies import allreduce as a; "
+    code = ("import json, dataclasses; from studies.numerics import allreduce as a; "
             f"print(json.dumps(a._run_here(a.Config(**{dataclasses.asdict(config)!r}), "
             "a.no_progress)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

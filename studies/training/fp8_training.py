@@ -1,25 +1,25 @@
 """The training engine of the FP8 dose-response studies: outliers set per run and per step.
 
 The studies ``outlier-dose``, ``delayed-lag``, ``grad-blocks`` and ``fp8-long`` train the
-byte-level ``studies.models.TransformerLM`` under one setup (``studies.training.setups``)
+byte-level ``studies.lib.models.TransformerLM`` under one setup (``studies.training.setups``)
 for several *runs* at once: a run is (seed, outlier magnitude, gradient-outlier
 magnitude), and all runs of a setup share one compiled step, ``jax.jit(jax.vmap(step))``.
 Because the magnitudes are values of the train state rather than constants of the model,
 five magnitudes times three seeds cost one compile.
 
-Activation outliers (``magnitude`` > 1): as ``studies.regimes.OutlierFeatures``, one
+Activation outliers (``magnitude`` > 1): as ``studies.lib.regimes.OutlierFeatures``, one
 channel of what every block's ``ln_1`` and ``ln_2`` put out (the input of the attention
 projections and of the MLP's first GEMM) is multiplied by the magnitude, here through the
 norms' own ``scale`` parameters (``scale * v`` with ``v`` = 1 except the outlier channel;
 the trained parameter is ``scale``, its gradient flows through the product): the way a
-large norm gain makes outlier features in LLMs [Wei22 in ``studies.regimes``]. The
+large norm gain makes outlier features in LLMs [Wei22 in ``studies.lib.regimes``]. The
 channel is ``OutlierFeatures().outlier_channels(d_model)`` and the rows of the kernels
 that read it start at zero and get no gradient (``OutlierFeatures.reader_mask``), so in
 exact arithmetic the model computes what it computes without outliers and only the
 quantizers see them. A ``Ramp`` grows the magnitude geometrically over a range of steps
 (an emergent outlier feature); without one it is there from step 0.
 
-Token-gradient outliers (``grad_magnitude`` > 1): as ``studies.regimes.TokenGradOutliers``
+Token-gradient outliers (``grad_magnitude`` > 1): as ``studies.lib.regimes.TokenGradOutliers``
 (1/256 of the predicted tokens weighted ``grad_magnitude`` times the others in the loss
 whose gradient is taken, weights of mean 1, new positions every step), with the magnitude a
 value of the state. The reported loss is always the unweighted one.
@@ -58,9 +58,9 @@ from fmtkit.casting import cast
 from fmtkit.fp8 import Fp8Recipe, get_recipe
 from fmtkit.fp8 import update_state as fp8_update_state
 from fmtkit.policy import Policy, Rules, get_preset
-from studies import regimes
-from studies._common import Progress, no_progress, to_jsonable
-from studies.models import TransformerConfig, TransformerLM, lm_loss
+from studies.lib import regimes
+from studies.lib.common import Progress, no_progress, to_jsonable
+from studies.lib.models import TransformerConfig, TransformerLM, lm_loss
 from studies.training import multiseed
 from studies.training.config import TrainConfig
 from studies.training.data import batch_at, load_data

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m studies.launch --num-processes 2 -- python -m studies.cli ablate --steps 20 \\
+    python -m studies.app.launch --num-processes 2 -- python -m studies.app.cli ablate --steps 20 \\
         --policies fp32 --data-parallel 2
 
 Each process gets the environment ``studies.training.distributed.initialize_from_env`` reads
@@ -111,14 +111,14 @@ def launch(command: list[str], num_processes: int, *, devices_per_process: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m studies.launch --num-processes N [options] -- COMMAND ...``."""
+    """``python -m studies.app.launch --num-processes N [options] -- COMMAND ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m studies.launch --num-processes N [options] -- COMMAND ...",
+        print("usage: python -m studies.app.launch --num-processes N [options] -- COMMAND ...",
               file=sys.stderr)
         return 2
     k = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m studies.launch",
+    parser = argparse.ArgumentParser(prog="python -m studies.app.launch",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--devices-per-process", type=int, default=1)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                       devices_per_process=args.devices_per_process, port=args.port,
                       timeout=args.timeout, grace=args.grace)
     except ValueError as e:
-        print(f"studies.launch: error: {e}", file=sys.stderr)
+        print(f"studies.app.launch: error: {e}", file=sys.stderr)
         return 2
 
 

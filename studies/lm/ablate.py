@@ -1,13 +1,13 @@
 """Study ``ablate`` (the main job): a small transformer LM under each precision setup.
 
-Trains ``studies.models.TransformerLM`` (byte level) under the setups of
+Trains ``studies.lib.models.TransformerLM`` (byte level) under the setups of
 ``studies.training.SETUPS`` (fp32, bf16-mixed, pure-bf16 with plain / stochastically rounded /
 Kahan updates, bf16 with f32 master weights, fp16 without and with dynamic loss scaling, the
 five FP8 recipes), several seeds per setup (``--seeds``, default 3) trained together by one
 vmapped step (``studies.training.multiseed``); seed k of every setup starts from the same
 initial parameters and sees the same batches.
 
-The default run shows three contrasts, each in the regime (``studies.regimes``)
+The default run shows three contrasts, each in the regime (``studies.lib.regimes``)
 where the literature finds it, against a reference setup of its group:
 
 =====================  ======================================  ==============================
@@ -27,15 +27,15 @@ tile is a whole row and blockwise cannot differ from rowwise) with its outlier c
 
 ``--policies`` (and/or ``--regime``) instead runs one group: those setups (default all but
 the FP4 ones) in that regime (default none), reference fp32 when it is among them, else the
-first. ``--regime fp4-training`` runs ``studies.fp4_training.GROUP`` by default: bf16-mixed,
-fp8-blockwise, NVFP4 with and without each ingredient, every layer in FP4, and MXFP4, on a
-4-block model, 60 steps of 32 bytes (``FP4_BUDGET``: within the main job's time), with per-GEMM
-FP4 telemetry (``studies.fp4_training``). ``--full``
-runs the contrasts longer and larger (the "small" model, 400 steps, 5 seeds).
+first. ``--regime fp4-training`` runs ``studies.training.fp4_training.GROUP`` by default:
+bf16-mixed, fp8-blockwise, NVFP4 with and without each ingredient, every layer in FP4, and
+MXFP4, on a 4-block model, 60 steps of 32 bytes (``FP4_BUDGET``: within the main job's
+time), with per-GEMM FP4 telemetry (``studies.training.fp4_training``). ``--full`` runs the
+contrasts longer and larger (the "small" model, 400 steps, 5 seeds).
 
 Per setup: final loss (mean training loss, nats/byte, of the last 10% of the steps) as mean
 ± std over seeds; its gap to the group's reference, relative, ± the std of one seed's gap,
-marked ``*`` when larger than 3 standard errors of the difference (``studies.stats``; the
+marked ``*`` when larger than 3 standard errors of the difference (``studies.lib.stats``; the
 SE of the per-seed differences, since seed k of both setups shares its parameters and
 batches); skipped steps, gradient flush share, share of parameters moved, the median
 update-to-weight ratio, compile time, time per vmapped step, bytes per parameter. Under
@@ -76,15 +76,16 @@ import numpy as np
 
 from fmtkit import fp8, qdq
 from fmtkit.telemetry import compare
-from studies import corpus, fp4_training, regimes, stats
-from studies._common import format_table, no_progress
-from studies.models import TransformerLM
+from studies.lib import corpus, regimes, stats
+from studies.lib.common import format_table, no_progress
+from studies.lib.models import TransformerLM
 from studies.training import (
     DEFAULT_SETUPS,
     SETUPS,
     TrainConfig,
     batch_at,
     distributed,
+    fp4_training,
     load_data,
     mesh,
     multiseed,
@@ -180,7 +181,7 @@ class Config:
 
     def groups(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """(regime, setups) of each group to run (reference first); without policies the
-        fp4-training regime runs ``studies.fp4_training.GROUP``, the others every setup but
+        fp4-training regime runs ``studies.training.fp4_training.GROUP``, the others every setup but
         the FP4 ones."""
         if not self.policies and self.train.regime == "none":
             return CONTRASTS
@@ -302,8 +303,8 @@ OUTLIER_GROUP = dict(d_model=256, magnitude=1e5)
 """The outlier-features group's width and outlier magnitude. At the tiny model's d_model
 128 a 1x128 tile is the whole row, so fine-grained scaling cannot separate the outlier
 channel from the others and blockwise equals rowwise; at 256 the outlier channel holds one
-of two tiles per row (``studies.outlier_dose``). 1e5 is the top of the literature's range
-(``studies.regimes.OutlierFeatures``) and the magnitude at which per-tensor scaling hurts
+of two tiles per row (``studies.lm.outlier_dose``). 1e5 is the top of the literature's range
+(``studies.lib.regimes.OutlierFeatures``) and the magnitude at which per-tensor scaling hurts
 the GEMM input most there (SQNR of the normal tile 9 dB against FP8's own 32 dB)."""
 
 
@@ -583,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     """``fmtkit ablate [options]``: ``fmtkit study ablate [options]``; returns the exit code."""
     import sys
 
-    from studies.runner import main as runner_main
+    from studies.app.runner import main as runner_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
     return runner_main(["ablate", *argv])

@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from studies import corpus, stats
-from studies import fp8_training as ft
-from studies._common import format_table, no_progress
+from studies.lib import corpus, stats
+from studies.lib.common import format_table, no_progress
+from studies.training import fp8_training as ft
 from studies.training import multiseed, setups
 from studies.training.config import TrainConfig
 from studies.training.data import load_data
@@ -185,7 +185,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     """``fp8_long_gap.png``: the relative gaps per step (moving average, mean ± std over
     seeds) of fp8-blockwise and of the control with the ±0.25% lines;
     ``fp8_long_loss.png``: the loss curves."""
-    from studies._common import figure, plot_style, save
+    from studies.lib.common import figure, plot_style, save
 
     curves = [("fp8-blockwise vs bf16-mixed", "#2ca02c", results)]
     if results.get("control_gap") is not None:

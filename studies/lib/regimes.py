@@ -80,7 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from studies.models import TransformerConfig
+from studies.lib.models import TransformerConfig
 
 __all__ = [
     "FP16_MIN_SUBNORMAL",
@@ -441,7 +441,7 @@ class OutlierFeatures(_Regime):
 
 READERS = (r"attn/(query|key|value)/kernel$|MlpBlock_0/Dense_0/kernel$|"
            r"MoeBlock_0/(router/kernel|w_in)$")
-"""Parameter paths (``studies.models.TransformerLM``) of the kernels that read ``ln_1`` /
+"""Parameter paths (``studies.lib.models.TransformerLM``) of the kernels that read ``ln_1`` /
 ``ln_2``'s outputs, where ``OutlierFeatures`` scales channels."""
 
 
@@ -520,7 +520,7 @@ class TokenGradOutliers(_Regime):
 def weighted_lm_loss(logits: jax.Array, tokens: jax.Array, weights: jax.Array) -> jax.Array:
     """Next-token cross entropy weighted per position: mean(weights * nll) in f32.
 
-    ``logits[:, t]`` predicts ``tokens[:, t + 1]`` (as ``studies.models.lm_loss``);
+    ``logits[:, t]`` predicts ``tokens[:, t + 1]`` (as ``studies.lib.models.lm_loss``);
     ``weights`` is [batch, seq_len - 1]. With weights of mean 1 (``loss_weights``) the
     loss keeps the unweighted loss's scale; all-ones weights give ``lm_loss``.
     """

@@ -2,7 +2,7 @@
 FP8 goes wrong for some GEMMs, against all-FP8 and all-BF16.
 
 The run is the large-outlier regime of ``outlier-dose``: the one-block LM at d_model 256
-(``studies.fp8_training.wide_model``) with one LayerNorm output channel scaled up to
+(``studies.training.fp8_training.wide_model``) with one LayerNorm output channel scaled up to
 ``magnitude`` (default 1e5, grown geometrically from 1 over ``ramp_steps`` steps from
 ``ramp_start``: an emerging outlier) and its readers' kernel rows held at zero, so only the
 quantizers see it. Under per-tensor current scaling (``fp8-current``) the scale follows the
@@ -20,7 +20,7 @@ Three arms per seed, each from the same initial parameters and batches:
   once on a non-finite element.
 
 Reported per arm: the final loss (mean of the last tenth of the steps) and its paired gap
-to bf16-mixed over the seeds with the 3-SE mark (``studies.stats``), and the FP8 FLOP share:
+to bf16-mixed over the seeds with the 3-SE mark (``studies.lib.stats``), and the FP8 FLOP share:
 the share of the training GEMM FLOPs (forward and both backward GEMMs, which have the same
 FLOPs as their forward GEMM) run in FP8, counted per GEMM from the shapes the policy runs and
 the steps it spent in FP8. The autopilot's decisions (step, GEMM, statistic, value) are
@@ -52,11 +52,11 @@ import optax
 import fmtkit
 import fmtkit.debug as debug
 from fmtkit.policy import intercept_gemms
-from studies import fp8_training as ft
-from studies import regimes, stats
-from studies._common import figure, format_table, no_progress, plot_style, save
-from studies.models import TransformerLM, lm_loss
+from studies.lib import regimes, stats
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
+from studies.lib.models import TransformerLM, lm_loss
 from studies.training import checkpoint
+from studies.training import fp8_training as ft
 from studies.training.config import TrainConfig
 from studies.training.data import batch_at, load_data
 from studies.training.metrics import final_loss

@@ -28,7 +28,7 @@ import numpy as np
 
 from fmtkit.casting import cast
 from fmtkit.formats import get_format
-from studies._common import FORMAT_COLORS, figure, format_table, plot_style, save
+from studies.lib.common import FORMAT_COLORS, figure, format_table, plot_style, save
 
 __all__ = ["Config", "plot", "run", "summarize"]
 

@@ -23,7 +23,7 @@ Module paths are the natural Flax ones: linen ``Block_0/MlpBlock_0/Dense_1``,
 ``ln_1`` and ``ln_2`` by a fixed per-channel vector: the normalized residual stream that the
 blocks' input GEMMs (attention query/key/value, the MLP's first Dense, the MoE router and
 experts) read then has outlier channels, as a large norm scale gives them in LLMs
-(``studies.regimes.OutlierFeatures`` builds the vector and documents its sources).
+(``studies.lib.regimes.OutlierFeatures`` builds the vector and documents its sources).
 
 The models are written as users write them: no precision logic beyond Flax's per-layer
 ``dtype``/``param_dtype`` arguments, which ``TransformerConfig`` exposes so a mixed-precision
@@ -92,7 +92,7 @@ class TransformerConfig:
       outlier_scale: None (default), or d_model finite positive numbers that multiply the
         outputs of ``ln_1`` and ``ln_2`` channel-wise (a constant, not a parameter; cast to
         the norm output's dtype): outlier features in what the blocks' GEMMs see
-        (``studies.regimes.OutlierFeatures``).
+        (``studies.lib.regimes.OutlierFeatures``).
     """
 
     vocab_size: int = 256

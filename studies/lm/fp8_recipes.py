@@ -9,7 +9,7 @@ every setup starts from the same initial parameters and sees the same batches as
 the ``bf16-mixed`` baseline. Reported per recipe: the final loss (mean of the last 10% of
 steps) as mean ± std over seeds, and the **relative loss gap** ``(L_fp8 - L_bf16) / L_bf16``
 over seeds, ± the std of one seed's gap, marked when larger than 3 standard errors of the
-per-seed differences (``studies.stats.compare(paired=True)``; the pairing removes the
+per-seed differences (``studies.lib.stats.compare(paired=True)``; the pairing removes the
 seed-to-seed spread both setups share). DeepSeek-V3 (arXiv 2412.19437, section 3.3 and
 appendix B.1) reports a gap below 0.25% for its fine-grained recipe on ~1T-token runs; a few
 hundred steps of a tiny model on a CPU give the sign and size of the early gap, not that bar.
@@ -23,7 +23,7 @@ to diverge a 16B MoE after ~300B tokens (token-correlated outliers in activation
 need per-token 1x128 tiles). Its forward pass is the same as blockwise's; only the
 gradients differ. When both run, the paired gap blockwise-g128 minus blockwise is reported
 too, with whether its sign is DeepSeek's (128x128 worse); ``--regime token-grad-outliers``
-(``studies.regimes``) gives the activation gradients the token-correlated outliers that
+(``studies.lib.regimes``) gives the activation gradients the token-correlated outliers that
 DeepSeek blames.
 
     fmtkit study fp8-recipes [--steps 200] [--seeds 3] [--recipes blockwise blockwise-g128]
@@ -38,8 +38,8 @@ from typing import Any
 
 from fmtkit.fp8 import RECIPES, Fp8Recipe
 from fmtkit.policy import Policy, Rules, get_preset
-from studies import stats
-from studies._common import format_table, no_progress
+from studies.lib import stats
+from studies.lib.common import format_table, no_progress
 from studies.training import multiseed
 from studies.training.config import TrainConfig
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fmtkit.formats import FORMATS, get_format
-from studies._common import FORMAT_COLORS, figure, format_table, plot_style, save
+from studies.lib.common import FORMAT_COLORS, figure, format_table, plot_style, save
 
 __all__ = ["Config", "plot", "run", "summarize"]
 

@@ -23,7 +23,7 @@ bf16). Expected, by hand (per parameter; ZeRO, Rajbhandari et al. 2020, section 
     (params + grads + master + the optimizer's moments; 0-d counters and the delayed
     recipe's amax histories, 3 x 1024 f32 per FP8 matmul, are a fixed cost: "+ fixed bytes")
 
-**Activations**: a stack of L of the transformer's ``Block``s (``studies.models.Block``,
+**Activations**: a stack of L of the transformer's ``Block``s (``studies.lib.models.Block``,
 pre-LN attention + GELU MLP) under a policy, each block optionally wrapped in ``nn.remat``
 (``jax.checkpoint``) with a policy from ``jax.checkpoint_policies``:
 
@@ -72,8 +72,8 @@ import fmtkit
 from fmtkit import optim
 from fmtkit.memory import ledger
 from fmtkit.scaling import TensorScaling
-from studies._common import figure, format_table, no_progress, plot_style, save
-from studies.models import Block, TransformerConfig, TransformerLM, lm_loss
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
+from studies.lib.models import Block, TransformerConfig, TransformerLM, lm_loss
 
 __all__ = ["REMAT", "STATE_ROWS", "Config", "Stack", "plot", "run", "saved_residual_bytes",
            "state_row", "summarize"]

@@ -1,7 +1,7 @@
 """The ``fmtkit`` command line: format tables, number inspection, benchmarks and studies.
 
 An application on top of the library, not part of it: ``fmtkit`` (the core) never imports
-this module or ``studies``. The console script ``fmtkit`` and ``python -m studies.cli`` run
+this module or ``studies``. The console script ``fmtkit`` and ``python -m studies.app.cli`` run
 ``main``.
 """
 
@@ -16,7 +16,7 @@ import pkgutil
 import sys
 
 from fmtkit.formats import ALIASES, FORMATS, decompose, get_format
-from studies._common import EXACT_LOW_PRECISION_FLAG
+from studies.lib.common import EXACT_LOW_PRECISION_FLAG
 
 _DEFAULT_INSPECT = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return _cmd_bench(args, rest)
         if args.command in ("study", "ablate", "debug"):
-            name = {"study": "runner", "ablate": "ablate", "debug": "debug_report"}[args.command]
+            name = {"study": "app.runner", "ablate": "lm.ablate",
+                    "debug": "app.debug_report"}[args.command]
             module = importlib.import_module(f"studies.{name}")
             return int(module.main(rest) or 0)
         if rest:

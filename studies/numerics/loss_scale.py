@@ -35,7 +35,7 @@ import optax
 
 from fmtkit import optim
 from fmtkit.casting import cast
-from studies._common import figure, format_table, no_progress, plot_style, save
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
 
 __all__ = ["Config", "gradients", "plot", "run", "summarize"]
 

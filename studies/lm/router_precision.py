@@ -4,7 +4,7 @@ Switch Transformer (Fedus et al. 2021, section 2.4, "Selective precision") train
 router in float32 inside an otherwise bfloat16 model: a bf16 router destabilized training,
 and the router is cheap, so its input, logits and softmax run in f32 (seed 001: the router
 "计算量很小，却会改变 token 的整个 expert path"). Here a small byte-level MoE transformer
-(``studies.models.TransformerLM`` with ``num_experts`` experts per block, exact top-1
+(``studies.lib.models.TransformerLM`` with ``num_experts`` experts per block, exact top-1
 routing) is trained under bf16-mixed, once per router variant and seed (``--seeds``,
 default 3; seed k of both variants starts from the same parameters and sees the same
 batches):
@@ -33,7 +33,7 @@ The shadow needs the parameters before each update, so the seeds are not trained
 (``studies.training.multiseed``) and one ``jax.jit(jax.vmap(...))`` of "measure, then step"
 advances them all. Reported per variant, mean ± std over seeds: final loss, flips (mean over
 the run and over its last 10%), aux loss and max load (last 10%); and the paired gaps bf16 - f32 of
-those numbers with the 3-SE mark (``studies.stats.compare(paired=True)``). The bf16 router
+those numbers with the 3-SE mark (``studies.lib.stats.compare(paired=True)``). The bf16 router
 **measurably hurts** where a gap in loss, max load or aux loss (higher is worse for each)
 is positive and significant.
 
@@ -62,9 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fmtkit.policy import Rules, get_preset
-from studies import stats
-from studies._common import figure, format_table, no_progress, plot_style, save
-from studies.models import TransformerConfig
+from studies.lib import stats
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
+from studies.lib.models import TransformerConfig
 from studies.training import multiseed
 from studies.training.config import TrainConfig
 from studies.training.metrics import final_loss
@@ -108,7 +108,7 @@ def route_with_shadow(model: Any, variables: Any, *args: Any,
                       router_pattern: str = ROUTER_PATTERN) -> tuple[Any, list[dict]]:
     """Applies a linen MoE model and recomputes every router's top-1 assignment in f32.
 
-    Each MoE layer (``studies.models.MoeBlock``) sows into ``"intermediates"`` the input its
+    Each MoE layer (``studies.lib.models.MoeBlock``) sows into ``"intermediates"`` the input its
     router received (as the policy computed it), the router's logits, the ``expert_index``
     it chose and its ``aux_loss``. The shadow assignment is
     ``argmax(softmax(f32(router_input) @ f32(kernel)))`` with the stored kernel: the same

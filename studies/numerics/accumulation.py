@@ -53,7 +53,7 @@ import numpy as np
 from fmtkit.casting import cast
 from fmtkit.formats import get_format
 from fmtkit.fp8 import limited_precision_matmul
-from studies._common import figure, format_table, no_progress, plot_style, save
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
 
 __all__ = ["DATA", "VARIANTS", "Config", "make_operands", "plot", "run", "summarize"]
 

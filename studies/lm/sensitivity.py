@@ -53,8 +53,8 @@ import fmtkit
 from fmtkit.fp8 import RECIPES
 from fmtkit.policy import Policy, Rules, module_paths
 from fmtkit.telemetry import compare
-from studies._common import figure, format_table, no_progress, plot_style, save
-from studies.models import TransformerConfig, TransformerLM, lm_loss
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
+from studies.lib.models import TransformerConfig, TransformerLM, lm_loss
 from studies.training.config import TrainConfig
 
 __all__ = ["F32", "Config", "candidate_modules", "evaluate", "plot", "prepare", "run",

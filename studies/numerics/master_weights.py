@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 from fmtkit import optim
-from studies._common import FORMAT_COLORS, figure, format_table, no_progress, plot_style, save
+from studies.lib.common import FORMAT_COLORS, figure, format_table, no_progress, plot_style, save
 
 __all__ = ["Config", "plot", "run", "summarize"]
 

@@ -5,11 +5,11 @@ historical maximum" (arXiv 2412.19437, sec. 3.3.1); Transformer Engine's delayed
 takes a per-tensor scale from the largest amax of the last ``history`` steps (default
 1024). This study makes an outlier channel *emerge* during training: one channel of the
 blocks' normalized inputs grows geometrically from 1x to ``magnitude`` over ``ramp_steps``
-steps from ``ramp_start`` (``studies.fp8_training.Ramp``: the rows that read it stay at
+steps from ``ramp_start`` (``studies.training.fp8_training.Ramp``: the rows that read it stay at
 zero, so only the quantizers see it), and trains bf16-mixed, fp8-current (per tensor,
 scale from this step's amax) and fp8-delayed with histories 1, 16 and 1024, seeds paired.
 
-Per step, on the first block's attention input (``studies.fp8_training``): ``saturated``
+Per step, on the first block's attention input (``studies.training.fp8_training``): ``saturated``
 (elements above the amax the delayed scale was taken from: E4M3 clips them to 448),
 ``amax`` vs ``amax_used`` and the SQNR of the channels other than the outlier under that
 scale. Per setup: overflow events (steps with a saturated element), saturated elements in
@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from fmtkit.fp8 import RECIPES
-from studies import fp8_training as ft
-from studies import stats
-from studies._common import figure, format_table, no_progress, plot_style, save
+from studies.lib import stats
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
+from studies.training import fp8_training as ft
 from studies.training.config import TrainConfig
 from studies.training.data import load_data
 from studies.training.setups import get_setup

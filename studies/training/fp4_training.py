@@ -1,7 +1,7 @@
 """The fp4-training regime of ``fmtkit ablate``: NVFP4's ingredients and MXFP4 at laptop scale.
 
 ``fmtkit ablate --regime fp4-training`` trains ``GROUP`` (bf16-mixed first, the reference)
-on a 4-block tiny model (``studies.regimes.FP4Training``), several seeds each, and reports
+on a 4-block tiny model (``studies.lib.regimes.FP4Training``), several seeds each, and reports
 the paired gaps as for every regime. This module adds the regime's telemetry, measured on
 seed 0 with the batch after the last step, at the initial parameters and at each setup's
 trained parameters:
@@ -11,7 +11,7 @@ trained parameters:
   does; x and dy from the plain f32 model): ``fmtkit.fp4.quantization_stats`` (SQNR, share
   of blocks whose scaled elements saturate at ±6 or that underflow to zeros);
 * ``grad_noise_ratio``: the norm of the BF16 weight gradient of the FP4 layers over the norm
-  of the FP4 gradient's difference from it (``studies.regimes.grad_noise_ratio``; below
+  of the FP4 gradient's difference from it (``studies.lib.regimes.grad_noise_ratio``; below
   about sqrt(3), "FP4 All the Way" finds FP4 training stops helping), as a curve over
   training: at ``noise_steps(steps)`` (``NOISE_POINTS`` evenly spaced step counts, 0 and the
   last included), on seed 0's parameters of that setup kept after that many steps
@@ -40,8 +40,8 @@ import numpy as np
 
 from fmtkit import fp4
 from fmtkit.policy import find_stack
-from studies import regimes
-from studies.models import TransformerLM, lm_loss
+from studies.lib import regimes
+from studies.lib.models import TransformerLM, lm_loss
 from studies.training.config import TrainConfig
 from studies.training.setups import get_setup
 from studies.training.step import build_model, setup_rules
@@ -283,7 +283,7 @@ def plot_noise(info: dict[str, Any], out_dir: Any, name: str) -> Any:
     """``out_dir/name.png``: each FP4 setup's gradient-noise ratio over training (seed 0),
     log scale, with the sqrt(3) line below which FP4 training stops helping
     [FP4AllTheWay]. Returns the path, or None when no setup has a curve."""
-    from studies._common import figure, plot_style, save
+    from studies.lib.common import figure, plot_style, save
 
     curves = {k: d["grad_noise_curve"] for k, d in info.items() if d.get("grad_noise_curve")}
     if not curves:

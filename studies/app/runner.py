@@ -1,9 +1,9 @@
 """Runs a study: ``fmtkit study NAME [--option value ...]``, ``fmtkit study --list``.
 
-Each study is a module ``studies/<name with - replaced by _>.py``, or the one ``MODULES``
-names (see ``studies._common`` for the protocol: ``Config``, a pure ``run``, optional
-``summarize`` and ``plot``). The runner derives the command-line options from the fields of
-the study's ``Config`` (with tyro, nested dataclasses included), runs it, writes
+Each study is a module ``studies/{numerics,lm}/<name with - replaced by _>.py``, or the one
+``MODULES`` names (see ``studies.lib.common`` for the protocol: ``Config``, a pure ``run``,
+optional ``summarize`` and ``plot``). The runner derives the command-line options from the
+fields of the study's ``Config`` (with tyro, nested dataclasses included), runs it, writes
 ``runs/NAME/<timestamp>/results.json`` (config, versions, device, wall times, the numbers) and
 the PNG plots, and prints the study's summary table.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import sys
 import time
@@ -25,7 +26,7 @@ from typing import Annotated, Any
 
 import tyro
 
-from studies._common import (
+from studies.lib.common import (
     EXACT_LOW_PRECISION_FLAG,
     Progress,
     StudyError,
@@ -41,7 +42,7 @@ __all__ = ["MODULES", "RESERVED_OPTIONS", "STUDIES", "Invocation", "load", "main
            "parse_args", "run_study"]
 
 STUDIES: dict[str, str] = {
-    # CLI name: one-line summary.  Module: studies/<name with "-" replaced by "_">.py
+    # CLI name: one-line summary.  Module: studies/{numerics,lm}/<name, _ for ->.py
     "formats": "range/precision table of every format and a dynamic-range plot",
     "underflow": "small gradients in fp16 directly, with loss scaling (x2^16), and in bf16",
     "master-weights": "1.0 + 1e-3 a thousand times in bf16, fp16, f32 and with f32 masters",
@@ -69,16 +70,20 @@ MODULES: dict[str, str] = {
     "formats": "format_ranges",
     "memory": "memory_footprint",
 }
-"""The studies whose module is not ``studies/<name with - replaced by _>.py``."""
+"""The studies whose module stem is not the name with ``-`` replaced by ``_``."""
 
 RESERVED_OPTIONS = ("out", "plot")
 """Options the runner adds to every study; a ``Config`` must not use these field names."""
 
 
 def module_name(name: str) -> str:
-    """``"fp8-outliers"`` -> ``"studies.fp8_outliers"``; ``"formats"`` ->
-    ``"studies.format_ranges"`` (``MODULES``)."""
-    return "studies." + MODULES.get(name, name.replace("-", "_"))
+    """``"fp8-outliers"`` -> ``"studies.numerics.fp8_outliers"``; ``"formats"`` ->
+    ``"studies.numerics.format_ranges"`` (``MODULES``)."""
+    stem = MODULES.get(name, name.replace("-", "_"))
+    for group in ("studies.numerics", "studies.lm"):
+        if importlib.util.find_spec(f"{group}.{stem}") is not None:
+            return f"{group}.{stem}"
+    return f"studies.{stem}"
 
 
 def _check_name(name: str) -> str:
@@ -205,7 +210,8 @@ def run_study(name: str, config: Any = None, *, out_root: str | Path = "runs",
         warnings.warn(
             f"XLA_FLAGS lacks {EXACT_LOW_PRECISION_FLAG}: XLA may keep bf16/fp16 "
             "intermediates in f32 inside jit, skipping roundings the study measures, and the "
-            "numbers differ from the fmtkit CLI's. Call studies.cli.exact_low_precision_flags() "
+            "numbers differ from the fmtkit CLI's. Call "
+            "studies.app.cli.exact_low_precision_flags() "
             "before JAX starts (results.json records env.xla_allow_excess_precision).",
             stacklevel=2)
     progress = progress or make_progress()
@@ -252,7 +258,7 @@ def _print_list(file: Any = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``fmtkit study --list`` / ``fmtkit study NAME [options]``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    distributed.initialize_from_env()  # a process of `python -m studies.launch` (or a host)
+    distributed.initialize_from_env()  # a process of `python -m studies.app.launch` (or a host)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fmtkit study NAME [options] | fmtkit study --list", file=sys.stderr)
         _print_list(sys.stderr)

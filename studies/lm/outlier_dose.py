@@ -1,18 +1,18 @@
 """Study ``outlier-dose``: loss gap to bf16-mixed vs activation-outlier magnitude, per FP8
 recipe: DeepSeek-V3's "per-tensor breaks as outliers grow, fine-grained stays flat" in training.
 
-Trains the one-block LM at d_model 256 (``studies.fp8_training.wide_model``: two 1x128
+Trains the one-block LM at d_model 256 (``studies.training.fp8_training.wide_model``: two 1x128
 tiles per row, so the 1x128 tile holding the outlier channel is not the one holding the
 other half of the channels) under bf16-mixed and the FP8 setups fp8-current, fp8-delayed
 (per tensor), fp8-rowwise, fp8-blockwise (1x128) and fp8-mxfp8 (1x32, E8M0), each at
 every outlier magnitude (default 1e2, 1e3, 1e4, 3e4, 1e5: the 1e2, 1e4 and 3e4 of
 ``fmtkit study fp8-outliers`` and [Sun24]'s largest massive activations) and seed. The
 outlier is one channel of the blocks' normalized inputs, with the rows that read it held at zero
-(``studies.fp8_training``): bf16-mixed computes the same function at every magnitude
+(``studies.training.fp8_training``): bf16-mixed computes the same function at every magnitude
 (bf16 scales each element on its own), so one bf16-mixed run per seed is the reference of
 every magnitude, and any gap is the FP8 quantizers'. Seed k of every setup starts from the
 same parameters and sees the same batches; the gaps are paired per seed
-(``studies.stats.compare(paired=True)``, ``*`` beyond 3 SE), and per-tensor minus blockwise
+(``studies.lib.stats.compare(paired=True)``, ``*`` beyond 3 SE), and per-tensor minus blockwise
 is reported per magnitude too.
 
 Beside the losses, the mechanism: the first block's attention input (seed 0's initial
@@ -37,10 +37,10 @@ import numpy as np
 import fmtkit
 from fmtkit import fp8, qdq
 from fmtkit.telemetry import compare
-from studies import fp8_training as ft
-from studies import regimes, stats
-from studies._common import figure, format_table, no_progress, plot_style, save
-from studies.models import TransformerLM
+from studies.lib import regimes, stats
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
+from studies.lib.models import TransformerLM
+from studies.training import fp8_training as ft
 from studies.training.config import TrainConfig
 from studies.training.data import batch_at, load_data
 from studies.training.setups import get_setup
@@ -170,7 +170,7 @@ def run(config: Config, progress=no_progress) -> dict[str, Any]:
       ``{"magnitudes", "seeds", "reference": unit, "units": {setup: unit}, "gaps": {setup:
       [paired gap dict per magnitude]}, "per_tensor_vs_fine": {setup: [gap per
       magnitude]}, "tile_sqnr": [per magnitude: tile_sqnr], "channel", "units_folder",
-      "model", "wall_seconds"}`` (units: ``studies.fp8_training.train_unit``).
+      "model", "wall_seconds"}`` (units: ``studies.training.fp8_training.train_unit``).
     """
     import time
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from fmtkit.formats import get_format
 from fmtkit.scaling import AxisScaling, BlockScaling, MXScaling, TensorScaling, qdq
 from fmtkit.telemetry import compare
-from studies._common import figure, format_table, no_progress, plot_style, save
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
 
 __all__ = ["RECIPES", "Config", "make_tensor", "plot", "recipes", "run", "summarize"]
 

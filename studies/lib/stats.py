@@ -47,7 +47,7 @@ Table cells and plots
 * ``band(ax, x, runs)`` / ``plot_seed_bands(curves, out_dir)``: mean curve over seeds with
   a ±1 std band; ``gap_bars(ax, gaps)`` / ``plot_gap_bars(gaps, out_dir)``: a bar per setup
   with ±3 SE whiskers, so a whisker that does not reach 0 is a significant gap.
-  Object-oriented matplotlib on the Agg canvas (``studies._common.figure``); PNG files.
+  Object-oriented matplotlib on the Agg canvas (``studies.lib.common.figure``); PNG files.
 
 Example:
   >>> a = summarize([2.00, 2.01, 1.99])
@@ -138,7 +138,7 @@ class SeedStats:
     n_nonfinite: int
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (NaN stays NaN; ``studies._common.to_jsonable`` maps it to null)."""
+        """JSON-ready (NaN stays NaN; ``studies.lib.common.to_jsonable`` maps it to null)."""
         return dataclasses.asdict(self) | {"values": list(self.values)}
 
 
@@ -457,7 +457,7 @@ def plot_seed_bands(curves: Mapping[str, Sequence[Sequence[float]] | np.ndarray]
     Returns:
       The PNG's path.
     """
-    from studies._common import figure, plot_style, save
+    from studies.lib.common import figure, plot_style, save
 
     with plot_style():
         fig, ax = figure(width=7.0, height=4.4)
@@ -481,7 +481,7 @@ def plot_gap_bars(gaps: Mapping[str, Gap], out_dir: str | Path, name: str = "gap
     Returns:
       The PNG's path.
     """
-    from studies._common import figure, plot_style, save
+    from studies.lib.common import figure, plot_style, save
 
     with plot_style():
         fig, ax = figure(width=6.4, height=1.0 + 0.35 * max(len(gaps), 1))

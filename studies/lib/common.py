@@ -1,6 +1,6 @@
 """Helpers shared by the studies: results files, versions, run folders, progress, plot style.
 
-A study module (``studies/<name>.py``) exposes
+A study module (``studies/numerics/<name>.py`` or ``studies/lm/<name>.py``) exposes
 
 * ``Config``: a frozen dataclass whose fields become the CLI options (``--steps 20``); its
   docstring's ``Attributes:`` section becomes the options' help; ``__post_init__`` validates
@@ -10,7 +10,7 @@ A study module (``studies/<name>.py``) exposes
 * optionally ``summarize(results) -> str`` (a table for the terminal) and
   ``plot(results, out_dir) -> list[Path]`` (PNG files, written with ``figure`` / ``save``).
 
-``studies.runner`` turns that into ``fmtkit study NAME``: options, ``runs/NAME/<timestamp>/``,
+``studies.app.runner`` turns that into ``fmtkit study NAME``: options, ``runs/NAME/<timestamp>/``,
 ``results.json`` (config, versions, device, wall times, the numbers), the PNGs and the table.
 """
 

@@ -5,7 +5,7 @@ DeepSeek-V3 (arXiv 2412.19437, App. B.2) quantized activation gradients in 128x1
 like its weights and saw a 16B MoE diverge after ~300B tokens; it blamed token-correlated
 outliers (a few tokens with much larger gradients: one in a 128-token block sets the scale
 of the whole block) and kept 1x128 tiles (one token each). This study gives the tiny LM
-such outliers (``studies.regimes.TokenGradOutliers``: 1/256 of the predicted tokens
+such outliers (``studies.lib.regimes.TokenGradOutliers``: 1/256 of the predicted tokens
 weighted ``magnitude`` times the others in the loss whose gradient is taken, new
 positions every step) at magnitudes 1e2, 1e3 and 1e4, and trains bf16-mixed, fp8-blockwise
 (1x128 gradient tiles) and fp8-blockwise-g128 (the same with 128x128 activation-gradient
@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from studies import fp8_training as ft
-from studies import stats
-from studies._common import figure, format_table, no_progress, plot_style, save
-from studies.fp8_recipes import EXTRA_RECIPES
+from studies.lib import stats
+from studies.lib.common import figure, format_table, no_progress, plot_style, save
+from studies.lm.fp8_recipes import EXTRA_RECIPES
+from studies.training import fp8_training as ft
 from studies.training.config import TrainConfig
 from studies.training.data import load_data
 from studies.training.setups import get_setup
