@@ -12,10 +12,10 @@ import importlib
 import json
 import math
 import os
-import pkgutil
 import sys
 
 from fmtkit.formats import ALIASES, FORMATS, decompose, get_format
+from studies.app.registry import Entry, discover
 from studies.lib.common import EXACT_LOW_PRECISION_FLAG
 
 _DEFAULT_INSPECT = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -92,22 +92,24 @@ def _cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_names() -> list[str]:
-    import studies.bench
-
-    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(studies.bench.__path__)
-                  if not m.name.startswith("_"))
+def benchmarks() -> dict[str, Entry]:
+    """The benchmarks ``fmtkit bench`` runs, by ``NAME``: every public module of
+    ``studies.bench`` (its ``NAME``, ``SUMMARY`` and ``main(argv) -> int``), in name order."""
+    return {e.name: e for e in discover("studies.bench")}
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    names = _bench_names()
+    benches = benchmarks()
     if args.name is None or args.name == "list":
-        print("benchmarks: " + ", ".join(names))
+        width = max(map(len, benches))
+        print("benchmarks (fmtkit bench NAME --help for options):")
+        for e in benches.values():
+            print(f"  {e.name.ljust(width)}  {e.summary}")
         return 0
-    if args.name not in names:
+    if args.name not in benches:
         raise SystemExit(f"fmtkit bench: unknown benchmark {args.name!r}; "
-                         f"valid: {', '.join(names)}")
-    module = importlib.import_module("studies.bench." + args.name.replace("-", "_"))
+                         f"valid: {', '.join(benches)}")
+    module = importlib.import_module(benches[args.name].module)
     return int(module.main(rest) or 0)
 
 

@@ -1,20 +1,20 @@
 """Runs a study: ``fmtkit study NAME [--option value ...]``, ``fmtkit study --list``.
 
-Each study is a module ``studies/{numerics,lm}/<name with - replaced by _>.py``, or the one
-``MODULES`` names (see ``studies.lib.common`` for the protocol: ``Config``, a pure ``run``,
-optional ``summarize`` and ``plot``). The runner derives the command-line options from the
-fields of the study's ``Config`` (with tyro, nested dataclasses included), runs it, writes
+Each study is a module of ``studies/numerics/`` or ``studies/lm/`` that declares its
+command-line id, summary and place in the list (``NAME``, ``SUMMARY``, ``ORDER``: see
+``studies.app.registry``) and the protocol of ``studies.lib.common`` (``Config``, a pure
+``run``, optional ``summarize`` and ``plot``). The runner derives the command-line options
+from the fields of the study's ``Config`` (with tyro, nested dataclasses included), runs it, writes
 ``runs/NAME/<timestamp>/results.json`` (config, versions, device, wall times, the numbers) and
 the PNG plots, and prints the study's summary table.
 
-Adding a study: write its module and add one line to ``STUDIES`` below.
+Adding a study: write its module; the runner finds it (``STUDIES`` is derived, never edited).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import inspect
 import sys
 import time
@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 import tyro
 
+from studies.app.registry import discover
 from studies.lib.common import (
     EXACT_LOW_PRECISION_FLAG,
     Progress,
@@ -38,52 +39,25 @@ from studies.lib.common import (
 )
 from studies.training import distributed
 
-__all__ = ["MODULES", "RESERVED_OPTIONS", "STUDIES", "Invocation", "load", "main", "module_name",
-           "parse_args", "run_study"]
+__all__ = ["GROUPS", "MODULES", "RESERVED_OPTIONS", "STUDIES", "Invocation", "load", "main",
+           "module_name", "parse_args", "run_study"]
 
-STUDIES: dict[str, str] = {
-    # CLI name: one-line summary.  Module: studies/{numerics,lm}/<name, _ for ->.py
-    "formats": "range/precision table of every format and a dynamic-range plot",
-    "underflow": "small gradients in fp16 directly, with loss scaling (x2^16), and in bf16",
-    "master-weights": "1.0 + 1e-3 a thousand times in bf16, fp16, f32 and with f32 masters",
-    "loss-scale": "the dynamic loss-scale state machine over a scripted run with overflows",
-    "rounding": "fp16 vs bf16 rounding across the range: stored bits, errors, overflow",
-    "fp8-outliers": "per-tensor vs row vs 1x128 block vs MX scaling as outlier channels grow",
-    "ablate": "the main job: a small LM trained under each precision setup (fmtkit ablate)",
-    "allreduce": "gradient all-reduce in bf16 vs f32 vs bf16-comm/f32-sum across 8 devices",
-    "accumulation": "FP8 GEMM with a ~14-bit accumulator vs K, with/without promotion every 128",
-    "memory": "bytes per parameter per policy/optimizer; activations per layer with/without remat",
-    "sensitivity": "lower one module at a time to bf16/fp16/FP8 and rank modules by the damage",
-    "router-precision": "top-1 MoE with its router in bf16 vs f32: flips vs an f32 shadow, balance",
-    "fp8-recipes": "training loss under each FP8 recipe (incl. 128x128 grad blocks) vs bf16-mixed",
-    "outlier-dose": "FP8 recipes' loss gap to bf16 vs activation-outlier magnitude (1e2..1e5)",
-    "autopilot": "the precision autopilot vs all-FP8 and all-BF16 as a large outlier emerges",
-    "delayed-lag": "delayed scaling (history 1/16/1024) vs current as an outlier emerges",
-    "grad-blocks": "128x128 vs 1x128 activation-gradient blocks vs token-gradient outliers",
-    "fp8-long": "fp8-blockwise vs bf16-mixed over 1000+ steps of stdlib text vs the 0.25% bar",
-}
-"""The registered studies, in ``--list`` order."""
+GROUPS = ("studies.numerics", "studies.lm")
+"""The folders whose modules are the studies: numerics without training, language models."""
 
-MODULES: dict[str, str] = {
-    # CLI name: module stem, where it is not the name with "-" replaced by "_": fmtkit has
-    # modules fmtkit.formats and fmtkit.memory, and a study does not reuse their stems.
-    "formats": "format_ranges",
-    "memory": "memory_footprint",
-}
-"""The studies whose module stem is not the name with ``-`` replaced by ``_``."""
+_ENTRIES = discover(*GROUPS, ordered=True)
+STUDIES: dict[str, str] = {e.name: e.summary for e in _ENTRIES}
+"""Each study's ``NAME``: its ``SUMMARY``, in ``--list`` order (each module's ``ORDER``)."""
+MODULES: dict[str, str] = {e.name: e.module for e in _ENTRIES}
+"""Each study's ``NAME``: its module (``"formats"``: ``"studies.numerics.format_ranges"``)."""
 
 RESERVED_OPTIONS = ("out", "plot")
 """Options the runner adds to every study; a ``Config`` must not use these field names."""
 
 
 def module_name(name: str) -> str:
-    """``"fp8-outliers"`` -> ``"studies.numerics.fp8_outliers"``; ``"formats"`` ->
-    ``"studies.numerics.format_ranges"`` (``MODULES``)."""
-    stem = MODULES.get(name, name.replace("-", "_"))
-    for group in ("studies.numerics", "studies.lm"):
-        if importlib.util.find_spec(f"{group}.{stem}") is not None:
-            return f"{group}.{stem}"
-    return f"studies.{stem}"
+    """``"fp8-outliers"`` -> ``"studies.numerics.fp8_outliers"`` (``MODULES``)."""
+    return MODULES[_check_name(name)]
 
 
 def _check_name(name: str) -> str:

@@ -35,6 +35,10 @@ from fmtkit.policy import list_presets, with_policy
 from studies.bench._timing import write_results
 from studies.lib import models
 
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "debug-stats"
+SUMMARY = "the study transformer's train step with per-GEMM statistics off vs on"
+
 TARGET = 1.10  # the budget: statistics at freq=10 within 10% of the step without
 
 

@@ -68,6 +68,10 @@ from fmtkit import DelayedScalingState, fp4, fp8
 from studies.bench._timing import time_interleaved, write_results
 from studies.lib import models
 
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "fp8-step"
+SUMMARY = "one train step under each FP8 recipe vs the same step in bf16 and f32"
+
 DN = (((1,), (0,)), ((), ()))  # x [B, in] · w [in, out]
 TARGETS = {"current": 1.15, "delayed": 1.15, "rowwise": 1.15, "blockwise": 1.5, "mxfp8": 1.5}
 """The targets on a 2-core CPU: step time of each recipe over the bf16 step."""

@@ -37,6 +37,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "multiprocess"
+SUMMARY = "what keeping precision state global costs, 2 processes vs 1"
+
 __all__ = ["main"]
 
 SETUPS = ("bf16-mixed", "fp16-dynamic", "fp8-delayed")

@@ -44,6 +44,10 @@ import optax
 from fmtkit import optim
 from studies.bench._timing import time_samples, write_results
 
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "optim"
+SUMMARY = "a step of dynamic_loss_scale(master_weights(adamw)) vs plain adamw"
+
 _LR = 1e-3
 _SCALE = 2.0**16  # the scale the gradients were computed with (GradScaler's default init)
 

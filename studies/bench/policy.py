@@ -46,6 +46,10 @@ from fmtkit.policy import with_policy
 from studies.bench._timing import time_fn, time_interleaved, write_results
 from studies.lib import models
 
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "policy"
+SUMMARY = "a train step under with_policy(bf16-mixed) vs the model cast by hand"
+
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
 _OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = \S+ ([\w\-]+)\(", re.MULTILINE)
 

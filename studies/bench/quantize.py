@@ -17,6 +17,10 @@ import jax.numpy as jnp
 from fmtkit.scaling import BlockScaling, qdq
 from studies.bench._timing import time_interleaved, write_results
 
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "quantize"
+SUMMARY = "qdq with 1x128 blocks vs a plain FP8 round trip of the same array"
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fmtkit bench quantize", description=__doc__,

@@ -18,6 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "sharding"
+SUMMARY = "a bf16-mixed policy train step, sharded over 8 devices vs unsharded"
+
 
 def _measure(devices: int, repeats: int) -> dict:
     import jax

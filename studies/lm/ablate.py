@@ -92,6 +92,11 @@ from studies.training import (
 )
 from studies.training.setups import FP4_SETUPS
 
+# How the command line lists this study (studies.app.registry).
+NAME = "ablate"
+SUMMARY = "the main job: a small LM trained under each precision setup (fmtkit ablate)"
+ORDER = 70
+
 __all__ = ["CONTRASTS", "FP4_BUDGET", "OUTLIER_GROUP", "Config", "gap_curves", "main",
            "outlier_config", "plot", "run", "run_order", "summarize"]
 

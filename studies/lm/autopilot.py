@@ -64,6 +64,11 @@ from studies.training.optimizer import make_optimizer
 from studies.training.setups import get_setup
 from studies.training.step import init_params
 
+# How the command line lists this study (studies.app.registry).
+NAME = "autopilot"
+SUMMARY = "the precision autopilot vs all-FP8 and all-BF16 as a large outlier emerges"
+ORDER = 150
+
 __all__ = ["ARMS", "Config", "gemm_flops", "plot", "run", "summarize"]
 
 ARMS = ("bf16-mixed", "fp8-current", "autopilot")

@@ -45,6 +45,11 @@ from studies.training.config import TrainConfig
 from studies.training.data import load_data
 from studies.training.setups import get_setup
 
+# How the command line lists this study (studies.app.registry).
+NAME = "delayed-lag"
+SUMMARY = "delayed scaling (history 1/16/1024) vs current as an outlier emerges"
+ORDER = 160
+
 __all__ = ["Config", "plot", "run", "setups", "summarize"]
 
 REFERENCE = "fp8-current"

@@ -40,6 +40,11 @@ from studies.training import multiseed, setups
 from studies.training.config import TrainConfig
 from studies.training.data import load_data
 
+# How the command line lists this study (studies.app.registry).
+NAME = "fp8-long"
+SUMMARY = "fp8-blockwise vs bf16-mixed over 1000+ steps of stdlib text vs the 0.25% bar"
+ORDER = 180
+
 __all__ = ["BAR", "Config", "plot", "relative_gap_curve", "run", "summarize"]
 
 BAR = 0.0025

@@ -43,6 +43,11 @@ from studies.lib.common import format_table, no_progress
 from studies.training import multiseed
 from studies.training.config import TrainConfig
 
+# How the command line lists this study (studies.app.registry).
+NAME = "fp8-recipes"
+SUMMARY = "training loss under each FP8 recipe (incl. 128x128 grad blocks) vs bf16-mixed"
+ORDER = 130
+
 __all__ = ["EXTRA_RECIPES", "G128_PAIR", "Config", "g128_verdict", "plot", "recipe_of", "run",
            "setup_of", "summarize"]
 

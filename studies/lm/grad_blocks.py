@@ -37,6 +37,11 @@ from studies.training.config import TrainConfig
 from studies.training.data import load_data
 from studies.training.setups import get_setup
 
+# How the command line lists this study (studies.app.registry).
+NAME = "grad-blocks"
+SUMMARY = "128x128 vs 1x128 activation-gradient blocks vs token-gradient outliers"
+ORDER = 170
+
 __all__ = ["Config", "plot", "run", "setups", "summarize"]
 
 FINE, COARSE = "fp8-blockwise", "fp8-blockwise-g128"

@@ -46,6 +46,11 @@ from studies.training.data import batch_at, load_data
 from studies.training.setups import get_setup
 from studies.training.step import init_params
 
+# How the command line lists this study (studies.app.registry).
+NAME = "outlier-dose"
+SUMMARY = "FP8 recipes' loss gap to bf16 vs activation-outlier magnitude (1e2..1e5)"
+ORDER = 140
+
 __all__ = ["REFERENCE", "SETUPS", "Config", "gemm_input", "plot", "run", "significant_from",
            "summarize", "tile_sqnr"]
 

@@ -69,6 +69,11 @@ from studies.training import multiseed
 from studies.training.config import TrainConfig
 from studies.training.metrics import final_loss
 
+# How the command line lists this study (studies.app.registry).
+NAME = "router-precision"
+SUMMARY = "top-1 MoE with its router in bf16 vs f32: flips vs an f32 shadow, balance"
+ORDER = 120
+
 __all__ = [
     "GAP_METRICS",
     "HARM_METRICS",

@@ -57,6 +57,11 @@ from studies.lib.common import figure, format_table, no_progress, plot_style, sa
 from studies.lib.models import TransformerConfig, TransformerLM, lm_loss
 from studies.training.config import TrainConfig
 
+# How the command line lists this study (studies.app.registry).
+NAME = "sensitivity"
+SUMMARY = "lower one module at a time to bf16/fp16/FP8 and rank modules by the damage"
+ORDER = 110
+
 __all__ = ["F32", "Config", "candidate_modules", "evaluate", "plot", "prepare", "run",
            "sqnr_db", "summarize", "target_value"]
 

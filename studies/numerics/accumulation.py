@@ -55,6 +55,11 @@ from fmtkit.formats import get_format
 from fmtkit.fp8 import limited_precision_matmul
 from studies.lib.common import figure, format_table, no_progress, plot_style, save
 
+# How the command line lists this study (studies.app.registry).
+NAME = "accumulation"
+SUMMARY = "FP8 GEMM with a ~14-bit accumulator vs K, with/without promotion every 128"
+ORDER = 90
+
 __all__ = ["DATA", "VARIANTS", "Config", "make_operands", "plot", "run", "summarize"]
 
 DATA = ("positive", "gaussian")

@@ -28,6 +28,11 @@ from typing import Any
 
 from studies.lib.common import Progress, figure, no_progress, plot_style, save
 
+# How the command line lists this study (studies.app.registry).
+NAME = "allreduce"
+SUMMARY = "gradient all-reduce in bf16 vs f32 vs bf16-comm/f32-sum across 8 devices"
+ORDER = 80
+
 MODES = ("f32", "bf16-comm", "bf16")
 
 

@@ -21,6 +21,11 @@ from typing import Any
 from fmtkit.formats import FORMATS, get_format
 from studies.lib.common import FORMAT_COLORS, figure, format_table, plot_style, save
 
+# How the command line lists this study (studies.app.registry).
+NAME = "formats"
+SUMMARY = "range/precision table of every format and a dynamic-range plot"
+ORDER = 10
+
 __all__ = ["Config", "plot", "run", "summarize"]
 
 

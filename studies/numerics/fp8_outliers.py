@@ -35,6 +35,11 @@ from fmtkit.scaling import AxisScaling, BlockScaling, MXScaling, TensorScaling, 
 from fmtkit.telemetry import compare
 from studies.lib.common import figure, format_table, no_progress, plot_style, save
 
+# How the command line lists this study (studies.app.registry).
+NAME = "fp8-outliers"
+SUMMARY = "per-tensor vs row vs 1x128 block vs MX scaling as outlier channels grow"
+ORDER = 60
+
 __all__ = ["RECIPES", "Config", "make_tensor", "plot", "recipes", "run", "summarize"]
 
 RECIPES = ("tensor", "row", "block", "mx")

@@ -37,6 +37,11 @@ from fmtkit import optim
 from fmtkit.casting import cast
 from studies.lib.common import figure, format_table, no_progress, plot_style, save
 
+# How the command line lists this study (studies.app.registry).
+NAME = "loss-scale"
+SUMMARY = "the dynamic loss-scale state machine over a scripted run with overflows"
+ORDER = 40
+
 __all__ = ["Config", "gradients", "plot", "run", "summarize"]
 
 

@@ -35,6 +35,11 @@ import optax
 from fmtkit import optim
 from studies.lib.common import FORMAT_COLORS, figure, format_table, no_progress, plot_style, save
 
+# How the command line lists this study (studies.app.registry).
+NAME = "master-weights"
+SUMMARY = "1.0 + 1e-3 a thousand times in bf16, fp16, f32 and with f32 masters"
+ORDER = 30
+
 __all__ = ["Config", "plot", "run", "summarize"]
 
 F32 = jnp.float32

@@ -75,6 +75,11 @@ from fmtkit.scaling import TensorScaling
 from studies.lib.common import figure, format_table, no_progress, plot_style, save
 from studies.lib.models import Block, TransformerConfig, TransformerLM, lm_loss
 
+# How the command line lists this study (studies.app.registry).
+NAME = "memory"
+SUMMARY = "bytes per parameter per policy/optimizer; activations per layer with/without remat"
+ORDER = 100
+
 __all__ = ["REMAT", "STATE_ROWS", "Config", "Stack", "plot", "run", "saved_residual_bytes",
            "state_row", "summarize"]
 

@@ -25,6 +25,11 @@ from fmtkit.casting import cast
 from fmtkit.formats import decompose, get_format
 from studies.lib.common import FORMAT_COLORS, figure, format_table, plot_style, save
 
+# How the command line lists this study (studies.app.registry).
+NAME = "rounding"
+SUMMARY = "fp16 vs bf16 rounding across the range: stored bits, errors, overflow"
+ORDER = 50
+
 __all__ = ["Config", "plot", "run", "summarize"]
 
 

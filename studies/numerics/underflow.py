@@ -30,6 +30,11 @@ from fmtkit.casting import cast
 from fmtkit.formats import get_format
 from studies.lib.common import FORMAT_COLORS, figure, format_table, plot_style, save
 
+# How the command line lists this study (studies.app.registry).
+NAME = "underflow"
+SUMMARY = "small gradients in fp16 directly, with loss scaling (x2^16), and in bf16"
+ORDER = 20
+
 __all__ = ["Config", "plot", "run", "summarize"]
 
 

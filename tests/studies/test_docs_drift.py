@@ -203,10 +203,9 @@ def cli() -> dict:
     study_options = {name: _options(_help(cli_module.main, ["study", name, "--help"]))
                      for name in runner.STUDIES}
     options["ablate"] = study_options["ablate"]
-    benches = {p.stem.replace("_", "-") for p in (ROOT / "studies" / "bench").glob("*.py")
-               if not p.stem.startswith("_")}
-    bench_options = {name: _options(_help(importlib.import_module(
-        "studies.bench." + name.replace("-", "_")).main, ["--help"])) for name in benches}
+    bench_options = {name: _options(_help(importlib.import_module(entry.module).main,
+                                          ["--help"]))
+                     for name, entry in cli_module.benchmarks().items()}
     return {"commands": commands, "options": options, "studies": study_options,
             "benches": bench_options}
 

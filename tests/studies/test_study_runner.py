@@ -201,6 +201,7 @@ def _toy_module():
 
 def test_registering_a_new_study(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(runner.STUDIES, "toy-study", "a toy study")
+    monkeypatch.setitem(runner.MODULES, "toy-study", "studies.toy_study")
     monkeypatch.setitem(sys.modules, "studies.toy_study", _toy_module())
     argv = ["toy-study", "--steps", "4", "--rate", "2", "--mode", "b", "--noisy",
             "--data", "x.txt", "--out", str(tmp_path)]
@@ -230,6 +231,7 @@ def test_reserved_option_names_are_rejected(monkeypatch):
     module = types.ModuleType("studies.clash")
     module.Config, module.run = Config, lambda c: {}
     monkeypatch.setitem(runner.STUDIES, "clash", "clashes")
+    monkeypatch.setitem(runner.MODULES, "clash", "studies.clash")
     monkeypatch.setitem(sys.modules, "studies.clash", module)
     with pytest.raises(TypeError, match="clashes with a runner option"):
         runner.parse_args("clash", [])
