@@ -5,7 +5,8 @@
   ``SUMMARY`` and ``ORDER`` their modules declare), ``launch`` (several processes on one
   machine), ``debug_report`` (``fmtkit debug``).
 * ``lib/``: what the studies build on: ``models``, ``corpus``, ``regimes``, ``stats``,
-  ``common``. Never imports ``app/``.
+  ``common`` (the environment capture and the results writer), ``timing`` (the interleaved
+  timing loop, which the GPU check uses too). Never imports ``app/``.
 * ``numerics/``: the studies that measure without training, one module each (``fmtkit study
   NAME``): ``format_ranges`` (study ``formats``), ``underflow``, ``master_weights``,
   ``loss_scale``, ``rounding``, ``fp8_outliers``, ``accumulation``, ``allreduce``,

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 import fmtkit.debug as debug
 from fmtkit.policy import list_presets, with_policy
-from studies.bench._timing import write_results
 from studies.lib import models
+from studies.lib.common import write_bench_results
 
 # How the command line lists this benchmark (studies.app.registry).
 NAME = "debug-stats"
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_of_medians": {k: mean[k] / mean["off"] for k in ("on", "on-traced")},
         "load_average": {"start": load, "end": [round(v, 2) for v in os.getloadavg()]},
     }
-    file = write_results("debug-stats", results, args.out)
+    file = write_bench_results("debug-stats", results, args.out)
     print(f"TransformerLM d_model={args.d_model} layers={args.layers} seq={args.seq} "
           f"batch={args.batch}, {args.policy}; {n_stats} statistics every {args.freq} steps; "
           f"device {jax.devices()[0].device_kind}; load {load[0]}")

@@ -65,8 +65,9 @@ from flax.linen import fp8_ops
 
 import pallas_kernels  # noqa: F401  registers the Pallas GEMM backend for "auto" from a checkout too
 from fmtkit import DelayedScalingState, fp4, fp8
-from studies.bench._timing import time_interleaved, write_results
 from studies.lib import models
+from studies.lib.common import write_bench_results
+from studies.lib.timing import time_interleaved
 
 # How the command line lists this benchmark (studies.app.registry).
 NAME = "fp8-step"
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     results["load_average"] = {"start": load, "end": [round(v, 2) for v in os.getloadavg()]}
     print(f"load average {results['load_average']['end'][0]} (1 min) at the end: other "
           "processes share the CPU; only the ratios within one run mean anything")
-    file = write_results("fp8-step", results, args.out)
+    file = write_bench_results("fp8-step", results, args.out)
     print(f"wrote {file}")
     return 0
 

@@ -143,7 +143,7 @@ def _worker(setup: str, steps: int, out: str) -> None:
     from studies.training import distributed
 
     distributed.initialize_from_env()
-    from studies.bench._timing import time_samples
+    from studies.lib.timing import time_samples
     from studies.training import TrainConfig, batch_at, load_data, make_train_step
     from studies.training.mesh import put_batch
 
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                         "and the range of the global cost")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from studies.bench._timing import write_results
+    from studies.lib.common import write_bench_results
 
     rows = {}
     for s in args.setups:
@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"takes {r['amax_all_reduce_ms']:.3f} ms between 2 processes (timed in a "
                   f"chain of {ALL_REDUCE_CHAIN}) = {100 * r['amax_all_reduce_share']:.1f}% of "
                   "its step.")
-    print(f"wrote {write_results('multiprocess', {'steps': args.steps, 'rows': rows}, args.out)}")
+    file = write_bench_results("multiprocess", {"steps": args.steps, "rows": rows}, args.out)
+    print(f"wrote {file}")
     return 0
 
 

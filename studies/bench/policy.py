@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fmtkit.policy import with_policy
-from studies.bench._timing import time_fn, time_interleaved, write_results
 from studies.lib import models
+from studies.lib.common import write_bench_results
+from studies.lib.timing import time_fn, time_interleaved
 
 # How the command line lists this benchmark (studies.app.registry).
 NAME = "policy"
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     tracing, overhead = {}, {}
     if args.trace_layers:
         tracing, overhead = trace_overhead(args, cfg, hand_cfg, tokens, lr)
-    file = write_results("policy", {
+    file = write_bench_results("policy", {
         "api": args.api, "model": args.model, "config": dataclasses.asdict(cfg),
         "batch": args.batch, "seconds": times, "hlo_ops": ops, "compile_seconds": compile_s,
         "loss": losses, "ratio": ratio, "trace_compile_seconds": tracing,

@@ -191,9 +191,19 @@ def run_dir(root: str | Path, name: str) -> Path:
 
 
 def write_results(path: Path, record: Mapping[str, Any]) -> Path:
-    """Writes ``record`` as indented strict JSON to ``path`` (a file) and returns it."""
+    """Writes ``record`` as indented strict JSON to ``path`` (a file) and returns it; the
+    studies' runner, the benchmarks and the GPU check write through it."""
     path.write_text(json.dumps(to_jsonable(record), indent=2, allow_nan=False) + "\n")
     return path
+
+
+def write_bench_results(name: str, results: Mapping[str, Any],
+                        out_dir: str | Path | None = None) -> Path:
+    """Writes a benchmark's ``results`` with the ``environment()`` to
+    ``out_dir/results.json`` (default ``runs/bench-NAME/``) and returns the file."""
+    folder = Path(out_dir or Path("runs") / f"bench-{name}")
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_results(folder / "results.json", {"env": environment(), **results})
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
