@@ -85,6 +85,189 @@ _HAZARDS = ("release_before_wgmma", "release_before_wait", "read_after_release",
             "no_store_wait", "shared_output_slot")
 
 
+def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stages: int,
+                  state=None, k_offset=0):
+    """The warp-specialized K pipeline of one output tile: a TMA warpgroup fills a ring of
+    ``stages`` (A, B) K-block slots, two compute warpgroups run ``body`` on each.
+
+    ``k_blocks`` may be traced (the grouped weight gradient: each expert's token blocks);
+    ``k_offset`` shifts the K blocks read (the expert's first block)."""
+    fp8_transforms = _swizzled(_FP8)
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_blocks,),
+        memory_registers=40,  # the TMA warpgroup needs few (JAX's Hopper matmul uses 40)
+        in_specs=[
+            plgpu.BlockSpec((config.block_m, BLOCK_K), lambda k: (0, k + k_offset),
+                            transforms=fp8_transforms),
+            plgpu.BlockSpec((config.block_n, BLOCK_K), lambda k: (0, k + k_offset),
+                            transforms=fp8_transforms),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=stages,
+        compute_context=compute_context,
+        # The compute warpgroups release a slot as soon as their wgmmas have read it,
+        # before the promotion FMAs (the automatic release comes after the body).
+        manual_consumed_barriers=True,
+        pipeline_state=state,
+    )
+
+
+def pipeline_allocations(a_ref, b_ref, *, config: TuningConfig, k_blocks: int, stages: int):
+    """The shared memory ``make_pipeline`` needs (allocated once per CTA, reused by every
+    tile's pipeline); ``a_ref``/``b_ref`` are 2-D ``[rows, K]`` views."""
+    def ignore(*_, **__):
+        return None
+
+    return make_pipeline(ignore, ignore, config=config, k_blocks=k_blocks,
+                         stages=stages).get_allocations(a_ref, b_ref)
+
+
+def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfig, k_blocks,
+                  b_rows: bool, stages: int, r0, c0, row0, col0, epilogue, state=None,
+                  k_offset=0, hazard: str | None = None):
+    """The K loop and promotion of one CTA output tile, shared by every kernel here.
+
+    ``a_tile`` [block_m, K] and ``b_tile`` [block_n, K] are the tile's e4m3 operand views
+    in global memory; ``as_ref`` [K/128, rows] f32 holds A's scales (one contiguous row per
+    K block), ``bs_ref`` B's, [K/128, cols] per row (``b_rows``) or [K/128, ceil(cols/128)]
+    per 128x128 block. This warpgroup's tile starts at (``r0``, ``c0``) in the CTA tile and
+    at (``row0``, ``col0``) in the scale arrays' rows and columns. ``k_blocks`` K blocks
+    from ``k_offset`` are walked. ``epilogue(sums)`` receives the warpgroup's f32 sums, one
+    (64, pass_n) array per ``config.passes`` entry. ``state``: the ``pipeline_state``
+    (persistent pipelines, see ``_matmul_kernel``).
+    """
+    pass_n = config.pass_n
+    # Distinct column offsets of the passes: the row-scaled B's scale vector is loaded once
+    # per column offset (256x128: both 64-row passes share it).
+    pass_cols = tuple(sorted({pc for _, pc in config.passes}))
+
+    def load_scales(kb):
+        """K block ``kb``'s scales, straight from global memory (L2): per pass the A row
+        scales (a 64-vector), and per distinct pass column either the B scale (one 128x128
+        block; passes are aligned to it) or, with ``b_rows``, the pass's column-scale
+        vector. Plain loads: no shared memory to fence."""
+        kb = kb + k_offset
+        a_s = tuple(plgpu.load(as_ref.at[kb, pl.ds(row0 + pr, 64)],
+                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                    for pr, _ in config.passes)
+        if b_rows:
+            b_s = tuple(plgpu.load(bs_ref.at[kb, pl.ds(col0 + pc, pass_n)],
+                                   layout=plgpu.Layout.WGMMA.reduce(0),
+                                   optimized=False) for pc in pass_cols)
+        else:
+            b_s = tuple(bs_ref[kb, (col0 + pc) // BLOCK_K] for pc in pass_cols)
+        return a_s, b_s
+
+    def scale_product(scales, p):
+        """The (64, pass_n) scale of pass ``p``, formed after the wgmma wait (so it is not
+        live beside the in-flight accumulator: 64 registers a thread)."""
+        a_s, b_s = scales
+        _, pc = config.passes[p]
+        b = b_s[pass_cols.index(pc)]
+        if b_rows:
+            return (lax.broadcast_in_dim(a_s[p], (64, pass_n), [0])
+                    * lax.broadcast_in_dim(b, (64, pass_n), [1]))
+        return lax.broadcast_in_dim(a_s[p] * b, (64, pass_n), [0])
+
+    def compute_context(run_pipeline):
+        sums = tuple(plgpu.layout_cast(jnp.zeros((64, pass_n), jnp.float32),
+                                       plgpu.Layout.WGMMA) for _ in config.passes)
+        sums, _ = run_pipeline((sums, load_scales(0)))
+        epilogue(sums)
+
+    def release(a_consumed, b_consumed):
+        plgpu.barrier_arrive(a_consumed)
+        plgpu.barrier_arrive(b_consumed)
+
+    def k_step(idxs, a_smem, b_smem, a_consumed, b_consumed, carry):
+        (kb,) = idxs
+        sums, scales = carry
+        if hazard == "release_before_wgmma":
+            release(a_consumed, b_consumed)
+        nxt = None
+        out = []
+        for p, ((pr, pc), acc) in enumerate(zip(config.passes, sums)):
+            last = p == len(sums) - 1
+
+            def product(acc_ref, pr=pr, pc=pc, last=last):
+                # B is [N, K] in memory; the transposed view is the K-major RHS.
+                plgpu.wgmma(acc_ref, a_smem.at[pl.ds(r0 + pr, 64)],
+                            b_smem.at[pl.ds(c0 + pc, pass_n)].T)
+                if last and hazard == "release_before_wait":
+                    release(a_consumed, b_consumed)
+                # The next K block's scales, in flight while the wgmmas run (the last step
+                # reloads its own: the index stays in bounds).
+                nxt_ = load_scales(jnp.minimum(kb + 1, k_blocks - 1)) if last else None
+                return acc_ref[...], nxt_  # reading the accumulator waits for it
+
+            fresh, got = pl.run_scoped(product, plgpu.ACC((64, pass_n), jnp.float32))
+            if last:
+                nxt = got
+                # Every wgmma of this K block has completed: release the slot.
+                if hazard not in ("release_before_wgmma", "release_before_wait"):
+                    release(a_consumed, b_consumed)
+                if hazard == "read_after_release":
+                    # A plain read of the released slot (the TMA may be refilling it).
+                    fresh = fresh + a_smem[0:64, 0:pass_n].astype(jnp.float32) * 0.0
+            out.append(acc + fresh * scale_product(scales, p))
+        return tuple(out), nxt
+
+    make_pipeline(k_step, compute_context, config=config, k_blocks=k_blocks, stages=stages,
+                  state=state, k_offset=k_offset)(a_tile, b_tile, allocations=allocs)
+
+
+def run_tiles_persistent(run, first, last, persistent: bool) -> None:
+    """Calls ``run(pipeline_state)`` for one of a CTA's tiles: with ``persistent``, one
+    pipeline runs through all the CTA's tiles (START on its ``first`` tile, STEADY, STOP on
+    its ``last``; a CTA with one tile runs a self-contained pipeline); else every tile runs
+    its own."""
+    if not persistent:
+        run(None)
+        return
+    start, steady, stop = (plgpu.PipelinePipeline.START,
+                           plgpu.PipelinePipeline.STEADY, plgpu.PipelinePipeline.STOP)
+    pl.when(first & last)(lambda: run(None))  # the CTA's only tile
+    pl.when(first & ~last)(lambda: run(start))
+    pl.when(~first & ~last)(lambda: run(steady))
+    pl.when(~first & last)(lambda: run(stop))
+
+
+def store_passes(sums, out_ref, my_smem, *, config: TuningConfig, row0, col0, chunk,
+                 hazard: str | None = None):
+    """Casts and stores a warpgroup's sums to ``out_ref`` rows ``row0 + pr``, columns
+    ``col0 + pc`` per pass, through the warpgroup's two staging slots ``my_smem`` with TMA
+    (the tensor's bounds clip the store). ``chunk``: the CTA's count of chunks stored
+    before this tile (the slots alternate over it)."""
+    out_dtype = out_ref.dtype
+    epi_n = epilogue_n(config, out_dtype)
+    for (pr, pc), acc in zip(config.passes, sums):
+        for e in range(0, config.pass_n, epi_n):
+            slot = lax.rem(chunk, 2)
+            chunk = chunk + 1
+            # At most one store in flight: the one from the other slot.
+            if hazard != "no_store_wait":
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            my_smem[slot] = acc[:, e:e + epi_n].astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                my_smem.at[slot],
+                out_ref.at[pl.ds(row0 + pr, 64), pl.ds(col0 + pc + e, epi_n)])
+
+
+def chunks_per_tile(config: TuningConfig, out_dtype) -> int:
+    """Output chunks (staging-slot uses) per warpgroup and tile."""
+    return len(config.passes) * (config.pass_n // epilogue_n(config, out_dtype))
+
+
+def wg_origin(config: TuningConfig, wg):
+    """(row, column) of warpgroup ``wg``'s tile inside the CTA tile."""
+    if config.wg_split == "m":
+        return wg * config.wg_m, 0
+    return 0, wg * config.wg_n
+
+
 def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfig,
                    m_tiles: int, n_tiles: int, k_blocks: int, b_rows: bool, stages: int,
                    persistent: bool, hazard: str | None = None):
@@ -127,42 +310,19 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
     ``emit_pipeline_warp_specialized`` allocates by 128 in Lane semantics
     (``lowering.arrival_multiplier``) and arrives from one lane only for
     ``orders_tensor_core`` barriers (Blackwell's tcgen05), so 128 arrivals it is.
+
+    The K loop and promotion (``tile_mainloop``) and the stores (``store_passes``) are
+    shared with the grouped kernel (``pallas_kernels.grouped_fp8_matmul``).
     """
-    bm, bn, wg_m, wg_n = config.block_m, config.block_n, config.wg_m, config.wg_n
-    pass_n = config.pass_n
+    bm, bn = config.block_m, config.block_n
     out_dtype = out_ref.dtype
     epi_n = epilogue_n(config, out_dtype)
-    fp8_transforms = _swizzled(_FP8)
-    # Distinct column offsets of the passes: the row-scaled B's scale vector is loaded once
-    # per column offset (256x128: both 64-row passes share it).
-    pass_cols = tuple(sorted({pc for _, pc in config.passes}))
-    chunks_per_tile = len(config.passes) * (pass_n // epi_n)
-
-    def make_pipeline(body, compute_context, state=None):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_blocks,),
-            memory_registers=40,  # the TMA warpgroup needs few (JAX's Hopper matmul uses 40)
-            in_specs=[
-                plgpu.BlockSpec((bm, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms),
-                plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=stages,
-            compute_context=compute_context,
-            # The compute warpgroups release a slot as soon as their wgmmas have read it,
-            # before the promotion FMAs (the automatic release comes after the body).
-            manual_consumed_barriers=True,
-            pipeline_state=state,
-        )
-
-    def ignore(*_, **__):
-        return None
+    per_tile = chunks_per_tile(config, out_dtype)
 
     @functools.partial(
         pl.run_scoped,
-        allocs=make_pipeline(ignore, ignore).get_allocations(a_ref, b_ref),
+        allocs=pipeline_allocations(a_ref, b_ref, config=config, k_blocks=k_blocks,
+                                    stages=stages),
         # [warpgroup, slot]: two 8 KiB slots per warpgroup (double-buffered stores).
         out_smem=plgpu.SMEM((2, 2, 64, epi_n), out_dtype, transforms=_swizzled(out_dtype)),
         collective_axes="wg",
@@ -176,116 +336,26 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
         def _tile(info):
             (lin,) = info.index
             mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), minor, config.grid_tile_width)
-            cta_m = pl.ds(mi * bm, bm)
-            cta_n = pl.ds(ni * bn, bn)
-            # This warpgroup's tile, relative to the CTA's and in absolute coordinates.
-            if config.wg_split == "m":
-                r0, c0 = wg * wg_m, 0
-            else:
-                r0, c0 = 0, wg * wg_n
+            r0, c0 = wg_origin(config, wg)
+            # This warpgroup's tile in absolute coordinates.
             row0, col0 = mi * bm + r0, ni * bn + c0
 
-            def load_scales(kb):
-                """K block ``kb``'s scales, straight from global memory (L2): per pass the
-                A row scales (a 64-vector), and per distinct pass column either the B
-                scale (one 128x128 block; passes are aligned to it) or, with ``b_rows``,
-                the pass's column-scale vector. Plain loads: no shared memory to fence."""
-                a_s = tuple(plgpu.load(as_ref.at[kb, pl.ds(row0 + pr, 64)],
-                                       layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                            for pr, _ in config.passes)
-                if b_rows:
-                    b_s = tuple(plgpu.load(bs_ref.at[kb, pl.ds(col0 + pc, pass_n)],
-                                           layout=plgpu.Layout.WGMMA.reduce(0),
-                                           optimized=False) for pc in pass_cols)
-                else:
-                    b_s = tuple(bs_ref[kb, (col0 + pc) // BLOCK_K] for pc in pass_cols)
-                return a_s, b_s
-
-            def scale_product(scales, p):
-                """The (64, pass_n) scale of pass ``p``, formed after the wgmma wait (so
-                it is not live beside the in-flight accumulator: 64 registers a thread)."""
-                a_s, b_s = scales
-                _, pc = config.passes[p]
-                b = b_s[pass_cols.index(pc)]
-                if b_rows:
-                    return (lax.broadcast_in_dim(a_s[p], (64, pass_n), [0])
-                            * lax.broadcast_in_dim(b, (64, pass_n), [1]))
-                return lax.broadcast_in_dim(a_s[p] * b, (64, pass_n), [0])
-
-            def compute_context(run_pipeline):
-                sums = tuple(plgpu.layout_cast(jnp.zeros((64, pass_n), jnp.float32),
-                                               plgpu.Layout.WGMMA) for _ in config.passes)
-                sums, _ = run_pipeline((sums, load_scales(0)))
+            def epilogue(sums):
                 # The slots alternate over the CTA's whole sequence of chunks, across
                 # tiles: with an odd count per tile (64x128: one), restarting at slot 0 on
                 # every tile would overwrite a slot whose store may still be reading it.
-                chunk = info.local_index * chunks_per_tile
-                for (pr, pc), acc in zip(config.passes, sums):
-                    for e in range(0, pass_n, epi_n):
-                        slot = lax.rem(chunk, 2)
-                        chunk = chunk + 1
-                        # At most one store in flight: the one from the other slot.
-                        if hazard != "no_store_wait":
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        my_smem[slot] = acc[:, e:e + epi_n].astype(out_dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            my_smem.at[slot],
-                            out_ref.at[pl.ds(row0 + pr, 64), pl.ds(col0 + pc + e, epi_n)])
-
-            def release(a_consumed, b_consumed):
-                plgpu.barrier_arrive(a_consumed)
-                plgpu.barrier_arrive(b_consumed)
-
-            def k_step(idxs, a_smem, b_smem, a_consumed, b_consumed, carry):
-                (kb,) = idxs
-                sums, scales = carry
-                if hazard == "release_before_wgmma":
-                    release(a_consumed, b_consumed)
-                nxt = None
-                out = []
-                for p, ((pr, pc), acc) in enumerate(zip(config.passes, sums)):
-                    last = p == len(sums) - 1
-
-                    def product(acc_ref, pr=pr, pc=pc, last=last):
-                        # B is [N, K] in memory; the transposed view is the K-major RHS.
-                        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(r0 + pr, 64)],
-                                    b_smem.at[pl.ds(c0 + pc, pass_n)].T)
-                        if last and hazard == "release_before_wait":
-                            release(a_consumed, b_consumed)
-                        # The next K block's scales, in flight while the wgmmas run (the
-                        # last step reloads its own: the index stays in bounds).
-                        nxt_ = (load_scales(jnp.minimum(kb + 1, k_blocks - 1)) if last
-                                else None)
-                        return acc_ref[...], nxt_  # reading the accumulator waits for it
-
-                    fresh, got = pl.run_scoped(product, plgpu.ACC((64, pass_n), jnp.float32))
-                    if last:
-                        nxt = got
-                        # Every wgmma of this K block has completed: release the slot.
-                        if hazard not in ("release_before_wgmma", "release_before_wait"):
-                            release(a_consumed, b_consumed)
-                        if hazard == "read_after_release":
-                            # A plain read of the released slot (the TMA may be refilling it).
-                            fresh = fresh + a_smem[0:64, 0:pass_n].astype(jnp.float32) * 0.0
-                    out.append(acc + fresh * scale_product(scales, p))
-                return tuple(out), nxt
+                store_passes(sums, out_ref, my_smem, config=config, row0=row0, col0=col0,
+                             chunk=info.local_index * per_tile, hazard=hazard)
 
             def run(state):
-                make_pipeline(k_step, compute_context, state)(
-                    a_ref.at[cta_m, :], b_ref.at[cta_n, :], allocations=allocs)
+                tile_mainloop(a_ref.at[pl.ds(mi * bm, bm), :], b_ref.at[pl.ds(ni * bn, bn), :],
+                              as_ref, bs_ref, allocs=allocs, config=config,
+                              k_blocks=k_blocks, b_rows=b_rows, stages=stages, r0=r0, c0=c0,
+                              row0=row0, col0=col0, epilogue=epilogue, state=state,
+                              hazard=hazard)
 
-            if not persistent:
-                run(None)
-                return
-            first = info.local_index == 0
-            last = info.local_index == info.num_local_steps - 1
-            start, steady, stop = (plgpu.PipelinePipeline.START,
-                                   plgpu.PipelinePipeline.STEADY, plgpu.PipelinePipeline.STOP)
-            pl.when(first & last)(lambda: run(None))  # the CTA's only tile
-            pl.when(first & ~last)(lambda: run(start))
-            pl.when(~first & ~last)(lambda: run(steady))
-            pl.when(~first & last)(lambda: run(stop))
+            run_tiles_persistent(run, info.local_index == 0,
+                                 info.local_index == info.num_local_steps - 1, persistent)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

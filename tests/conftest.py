@@ -21,7 +21,7 @@ if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
 # does not: a*b - c with a = 1 + 2**-12, c = 1 + 2**-11 gives 0 here and 2**-24 at the default
 # level (measured, XLA:CPU, jax 0.11.2). So a result that rounds a product before adding may
 # differ in its last bit from a user's default-level run; the suite's exactness claims hold at
-# both (tests/test_fp8.py, test_fp4.py, test_casting.py, test_scaling.py, tests/optim and
+# both (tests/fp8, tests/fp4, test_casting.py, test_scaling.py, tests/optim and
 # tests/policy pass with XLA_FLAGS=--xla_backend_optimization_level=3). A level
 # given in XLA_FLAGS by the caller wins.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:

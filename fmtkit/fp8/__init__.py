@@ -59,7 +59,7 @@ from fmtkit.fp8._gemm import DGRAD_SCOPE as DGRAD_SCOPE
 from fmtkit.fp8._gemm import PARTIALS_BUDGET_BYTES, scaled_matmul
 from fmtkit.fp8._gemm import WGRAD_SCOPE as WGRAD_SCOPE
 from fmtkit.fp8._gemm import WIDENED_SCOPE as WIDENED_SCOPE
-from fmtkit.fp8._ragged import ragged_dot
+from fmtkit.fp8._ragged import expert_block_layout, ragged_dot
 from fmtkit.fp8._recipe import RECIPES, Fp8Recipe, get_recipe
 from fmtkit.fp8._state import combine_observations, init_state, update_state
 from fmtkit.scaling import DelayedScalingState as _DelayedScalingState
@@ -72,6 +72,7 @@ __all__ = [
     "combine_observations",
     "dot_general",
     "dot_general_fn",
+    "expert_block_layout",
     "gemm_backends",
     "get_recipe",
     "init_state",

@@ -23,6 +23,8 @@ class GemmBackend(NamedTuple):
     fn: Callable[..., jax.Array]
     applies: Callable[[ScaledArray, ScaledArray], bool]
     available: Callable[[], bool]
+    ragged: Callable[..., jax.Array] | None = None
+    ragged_wgrad: Callable[..., jax.Array] | None = None
 
 
 _GEMM_BACKENDS: dict[str, GemmBackend] = {}
@@ -32,7 +34,9 @@ _entry_points_loaded = False
 
 def register_gemm_backend(name: str, fn: Callable[..., jax.Array], *,
                           applies: Callable[[ScaledArray, ScaledArray], bool],
-                          available: Callable[[], bool]) -> None:
+                          available: Callable[[], bool],
+                          ragged: Callable[..., jax.Array] | None = None,
+                          ragged_wgrad: Callable[..., jax.Array] | None = None) -> None:
     """Registers a GEMM kernel for ``Fp8Recipe.use_kernel`` "auto" / "interpret".
 
     Args:
@@ -46,6 +50,17 @@ def register_gemm_backend(name: str, fn: Callable[..., jax.Array], *,
       applies: whether the kernel takes these two (padded) ``ScaledArray`` operands.
       available: whether the compiled kernel runs here (e.g. on a Hopper GPU); evaluated at
         trace time, so an abstract mesh's device counts.
+      ragged: optional grouped GEMM for ``fmtkit.fp8.ragged_dot``'s forward and data
+        gradient: ``ragged(a_values, a_scale, b_values, b_scale, group_sizes, *, impl,
+        out_dtype) -> [M, F]``, row m of ``a [M, C]`` times ``b[g(m)] [F, C]ᵀ`` of the stack
+        ``b [G, F, C]`` (scales ``[G, F/bf, C/bc]``), rows in groups of ``group_sizes``
+        (int32 ``[G]``), zeros past their sum; ``applies`` is asked about ``a`` and one
+        group of ``b``.
+      ragged_wgrad: optional grouped weight-gradient GEMM: ``ragged_wgrad(a_values,
+        a_scale, b_values, b_scale, group_blocks, *, impl, out_dtype) -> [G, F1, F2]``,
+        per group ``a[:, T_g] · b[:, T_g]ᵀ`` of ``a [F1, T]``, ``b [F2, T]`` (tokens minor,
+        scales per token block) over the group's token blocks, ``group_blocks`` int32
+        ``[2, G]`` (first block and count: ``expert_block_layout``).
 
     ``fmtkit`` never imports a kernel package by name: ``pallas_kernels`` calls this when it
     is imported, and "auto" also loads the packages that declare the entry-point group
@@ -57,7 +72,10 @@ def register_gemm_backend(name: str, fn: Callable[..., jax.Array], *,
     for arg, f in (("fn", fn), ("applies", applies), ("available", available)):
         if not callable(f):
             raise TypeError(f"{arg} must be callable, got {f!r}.")
-    _GEMM_BACKENDS[name] = GemmBackend(name, fn, applies, available)
+    for arg, f in (("ragged", ragged), ("ragged_wgrad", ragged_wgrad)):
+        if f is not None and not callable(f):
+            raise TypeError(f"{arg} must be callable or None, got {f!r}.")
+    _GEMM_BACKENDS[name] = GemmBackend(name, fn, applies, available, ragged, ragged_wgrad)
 
 
 def gemm_backends() -> dict[str, GemmBackend]:
@@ -75,16 +93,17 @@ def gemm_backends() -> dict[str, GemmBackend]:
     return dict(_GEMM_BACKENDS)
 
 
-def kernel_backend(recipe: Fp8Recipe, a: ScaledArray, b: ScaledArray
+def kernel_backend(recipe: Fp8Recipe, a: ScaledArray, b: ScaledArray, form: str = "fn"
                    ) -> tuple[GemmBackend, str] | None:
-    """The registered kernel and its ``impl`` for this GEMM, or None for ``scaled_matmul``."""
+    """The registered kernel and its ``impl`` for this GEMM, or None for ``scaled_matmul``;
+    ``form``: the backend's field that must be set ("fn", "ragged", "ragged_wgrad")."""
     if recipe.use_kernel == "never" or recipe.accum_mantissa_bits is not None:
         return None
     if recipe.use_kernel == "auto" and not on_gpu():
         return None  # no kernel package is loaded where none could run compiled
     backends = gemm_backends()
     for backend in backends.values():
-        if not backend.applies(a, b):
+        if getattr(backend, form) is None or not backend.applies(a, b):
             continue
         if recipe.use_kernel == "interpret":
             return backend, "interpret"

@@ -30,7 +30,9 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, widened_operands
+from fmtkit.formats import get_format
+from fmtkit.fp8._backends import kernel_backend
+from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm_dtype, widened_operands
 from fmtkit.fp8._jvp import fwd_and_bwd_core
 from fmtkit.fp8._operands import Operand, Tile, padded_c, quantize_operand, recipe_tiles
 from fmtkit.fp8._recipe import RECIPES, Fp4Recipe, Fp8Recipe, get_recipe
@@ -184,10 +186,120 @@ def _forward_operands(recipe, x, w) -> tuple[Operand, ScaledArray]:
     return xq, wq
 
 
-def _forward(recipe, x, w, group_sizes):
+def _probe(values_shape, scale_shape, fmt, recipe) -> ScaledArray:
+    """An abstract ``[F, C]`` operand (shapes only) for a backend's ``applies``: asking
+    traces no op (the operands a kernel would take are built only once one applies)."""
+    return ScaledArray(jax.ShapeDtypeStruct(tuple(values_shape), fmt.dtype),
+                       jax.ShapeDtypeStruct(tuple(scale_shape), jnp.float32), fmt, recipe)
+
+
+def _stack_group(b: ScaledArray, caxis: int) -> ScaledArray:
+    """Group 0 of a weight stack stored ``[G, C, F]`` (``caxis`` 1) or ``[G, F, C]``, as an
+    abstract ``[F, C]`` operand."""
+    v, sc = b.values.shape[1:], b.scale.shape[1:]
+    if caxis == 1:
+        v, sc = v[::-1], sc[::-1]
+    return _probe(v, sc, b.fmt, b.recipe)
+
+
+def _kernel_grouped_gemm(recipe, a: Operand, b: ScaledArray, caxis: int,
+                         group_sizes: jax.Array, out_dtype) -> jax.Array | None:
+    """``_grouped_gemm`` through a registered kernel's ``ragged`` form, or None where no
+    kernel applies. The kernel reads each group ``[F, C]`` contraction-minor: a stack stored
+    ``[G, C, F]`` (the forward's, from a ``[G, K, N]`` weight) is transposed first, one copy
+    of the FP8 stack (a kernel-side ``[G, N, K]`` weight would avoid it)."""
+    if a.cmajor:
+        return None
+    found = kernel_backend(recipe, _probe(a.sa.values.shape, a.sa.scale.shape, a.sa.fmt,
+                                          a.sa.recipe), _stack_group(b, caxis), "ragged")
+    if found is None:
+        return None
+    backend, impl = found
+    bv, bs = b.values, b.scale
+    if caxis == 1:
+        bv, bs = jnp.swapaxes(bv, 1, 2), jnp.swapaxes(bs, 1, 2)
+    return backend.ragged(a.sa.values, a.sa.scale, bv, bs, group_sizes, impl=impl,
+                          out_dtype=gemm_dtype(out_dtype))
+
+
+def _forward(recipe, x, w, group_sizes, out_dtype=jnp.float32):
     m, n = x.shape[0], w.shape[2]
     xq, wq = _forward_operands(recipe, x, w)
-    return _grouped_gemm(xq, wq, 1, group_sizes)[:m, :n]
+    out = _kernel_grouped_gemm(recipe, xq, wq, 1, group_sizes, out_dtype)
+    if out is None:
+        out = _grouped_gemm(xq, wq, 1, group_sizes)
+    return out[:m, :n]
+
+
+def expert_block_layout(group_sizes: jax.Array, m: int, block: int = 128
+                        ) -> tuple[jax.Array, jax.Array, int]:
+    """The padded token layout of a grouped weight gradient: ``m`` tokens sorted by group,
+    moved so that every group starts on a ``block``-token block (its last block
+    zero-filled), so no scale block along the tokens spans two groups (the layout of
+    DeepGEMM's k-grouped weight-gradient GEMM).
+
+    Args:
+      group_sizes: int ``[G]``, the tokens of each group (sorted order, from token 0).
+      m: the number of tokens.
+      block: the token block (DeepSeek-V3's 128).
+
+    Returns:
+      ``dest`` int32 ``[m]``, the padded row of each token (``tp`` for tokens past
+      ``sum(group_sizes)``: out of range, dropped by a scatter with ``mode="drop"``);
+      ``group_blocks`` int32 ``[2, G]``, each group's first block and block count; ``tp``,
+      the static padded length ``block * (cdiv(m, block) + G)``, enough for any sizes.
+
+    Example:
+      >>> dest, blocks, tp = expert_block_layout(jnp.array([3, 0, 2]), 5, block=4)
+      >>> dest.tolist(), blocks.tolist(), tp
+      ([0, 1, 2, 4, 5], [[0, 1, 1], [1, 0, 1]], 20)
+    """
+    ng = group_sizes.shape[0]
+    tp = block * (-(-m // block) + ng)
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = ends - jnp.minimum(sizes, ends)
+    nblk = (ends - starts + block - 1) // block
+    blk0 = jnp.cumsum(nblk) - nblk
+    rows = jnp.arange(m, dtype=jnp.int32)
+    gid = jnp.sum(rows[:, None] >= ends[None, :], axis=1)
+    g = jnp.minimum(gid, ng - 1)
+    dest = jnp.where(gid < ng, blk0[g] * block + rows - starts[g], tp).astype(jnp.int32)
+    return dest, jnp.stack([blk0, nblk]).astype(jnp.int32), tp
+
+
+def _kernel_grouped_wgrad(recipe, x, g, group_sizes, ng) -> jax.Array | None:
+    """The weight gradient ``[G, K, N]`` through a registered kernel's ``ragged_wgrad``
+    form, or None where no kernel applies (the recipe's x and gradient tiles must be
+    ``1 x c`` along the tokens). x and the gradient are first moved to the padded token
+    layout (``expert_block_layout``: a copy of both, ``block`` x G extra zero rows at
+    most) and quantized there, so each scale block holds one expert's tokens; the emulated
+    path's blocks follow the sorted order instead and may span two experts (the two agree
+    where every group size is a multiple of the block)."""
+    tx, _, tg = recipe_tiles(recipe)
+    if tx.kind != "block" or tg.kind != "block" or tx.f != 1 or tg.f != 1 or tx.c != tg.c:
+        return None
+    m, k = x.shape
+    n = g.shape[1]
+    tp = tx.c * (-(-m // tx.c) + ng)  # expert_block_layout's static length
+    found = kernel_backend(
+        recipe, _probe((k, tp), (k, tp // tx.c), get_format(recipe.x_format), recipe),
+        _probe((n, tp), (n, tp // tx.c), get_format(recipe.grad_format), recipe),
+        "ragged_wgrad")
+    if found is None:
+        return None
+    backend, impl = found
+    dest, blocks, tp = expert_block_layout(group_sizes, m, tx.c)
+
+    def padded(t, fmt, tile):
+        p = jnp.zeros((tp, t.shape[1]), t.dtype).at[dest].set(t, mode="drop")
+        return quantize_operand(p, fmt, tile, recipe, None, tp, cmajor=True).logical()
+
+    xq = padded(x, recipe.x_format, tx)
+    gq = padded(g, recipe.grad_format, tg)
+    out = backend.ragged_wgrad(xq.values, xq.scale, gq.values, gq.scale, blocks, impl=impl,
+                               out_dtype=jnp.float32)
+    return out[:, :k, :n]
 
 
 def _backward(recipe, x, w, group_sizes, g, need_dx: bool, need_dw: bool):
@@ -201,8 +313,14 @@ def _backward(recipe, x, w, group_sizes, g, need_dx: bool, need_dw: bool):
         gq_n = quantize_operand(g, recipe.grad_format, tg, recipe, _given(tg, amax_g), np_)
         wq_n = _quantize_stack(w, recipe.w_format, tw, recipe, np_, contract_n=True)
         with jax.named_scope(DGRAD_SCOPE):
-            dx = _grouped_gemm(gq_n, wq_n, 2, group_sizes)[:m, :k]
+            dx = _kernel_grouped_gemm(recipe, gq_n, wq_n, 2, group_sizes, x.dtype)
+            if dx is None:
+                dx = _grouped_gemm(gq_n, wq_n, 2, group_sizes)
+            dx = dx[:m, :k]
     if need_dw:  # wgrad: dw[g] [K, N] = x_gᵀ · dy_g, contracting each group's tokens.
+        with jax.named_scope(WGRAD_SCOPE):
+            dw = _kernel_grouped_wgrad(recipe, x, g, group_sizes, ng)
+    if need_dw and dw is None:
         mp = padded_c(m, tg, tx)
         xq_m = quantize_operand(x, recipe.x_format, tx, recipe, _given(tx, _amax(x, recipe)),
                                 mp, cmajor=True)
@@ -214,7 +332,7 @@ def _backward(recipe, x, w, group_sizes, g, need_dx: bool, need_dw: bool):
 
 
 def _core_fwd(recipe, out_dtype, x, w, group_sizes):
-    return (_forward(recipe, x, w, group_sizes).astype(out_dtype),
+    return (_forward(recipe, x, w, group_sizes, out_dtype).astype(out_dtype),
             (x, w, group_sizes))
 
 
@@ -388,8 +506,13 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
     Delayed recipes run as the current recipe of the same formats, with a warning: an amax
     history per group would need a state per expert that no policy threads. FP4 recipes and
-    an emulated accumulator (``accum_mantissa_bits``) are refused. Registered GEMM kernels
-    (``use_kernel``) are not used: the grouped GEMM is ``lax.ragged_dot_general`` on FP8
+    an emulated accumulator (``accum_mantissa_bits``) are refused. A registered GEMM
+    backend with ``ragged`` / ``ragged_wgrad`` forms (``use_kernel``; ``pallas_kernels``'
+    grouped kernels for "blockwise" on Hopper) runs the GEMMs it applies to: the forward
+    hands it the expert stack transposed to ``[G, N, K]`` (one copy of the FP8 stack), the
+    wgrad moves x and dy to the padded token layout first (``expert_block_layout``; each
+    expert's 1x128 token blocks then hold only its tokens, where the emulated blocks may
+    span two experts). Otherwise the grouped GEMM is ``lax.ragged_dot_general`` on FP8
     operands (widened exactly to bf16 off GPUs, in the ``WIDENED_SCOPE`` scope, as the dense
     emulation). Forward-mode AD (``jax.jvp``, ``jacfwd``, Hessian-vector products) computes
     the tangent through the forward GEMM's quantized operands, ``ragged_dot(ẋ, Q(w)) +

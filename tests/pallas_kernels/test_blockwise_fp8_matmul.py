@@ -405,7 +405,10 @@ def test_public_surface():
         "TuningConfig", "blockwise_fp8_dgrad", "blockwise_fp8_matmul",
         "blockwise_fp8_matmul_reference", "blockwise_fp8_wgrad", "config", "is_hopper",
         "num_sms", "quantize_128x128", "quantize_128x128_reference", "quantize_1x128",
-        "quantize_1x128_reference"])
+        "quantize_1x128_reference", "grouped_fp8_dgrad", "grouped_fp8_matmul",
+        "grouped_fp8_matmul_masked", "grouped_fp8_matmul_masked_reference",
+        "grouped_fp8_matmul_reference", "grouped_fp8_wgrad", "grouped_fp8_wgrad_matmul",
+        "grouped_fp8_wgrad_matmul_reference"])
     missing = [name for name in pallas_kernels.__all__ if not hasattr(pallas_kernels, name)]
     assert not missing
 

@@ -209,7 +209,12 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
         for key in ("rel_fro_vs_float64", "max_abs_error", "worst_blocks",
                     "deepgemm_diff_vs_unquantized"):
             assert key in c[dt]
-    [bench] = report["bench"].values()
+    [bench] = [r for s, r in report["bench"].items() if not s.startswith("grouped")]
+    grouped = {s: r for s, r in report["bench"].items() if s.startswith("grouped")}
+    assert grouped and all(r["ok"] and r["ratios"]["grouped_over_dense"] > 0
+                           for r in grouped.values())
+    assert [r["ok"] for s, r in report["correctness"].items() if s.startswith("grouped")
+            ] == [True, True]  # the grouped forward's layouts; its gradients
     impls = bench["impls"]
     for name in ("pallas_fp8_bfloat16", "pallas_fp8_float32", "xla_bf16",
                  "xla_fp8_per_tensor"):

@@ -15,10 +15,10 @@ __all__ = ["run_pytest"]
 
 
 def run_pytest(timeout_s: float, log_file: Path) -> dict:
-    """``pytest -m gpu tests/test_fp8_cublaslt.py tests/pallas_kernels`` (verbose, so each
+    """``pytest -m gpu tests/fp8/test_cublaslt.py tests/pallas_kernels`` (verbose, so each
     verdict is in the log as it happens); killed at ``timeout_s``: then the failures seen so
     far decide, and the rest counts as skipped."""
-    cmd = [sys.executable, "-m", "pytest", "tests/test_fp8_cublaslt.py", "tests/pallas_kernels",
+    cmd = [sys.executable, "-m", "pytest", "tests/fp8/test_cublaslt.py", "tests/pallas_kernels",
            "-m", "gpu", "-v",
            "-p", "no:cacheprovider"]
     with open(log_file, "w") as log:

@@ -16,6 +16,7 @@ from tools.gpu_check.bench import BENCH_ROUNDS, PRODUCTION_SHAPES, bench_shape
 from tools.gpu_check.compilation import COMPILE_SHAPE, compile_kernel, environment
 from tools.gpu_check.correctness import check_gradients, check_matmul, check_quantizers
 from tools.gpu_check.files import record, write_json
+from tools.gpu_check.grouped import grouped_items
 from tools.gpu_check.optimizer import optax_chain
 from tools.gpu_check.per_tensor import PER_TENSOR_SHAPE, per_tensor_gemms
 from tools.gpu_check.train import train_step
@@ -90,7 +91,7 @@ def phase_items(phase: str, *, rehearsal: bool, work: Path, excluded: set[str]
                 m, n, k, impl=impl, configs=configs, rounds=rounds, rehearsal=rehearsal)))
     else:
         raise ValueError(f"phase must be one of {PHASES[:-1]}, got {phase!r}.")
-    return items
+    return items + grouped_items(phase, rehearsal=rehearsal, impl=impl)
 
 
 def run_worker(phase: str, work: Path, deadline_at: float, skip: set[str], rehearsal: bool,

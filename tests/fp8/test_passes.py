@@ -23,7 +23,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from test_fp8_cublaslt import DN, _lowered_for_h200
+from test_cublaslt import DN, _lowered_for_h200
 
 from fmtkit import DelayedScalingState, fp8
 
