@@ -1,6 +1,6 @@
 """The ``train`` phase's training steps: steps/s of the policied train step of a Llama-style
 stack at realistic width and of a small transformer LM, through ``fmtkit bench fp8-step``
-run as a command (the tool never imports ``studies``)."""
+run as a command (the tool imports no study, only ``studies.lib``)."""
 
 from __future__ import annotations
 
