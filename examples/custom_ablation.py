@@ -15,7 +15,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_allow_excess_precision=false").strip()
 
 from fmtkit import Rules, fp8
-from studies import stats
+from studies.lib import stats
 from studies.training import Setup, TrainConfig
 from studies.training.multiseed import final_loss, train_seeds
 

@@ -23,8 +23,8 @@ import optax
 
 from fmtkit import inspect_policy, module_paths, with_policy
 from fmtkit.policy import keep_blocks
-from studies.corpus import default_corpus
-from studies.models import TransformerConfig, TransformerLM
+from studies.lib.corpus import default_corpus
+from studies.lib.models import TransformerConfig, TransformerLM
 
 cfg = TransformerConfig(d_model=32, num_heads=2, num_layers=3, d_ff=64, max_len=16)
 data = np.frombuffer(default_corpus(1 << 16), np.uint8).astype(np.int32)

@@ -7,19 +7,23 @@ first-party import against ``ALLOWED``: the table of which unit may import which
 module, or a package taken as a whole (``fmtkit.policy``, ``fmtkit.optim``,
 ``pallas_kernels``, ``studies``); imports inside one unit are free. ``pallas_kernels`` is a
 GEMM backend on top of the core; ``studies`` (with the ``fmtkit`` command line,
-``studies.cli``) is the application on top of everything, and nothing imports it.
+``studies.app.cli``) is the application on top of everything, and nothing imports it.
 ``tools`` (the GPU check, ``python3 -m tools.gpu_check``) is a repository tool beside the
-application: it imports the core and the kernels (never the reverse), runs the ``fmtkit``
-command line as a command and never imports ``studies``; nothing imports ``tools``.
+application: it imports the core, the kernels and the studies' libraries (``studies.lib``:
+the timing loop, the environment, the results writer; never the reverse), runs the
+``fmtkit`` command line as a command and never imports the application or a study; nothing
+imports ``tools``.
 
-``studies.models`` (the studies' reference models) is a leaf of its own: it imports no other
-module of ``studies`` (nor ``pallas_kernels``), so the core's tests can use the same models
-without the application.
+Inside ``studies``, the libraries sit below the rest: ``studies.lib`` (models, corpus,
+regimes, statistics, common) and ``studies.training`` (the training engine) never import the
+application (``studies.app``), a study or a benchmark. ``studies.lib.models`` (the studies'
+reference models) is a leaf of its own: it imports no other module of ``studies`` (nor
+``pallas_kernels``), so the core's tests can use the same models without the application.
 
 The tests follow the same order: only ``tests/studies`` tests the application, so no other
-test file imports ``studies`` or runs one of its modules (``python -m studies.cli``); the
-one exception is ``studies.models``, which the test zoo (``tests/policy/zoo.py``) imports so
-that the core's tests and the studies train one transformer, not two copies of it.
+test file imports ``studies`` or runs one of its modules (``python -m studies.app.cli``); the
+one exception is ``studies.lib.models``, which the test zoo (``tests/policy/zoo.py``) imports
+so that the core's tests and the studies train one transformer, not two copies of it.
 
 Also checked: no module imports a private name (``from m import _x``) of another module, and
 no module imports a private module of another unit (``fmtkit.optim._master`` from
@@ -42,6 +46,8 @@ PACKAGES = ("fmtkit", "pallas_kernels", "studies", "tools")
 
 # The statistics of a tensor and of its quantization are core: every unit above reports them.
 CORE = ("fmtkit.formats", "fmtkit.casting", "fmtkit.scaling", "fmtkit.stats")
+LIBRARY = ("fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8", "fmtkit.fp4",
+           "fmtkit.optim", "fmtkit.policy", "fmtkit.memory")
 ALLOWED: dict[str, set[str]] = {
     # unit: the units it may import (besides itself and third-party packages)
     "fmtkit.formats": set(),
@@ -71,17 +77,22 @@ ALLOWED: dict[str, set[str]] = {
     "pallas_kernels": {*CORE, "fmtkit.fp8"},
     # The studies' models, the one studies module the core tests import: a leaf (the core at
     # most, no other studies module, no kernels).
-    "studies.models": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
-                       "fmtkit.fp4", "fmtkit.optim", "fmtkit.policy", "fmtkit.memory"},
-    # The application: anything below it.
-    "studies": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
-                "fmtkit.fp4",
-                "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "fmtkit.debug",
-                "pallas_kernels",
-                "studies.models"},
-    # Repository tools: the core and the kernels; studies only as a command.
+    "studies.lib.models": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed",
+                           "fmtkit.fp8", "fmtkit.fp4", "fmtkit.optim", "fmtkit.policy",
+                           "fmtkit.memory"},
+    # The studies' shared libraries: the library, never the application (studies.app) nor a
+    # study.
+    "studies.lib": {*CORE, *LIBRARY, "studies.lib.models"},
+    # The training engine the language-model studies share: the libraries below it.
+    "studies.training": {*CORE, *LIBRARY, "studies.lib", "studies.lib.models"},
+    # The application, the studies and the benchmarks: anything below them.
+    "studies": {*CORE, *LIBRARY, "fmtkit.debug", "pallas_kernels", "studies.lib.models",
+                "studies.lib", "studies.training"},
+    # Repository tools: the core, the kernels and the studies' libraries (timing, environment,
+    # results writer); the application only as a command.
     "tools": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
-              "fmtkit.fp4", "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels"},
+              "fmtkit.fp4", "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels",
+              "studies.lib"},
 }
 
 FACADES: dict[str, str] = {
@@ -213,13 +224,13 @@ def test_no_private_names_across_modules(module):
 def test_the_checker_sees_violations(tmp_path):
     # The two checks on a module written to break them: the test cannot pass vacuously.
     path = tmp_path / "bad.py"
-    path.write_text("import studies.ablate\nfrom fmtkit.casting import _FP6\n"
+    path.write_text("import studies.lm.ablate\nfrom fmtkit.casting import _FP6\n"
                     "def f():\n    from fmtkit.optim._master import x\n")
     found = _imports("fmtkit.scaling", path)
-    assert ("studies.ablate", None, 1) in found
+    assert ("studies.lm.ablate", None, 1) in found
     assert ("fmtkit.casting", "_FP6", 2) in found
     assert ("fmtkit.optim._master", "x", 4) in found  # lazy imports count
-    assert _unit("studies.ablate") not in ALLOWED["fmtkit.scaling"]
+    assert _unit("studies.lm.ablate") not in ALLOWED["fmtkit.scaling"]
     assert _private_module("fmtkit.optim._master") == "fmtkit.optim._master"
     # The facade exception covers its own package only: fmtkit.fp4 may import fmtkit.fp8's
     # private modules, not another package's; no other module may import fmtkit.fp8's, and
@@ -254,7 +265,7 @@ def _uses_of_studies(path: Path) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-TESTS_MAY_IMPORT = "studies.models"
+TESTS_MAY_IMPORT = "studies.lib.models"
 """The one module of ``studies`` tests outside ``tests/studies`` may import (a leaf)."""
 
 
@@ -275,7 +286,7 @@ def test_only_the_studies_tests_use_studies():
 
 
 def test_the_models_the_tests_share_are_a_leaf():
-    # studies.models imports nothing of studies (nor the kernels), so a core test importing
+    # studies.lib.models imports nothing of studies (nor the kernels), so a core test importing
     # it does not import the application.
     assert _unit(TESTS_MAY_IMPORT) == TESTS_MAY_IMPORT
     found = [target for target, _, _ in _imports(TESTS_MAY_IMPORT, MODULES[TESTS_MAY_IMPORT])]
@@ -289,12 +300,13 @@ def test_the_studies_check_sees_uses(tmp_path):
     assert _uses_of_studies(studies_test)
     assert studies_test not in _test_files_outside_studies()
     bad = tmp_path / "test_bad.py"
-    bad.write_text("import sys\nfrom studies import models\nimport fmtkit\n"
+    bad.write_text("import sys\nfrom studies.lib import models\nimport fmtkit\n"
                    "def f():\n    import studies.training as T\n"
-                   "CMD = [sys.executable, '-m', 'studies.cli', 'run']\n"
-                   "OK = ('-m', 'pytest', 'studies')\nfrom studies.models import lm_loss\n")
-    assert _uses_of_studies(bad) == [(2, "imports studies.models"), (5, "imports studies.training"),
-                                     (6, "runs -m studies.cli"), (8, "imports studies.models")]
+                   "CMD = [sys.executable, '-m', 'studies.app.cli', 'run']\n"
+                   "OK = ('-m', 'pytest', 'studies')\nfrom studies.lib.models import lm_loss\n")
+    assert _uses_of_studies(bad) == [
+        (2, "imports studies.lib.models"), (5, "imports studies.training"),
+        (6, "runs -m studies.app.cli"), (8, "imports studies.lib.models")]
 
 
 def test_nothing_imports_the_tools():
@@ -302,7 +314,28 @@ def test_nothing_imports_the_tools():
     assert [u for u in ALLOWED if "tools" in ALLOWED[u]] == []
     assert any(m.startswith("tools.gpu_check.") for m in MODULES)  # the walk found them
     assert "studies" not in ALLOWED["tools"] and "pallas_kernels" in ALLOWED["tools"]
+    assert {u for u in ALLOWED["tools"] if u.startswith("studies")} == {"studies.lib"}
     outside = [p for p in sorted(TESTS.rglob("*.py")) if (TESTS / "tools") not in p.parents]
     bad = [f"{path.relative_to(ROOT)}:{line} imports {target}" for path in outside
            for target, _, line in _imports("tests", path) if target.split(".")[0] == "tools"]
     assert not bad, "\n".join(bad)
+
+
+STUDIES_LIBRARIES = ("studies.lib", "studies.lib.models", "studies.training")
+"""The units of the studies' libraries; ``studies`` (the rest: ``studies.app``, the studies,
+the benchmarks) sits above them."""
+
+
+def test_the_studies_libraries_never_import_the_application(tmp_path):
+    # The table never lets a library reach the unit of the application, the studies and the
+    # benchmarks; test_imports_follow_the_layer_order holds every module to it.
+    assert all("studies" not in ALLOWED[lib] for lib in STUDIES_LIBRARIES)
+    libs = {m for m in MODULES if _unit(m) in STUDIES_LIBRARIES}
+    assert {"studies.lib.common", "studies.lib.regimes", "studies.training.loop"} <= libs
+    assert _unit("studies.app.runner") == _unit("studies.numerics.rounding") == "studies"
+    # A library module that imports the application is caught.
+    path = tmp_path / "bad.py"
+    path.write_text("def f():\n    from studies.app import runner\n")
+    (target, _, _), = _imports("studies.lib.stats", path)
+    assert target == "studies.app.runner"
+    assert _unit(target) not in ALLOWED[_unit("studies.lib.stats")]

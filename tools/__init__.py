@@ -4,6 +4,6 @@
   ``make gpu-check``).
 
 Tools sit on top of everything: they import ``fmtkit`` and ``pallas_kernels`` and run the
-``fmtkit`` command line (``python -m studies.cli``) as a command; nothing imports them
+``fmtkit`` command line (``python -m studies.app.cli``) as a command; nothing imports them
 (``tests/test_layering.py``).
 """

@@ -4,7 +4,7 @@
                              [--layers 2] [--seq 64] [--batch 8] [--rounds 10]
                              [--tensors activation,...] [--stats amax,...]
 
-The steps are ``jax.jit`` of loss + grad + SGD update of ``studies.models.TransformerLM``
+The steps are ``jax.jit`` of loss + grad + SGD update of ``studies.lib.models.TransformerLM``
 under ``with_policy(model, POLICY)``. "off" is the step without ``fmtkit.debug``; "on"
 logs every statistic of all six tensors of every GEMM (``Rule("")``) every ``--freq``
 steps, the statistics coming out as the gradient of the debug state (``fmtkit.debug``),
@@ -32,8 +32,12 @@ import jax.numpy as jnp
 
 import fmtkit.debug as debug
 from fmtkit.policy import list_presets, with_policy
-from studies import models
-from studies.bench._timing import write_results
+from studies.lib import models
+from studies.lib.common import write_bench_results
+
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "debug-stats"
+SUMMARY = "the study transformer's train step with per-GEMM statistics off vs on"
 
 TARGET = 1.10  # the budget: statistics at freq=10 within 10% of the step without
 
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_of_medians": {k: mean[k] / mean["off"] for k in ("on", "on-traced")},
         "load_average": {"start": load, "end": [round(v, 2) for v in os.getloadavg()]},
     }
-    file = write_results("debug-stats", results, args.out)
+    file = write_bench_results("debug-stats", results, args.out)
     print(f"TransformerLM d_model={args.d_model} layers={args.layers} seq={args.seq} "
           f"batch={args.batch}, {args.policy}; {n_stats} statistics every {args.freq} steps; "
           f"device {jax.devices()[0].device_kind}; load {load[0]}")

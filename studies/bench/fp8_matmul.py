@@ -25,7 +25,11 @@ import argparse
 import jax
 
 from pallas_kernels.bench import DEFAULT_SHAPES, bench_shape, make_operands, parse_shapes
-from studies.bench._timing import write_results
+from studies.lib.common import write_bench_results
+
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "fp8-matmul"
+SUMMARY = "the blockwise FP8 Pallas kernel vs XLA's bf16 matmul vs the pure-JAX reference"
 
 __all__ = ["DEFAULT_SHAPES", "bench_shape", "main", "make_operands", "parse_shapes"]
 
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             tf = r["tflops"]
             r["ratio_kernel_over_reference"] = tf["pallas_fp8"] / tf["reference"]
             ratios.append(r)
-    file = write_results("fp8-matmul", {"repeats": args.repeats, "results": rows}, args.out)
+    file = write_bench_results("fp8-matmul", {"repeats": args.repeats, "results": rows}, args.out)
     print(f"wrote {file}")
     for r in ratios:
         m, n, k = r["shape"]

@@ -20,7 +20,7 @@ Three models, every variant of one model timed in alternation in the same run (m
   bf16 inputs; the delayed recipe threads its ``DelayedScalingState`` and records observations
   with ``fmtkit.fp8.update_state``), ``flax-fp8`` (Flax's ``Fp8DirectDotGeneralOp``, delayed per
   tensor, its state overwritten by its gradient as Flax prescribes).
-* **transformer**: ``studies.models.TransformerLM`` (``--d-model``, ``--layers``,
+* **transformer**: ``studies.lib.models.TransformerLM`` (``--d-model``, ``--layers``,
   ``--seq``, ``--lm-batch``): ``f32`` is the plain model, ``bf16`` is
   ``with_policy(model, "bf16-mixed")``, ``fp8-NAME`` is ``with_policy(model, "fp8-NAME")``
   (the bf16-mixed preset plus the recipe on every linear layer but the head). Flax's op has
@@ -65,8 +65,13 @@ from flax.linen import fp8_ops
 
 import pallas_kernels  # noqa: F401  registers the Pallas GEMM backend for "auto" from a checkout too
 from fmtkit import DelayedScalingState, fp4, fp8
-from studies import models
-from studies.bench._timing import time_interleaved, write_results
+from studies.lib import models
+from studies.lib.common import write_bench_results
+from studies.lib.timing import time_interleaved
+
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "fp8-step"
+SUMMARY = "one train step under each FP8 recipe vs the same step in bf16 and f32"
 
 DN = (((1,), (0,)), ((), ()))  # x [B, in] · w [in, out]
 TARGETS = {"current": 1.15, "delayed": 1.15, "rowwise": 1.15, "blockwise": 1.5, "mxfp8": 1.5}
@@ -447,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     results["load_average"] = {"start": load, "end": [round(v, 2) for v in os.getloadavg()]}
     print(f"load average {results['load_average']['end'][0]} (1 min) at the end: other "
           "processes share the CPU; only the ratios within one run mean anything")
-    file = write_results("fp8-step", results, args.out)
+    file = write_bench_results("fp8-step", results, args.out)
     print(f"wrote {file}")
     return 0
 

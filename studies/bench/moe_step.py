@@ -34,7 +34,12 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels  # noqa: F401  registers the grouped kernels as fmtkit.fp8's backend
-from studies.bench._timing import time_interleaved, write_results
+from studies.lib.common import write_bench_results
+from studies.lib.timing import time_interleaved
+
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "moe-step"
+SUMMARY = "an MoE layer's train step in bf16 and FP8 (grouped GEMMs; GPU only)"
 
 __all__ = ["TARGET", "init_params", "main", "make_step", "moe_layer"]
 
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"E={e} top-{k}: steps/s  {cells}", flush=True)
         for v, why in skipped.items():
             print(f"  {v}: not run ({why})")
-    file = write_results("moe-step", {"config": vars(args), "target": TARGET,
+    file = write_bench_results("moe-step", {"config": vars(args), "target": TARGET,
                                       "results": rows}, args.out)
     print(f"wrote {file}")
     for r in rows:

@@ -37,6 +37,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "multiprocess"
+SUMMARY = "what keeping precision state global costs, 2 processes vs 1"
+
 __all__ = ["main"]
 
 SETUPS = ("bf16-mixed", "fp16-dynamic", "fp8-delayed")
@@ -139,7 +143,7 @@ def _worker(setup: str, steps: int, out: str) -> None:
     from studies.training import distributed
 
     distributed.initialize_from_env()
-    from studies.bench._timing import time_samples
+    from studies.lib.timing import time_samples
     from studies.training import TrainConfig, batch_at, load_data, make_train_step
     from studies.training.mesh import put_batch
 
@@ -190,7 +194,7 @@ def _run(setup: str, steps: int, processes: int) -> dict:
             env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
             cmd = worker
         else:
-            cmd = [sys.executable, "-m", "studies.launch", "--num-processes", "2",
+            cmd = [sys.executable, "-m", "studies.app.launch", "--num-processes", "2",
                    "--timeout", "600", "--", *worker]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=660)
         if r.returncode:
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                         "and the range of the global cost")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from studies.bench._timing import write_results
+    from studies.lib.common import write_bench_results
 
     rows = {}
     for s in args.setups:
@@ -271,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"takes {r['amax_all_reduce_ms']:.3f} ms between 2 processes (timed in a "
                   f"chain of {ALL_REDUCE_CHAIN}) = {100 * r['amax_all_reduce_share']:.1f}% of "
                   "its step.")
-    print(f"wrote {write_results('multiprocess', {'steps': args.steps, 'rows': rows}, args.out)}")
+    file = write_bench_results("multiprocess", {"steps": args.steps, "rows": rows}, args.out)
+    print(f"wrote {file}")
     return 0
 
 

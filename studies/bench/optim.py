@@ -42,7 +42,12 @@ import jax.numpy as jnp
 import optax
 
 from fmtkit import optim
-from studies.bench._timing import time_samples, write_results
+from studies.lib.common import write_bench_results
+from studies.lib.timing import time_samples
+
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "optim"
+SUMMARY = "a step of dynamic_loss_scale(master_weights(adamw)) vs plain adamw"
 
 _LR = 1e-3
 _SCALE = 2.0**16  # the scale the gradients were computed with (GradScaler's default init)
@@ -332,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<16} {t * 1e3:9.2f} ms {ratios[k]:6.2f}x {cpu[k] * 1e3:7.2f} ms "
               f"{cpu_ratios[k]:6.2f}x {copies[k]:7d} {traffic[k]['passes']:7d} "
               f"{traffic[k]['bytes'] / n:8.1f}")
-    file = write_results("optim", {"params": n, "width": args.width, "repeats": args.repeats,
+    file = write_bench_results("optim", {"params": n, "width": args.width, "repeats": args.repeats,
                                    "load_average": load, "seconds": times,
                                    "ratios_vs_optax_f32": ratios, "cpu_seconds": cpu,
                                    "cpu_ratios_vs_optax_f32": cpu_ratios,

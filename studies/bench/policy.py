@@ -17,7 +17,7 @@ which reuses the model's jaxpr kept per input signature); the equations of the t
 and fusions; and an eager (un-jitted) ``apply``, which a policied model compiles once per
 input signature.
 
-The model is ``studies.models.TransformerLM`` (or ``NnxTransformerLM``). The baseline is the
+The model is ``studies.lib.models.TransformerLM`` (or ``NnxTransformerLM``). The baseline is the
 same class configured by hand the way a user writes mixed precision with Flax's own knobs:
 ``dtype=bfloat16, param_dtype=float32``, norms and router with ``dtype=float32``, logits cast
 to f32 (linen: attention softmax in f32 too, as the policy does). The policied model is the
@@ -43,8 +43,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fmtkit.policy import with_policy
-from studies import models
-from studies.bench._timing import time_fn, time_interleaved, write_results
+from studies.lib import models
+from studies.lib.common import write_bench_results
+from studies.lib.timing import time_fn, time_interleaved
+
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "policy"
+SUMMARY = "a train step under with_policy(bf16-mixed) vs the model cast by hand"
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
 _OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = \S+ ([\w\-]+)\(", re.MULTILINE)
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     tracing, overhead = {}, {}
     if args.trace_layers:
         tracing, overhead = trace_overhead(args, cfg, hand_cfg, tokens, lr)
-    file = write_results("policy", {
+    file = write_bench_results("policy", {
         "api": args.api, "model": args.model, "config": dataclasses.asdict(cfg),
         "batch": args.batch, "seconds": times, "hlo_ops": ops, "compile_seconds": compile_s,
         "loss": losses, "ratio": ratio, "trace_compile_seconds": tracing,

@@ -15,7 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from fmtkit.scaling import BlockScaling, qdq
-from studies.bench._timing import time_interleaved, write_results
+from studies.lib.common import write_bench_results
+from studies.lib.timing import time_interleaved
+
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "quantize"
+SUMMARY = "qdq with 1x128 blocks vs a plain FP8 round trip of the same array"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, t in times.items():
         print(f"  {k:<16} {t * 1e3:8.2f} ms")
     print(f"ratio qdq_1x128 / plain_roundtrip: {ratio:.2f}x  (target <= 1.35x)")
-    file = write_results("quantize", {"size": args.size, "seconds": times, "ratio": ratio},
+    file = write_bench_results("quantize", {"size": args.size, "seconds": times, "ratio": ratio},
                          args.out)
     print(f"wrote {file}")
     return 0

@@ -18,6 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# How the command line lists this benchmark (studies.app.registry).
+NAME = "sharding"
+SUMMARY = "a bf16-mixed policy train step, sharded over 8 devices vs unsharded"
+
 
 def _measure(devices: int, repeats: int) -> dict:
     import jax
@@ -28,8 +32,8 @@ def _measure(devices: int, repeats: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from fmtkit import with_policy
-    from studies.bench._timing import time_interleaved
-    from studies.models import TransformerConfig, TransformerLM, lm_loss
+    from studies.lib.models import TransformerConfig, TransformerLM, lm_loss
+    from studies.lib.timing import time_interleaved
 
     cfg = TransformerConfig(d_model=128, num_heads=4, num_layers=2, d_ff=256, max_len=64)
     model = with_policy(TransformerLM(cfg), "bf16-mixed")
@@ -84,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
             print(out.stderr[-3000:], file=sys.stderr)
             return 1
         res = json.loads(out.stdout.strip().splitlines()[-1])
-    from studies.bench._timing import write_results
+    from studies.lib.common import write_bench_results
 
     print(f"bf16-mixed train step, global batch {res['global_batch']} x 64 tokens, "
           f"{res['devices']} devices")
     for k, t in res["seconds"].items():
         print(f"  {k:<10} {t * 1e3:8.1f} ms")
     print(f"ratio sharded / unsharded: {res['ratio']:.2f}x")
-    print(f"wrote {write_results('sharding', res, args.out)}")
+    print(f"wrote {write_bench_results('sharding', res, args.out)}")
     return 0
 
 

@@ -14,7 +14,7 @@
   late-training start;
 * ``checkpoint``: orbax checkpoints of the whole ``TrainState`` (structured) and the history;
 * ``distributed``: several processes (``jax.distributed`` from the environment
-  ``python -m studies.launch`` sets), per-process batch rows, fingerprints.
+  ``python -m studies.app.launch`` sets), per-process batch rows, fingerprints.
 
 The names the studies use most are imported here (``from studies.training import
 TrainConfig, train``).

@@ -8,13 +8,13 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from studies.models import TransformerConfig
+from studies.lib.models import TransformerConfig
 
 __all__ = ["MODEL_SIZES", "REGIME_NAMES", "TrainConfig"]
 
 REGIME_NAMES = ("none", "late-training", "tokens-per-update", "outlier-features",
                 "token-grad-outliers", "fp4-training")
-"""``TrainConfig.regime`` values: "none" or a name of ``studies.regimes.REGIMES``."""
+"""``TrainConfig.regime`` values: "none" or a name of ``studies.lib.regimes.REGIMES``."""
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
     # d_model and d_ff are multiples of 128 so that every FP8 recipe (blockwise: 1x128 /
@@ -55,20 +55,20 @@ class TrainConfig:
       clip_norm: clip the (unscaled) gradients to this global norm; 0 disables.
       seed: seeds the initial parameters, the batch order and stochastic rounding.
       data: path of a UTF-8 text file to train on; None: the embedded corpus
-        (``studies.corpus.default_corpus``, known entropy rate).
+        (``studies.lib.corpus.default_corpus``, known entropy rate).
       corpus_bytes: size of the embedded corpus.
       checkpoint_every: save the full train state every this many steps (and at the end)
         when the run has a checkpoint folder; 0: never.
       data_parallel: shard each batch over this many local devices (a ``Mesh`` with axis
         "data", ``NamedSharding``); 1: one device. Under ``jax.distributed`` (several
-        processes, ``python -m studies.launch``) the global device count of all processes.
+        processes, ``python -m studies.app.launch``) the global device count of all processes.
       model: an explicit ``TransformerConfig`` (e.g. with ``num_experts``) instead of the
         size preset; its ``max_len`` must be >= seq_len. Not a command-line option.
       aux_loss_weight: weight of the Switch load-balancing loss when the model has experts.
       seeds: seeds per setup: ``seed, seed + 1, ..., seed + seeds - 1`` (each its own
         initial parameters, batches and stochastic-rounding stream), trained together by
         one vmapped step (``studies.training.multiseed``). ``train`` runs ``seed`` only.
-      regime: "none" or a regime of ``studies.regimes`` applied with its default
+      regime: "none" or a regime of ``studies.lib.regimes`` applied with its default
         (literature) magnitudes: "late-training" (constant learning rate ``lr``, which
         ``studies.training.multiseed.late_training`` calibrates to an update-to-weight ratio
         of 3e-4 from fp32-pretrained parameters), "tokens-per-update" (the gradient-carrying
@@ -105,7 +105,7 @@ class TrainConfig:
             raise ValueError(f"model_size must be one of {', '.join(MODEL_SIZES)}, got "
                              f"{self.model_size!r}.")
         if self.model is not None and not isinstance(self.model, TransformerConfig):
-            raise TypeError(f"model must be a studies.models.TransformerConfig or None, got "
+            raise TypeError(f"model must be a studies.lib.models.TransformerConfig or None, got "
                             f"{type(self.model).__name__}.")
         _check_int(self.num_layers, "num_layers", minimum=0)
         _check_int(self.steps, "steps")
@@ -147,13 +147,13 @@ class TrainConfig:
         if self.num_layers:
             mcfg = dataclasses.replace(mcfg, num_layers=self.num_layers)
         elif self.regime == "fp4-training":
-            from studies.regimes import FP4Training
+            from studies.lib.regimes import FP4Training
 
             mcfg = FP4Training().apply(mcfg)
         if self.regime == "outlier-features" and mcfg.outlier_scale is None:
             # (an explicit model with its own outlier_scale keeps it: ``fmtkit ablate``'s
             # outlier group sets its magnitude and width that way)
-            from studies.regimes import OutlierFeatures
+            from studies.lib.regimes import OutlierFeatures
 
             mcfg = OutlierFeatures().apply(mcfg)
         return mcfg

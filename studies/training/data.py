@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from studies import corpus
+from studies.lib import corpus
 from studies.training.config import TrainConfig
 
 __all__ = ["batch_at", "heldout_tokens", "load_data"]
@@ -12,12 +12,12 @@ __all__ = ["batch_at", "heldout_tokens", "load_data"]
 
 def load_data(cfg: TrainConfig) -> np.ndarray:
     """The training bytes as ``uint8[n]``: ``cfg.data`` (a UTF-8 file), the training part of
-    the Python standard library (``cfg.data == "stdlib"``: ``studies.corpus.stdlib_corpus``)
+    the Python standard library (``cfg.data == "stdlib"``: ``studies.lib.corpus.stdlib_corpus``)
     or the embedded corpus.
 
     Raises:
       FileNotFoundError, IsADirectoryError, ValueError: a missing, folder, empty or non-UTF-8
-        ``cfg.data`` (``studies.corpus.load_text``); ValueError: fewer than seq_len bytes.
+        ``cfg.data`` (``studies.lib.corpus.load_text``); ValueError: fewer than seq_len bytes.
     """
     if cfg.data is None:
         raw = corpus.default_corpus(cfg.corpus_bytes)
@@ -49,7 +49,7 @@ def batch_at(data: np.ndarray, cfg: TrainConfig, step: int) -> np.ndarray:
 
 def heldout_tokens(cfg: TrainConfig) -> np.ndarray | None:
     """The held-out evaluation windows, int32 ``[cfg.heldout_windows, seq_len]``
-    (``studies.corpus.heldout_windows`` of the standard library's held-out files), or None
+    (``studies.lib.corpus.heldout_windows`` of the standard library's held-out files), or None
     when the data has no held-out part (anything but ``--data stdlib``) or
     ``heldout_windows`` is 0."""
     if cfg.data != corpus.STDLIB or cfg.heldout_windows == 0:

@@ -1,6 +1,6 @@
 """Several processes, one run: JAX's multi-controller runtime for the training library.
 
-One process per host (or several on one machine, ``python -m studies.launch``), each running
+One process per host (or several on one machine, ``python -m studies.app.launch``), each running
 the same program. ``initialize_from_env`` starts ``jax.distributed`` from three environment
 variables (what the launcher sets; set them yourself on several hosts)::
 

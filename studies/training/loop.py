@@ -1,7 +1,7 @@
 """The training loop of one seed: ``train(setup, cfg)``.
 
 ``train`` runs one setup (``studies.training.setups``) under one ``TrainConfig``
-(``studies.training.config``) on the byte-level ``studies.models.TransformerLM``: it builds
+(``studies.training.config``) on the byte-level ``studies.lib.models.TransformerLM``: it builds
 the step (``studies.training.step.make_train_step``), feeds it the batches
 (``studies.training.data``), records the metrics (``studies.training.metrics``), checkpoints
 the whole state with orbax and resumes from it (``studies.training.checkpoint``), and returns
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from fmtkit.memory import ledger
-from studies._common import Progress, StudyError, no_progress
+from studies.lib.common import Progress, StudyError, no_progress
 from studies.training import checkpoint
 from studies.training.config import TrainConfig
 from studies.training.data import batch_at, load_data
@@ -115,7 +115,7 @@ def train(setup: Setup | str, cfg: TrainConfig, progress: Progress = no_progress
     Args:
       setup: a ``Setup`` or a registered name.
       cfg: the training configuration.
-      progress: progress-bar factory (``studies._common.Progress``).
+      progress: progress-bar factory (``studies.lib.common.Progress``).
       run_dir: folder of this run's checkpoints (None: no checkpoints).
       resume: continue from the latest checkpoint in ``run_dir``.
       data: the training bytes (``load_data(cfg)`` if None; pass it to share one corpus).

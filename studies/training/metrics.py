@@ -26,7 +26,7 @@
 * ``update_frac``: fraction of parameter elements whose stored value changed in this step
   (1.0 means every parameter moved; pure-bf16 loses small updates and scores lower).
 * ``update_ratio``: the step's update-to-weight ratio ||p_after - p_before|| / ||p_before||
-  over the weight matrices (``studies.regimes.update_ratio``, "global"; differences in f32):
+  over the weight matrices (``studies.lib.regimes.update_ratio``, "global"; differences in f32):
   what the late-training regime claims (1e-4 .. 1e-3).
 
 A run's history (one list per metric) is summarized by ``final_loss`` (the mean of its
@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from fmtkit.casting import cast
-from studies.regimes import update_ratio
+from studies.lib.regimes import update_ratio
 
 __all__ = ["METRIC_KEYS", "final_loss", "flush_counts", "history_summary", "skipped_steps",
            "step_metrics"]

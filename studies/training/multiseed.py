@@ -1,7 +1,7 @@
 """Several seeds of one setup in one compiled step, and the late-training start.
 
 **The seeds axis** (any ``step_fn(state, batch) -> (state, metrics)`` without I/O, as
-``make_train_step`` returns): error bars need several seeds per setup (``studies.stats``);
+``make_train_step`` returns): error bars need several seeds per setup (``studies.lib.stats``);
 running them one after the other costs one compile each, or one process each. Here the
 seeds are a leading axis of the train state and of the batch, and the step is
 ``jax.jit(jax.vmap(step_fn))``: one compile serves every seed, and on a CPU or an
@@ -54,7 +54,7 @@ trained in fp32 for ``cfg.steps`` steps with the normal schedule (warmup + cosin
 every setup continues from those parameters, with fresh optimizer state, on the batches
 that follow (steps ``cfg.steps`` .. ``2 cfg.steps - 1``) for ``cfg.steps`` steps at a
 constant learning rate calibrated so that fresh Adam's first update has an update-to-weight
-ratio of ``studies.regimes.LateTraining().update_to_weight`` (3e-4) over the weight
+ratio of ``studies.lib.regimes.LateTraining().update_to_weight`` (3e-4) over the weight
 matrices (the median over seeds of ``LateTraining.lr``).
 """
 
@@ -74,9 +74,9 @@ import numpy as np
 import optax
 
 from fmtkit.memory import ledger
-from studies import regimes
-from studies._common import Progress, StudyError, no_progress
-from studies.models import lm_loss
+from studies.lib import regimes
+from studies.lib.common import Progress, StudyError, no_progress
+from studies.lib.models import lm_loss
 from studies.training import checkpoint, mesh
 from studies.training.config import TrainConfig
 from studies.training.data import batch_at, heldout_tokens, load_data
@@ -281,7 +281,7 @@ def seed_curves(summaries: list[dict[str, Any]], key: str = "loss"
                 ) -> dict[str, list[list[float]]]:
     """Setup -> each seed's per-step ``key`` curve, cut to the shortest seed's length (a
     diverged seed stops early), from ``SeedsResult.summary`` dicts; setups with an empty
-    curve are left out. What ``studies.stats.plot_seed_bands`` draws."""
+    curve are left out. What ``studies.lib.stats.plot_seed_bands`` draws."""
     curves = {}
     for row in summaries:
         hs = [p["history"][key] for p in row["per_seed"]]

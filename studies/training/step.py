@@ -28,8 +28,8 @@ import fmtkit
 from fmtkit import optim
 from fmtkit.fp8 import update_state as fp8_update_state
 from fmtkit.policy import Rules, keep_blocks
-from studies import regimes
-from studies.models import TransformerConfig, TransformerLM, lm_loss
+from studies.lib import regimes
+from studies.lib.models import TransformerConfig, TransformerLM, lm_loss
 from studies.training import mesh
 from studies.training.config import TrainConfig
 from studies.training.metrics import step_metrics

@@ -24,7 +24,7 @@ Each model is written in the style of a Flax repository example (our own code, t
 
 The reference models of the policy tests (``policy_testlib.py`` builds them tiny) are the
 studies' own linen / NNX twins with Flax's natural module paths, imported from
-``studies/models.py``, one source for both:
+``studies/lib/models.py``, one source for both:
 
 * ``Mlp`` / ``NnxMlp``: a GELU MLP.
 * ``MoeBlock`` / ``NnxMoeBlock``: a top-1 (Switch) mixture of experts with a ``router``.
@@ -35,7 +35,7 @@ studies' own linen / NNX twins with Flax's natural module paths, imported from
   RMSNorm and LayerNorm, linen ``nn.scan`` / ``nn.remat``, and Flax's per-layer dtype knobs.
 * ``lm_loss``: the next-byte cross entropy they train on.
 
-``studies.models`` is a leaf (it imports jax, flax and numpy, nothing of ``studies``), and
+``studies.lib.models`` is a leaf (it imports jax, flax and numpy, nothing of ``studies``), and
 it is the only module of ``studies`` a test outside ``tests/studies`` imports
 (``tests/test_layering.py``): the core's tests use the studies' models, never the studies.
 
@@ -61,14 +61,14 @@ import optax
 from flax import nnx
 
 # The reference models, re-exported (``zoo.TransformerLM``): one source, the studies' models.
-from studies.models import Mlp as Mlp
-from studies.models import MoeBlock as MoeBlock
-from studies.models import NnxMlp as NnxMlp
-from studies.models import NnxMoeBlock as NnxMoeBlock
-from studies.models import NnxTransformerLM as NnxTransformerLM
-from studies.models import TransformerConfig as TransformerConfig
-from studies.models import TransformerLM as TransformerLM
-from studies.models import lm_loss as lm_loss
+from studies.lib.models import Mlp as Mlp
+from studies.lib.models import MoeBlock as MoeBlock
+from studies.lib.models import NnxMlp as NnxMlp
+from studies.lib.models import NnxMoeBlock as NnxMoeBlock
+from studies.lib.models import NnxTransformerLM as NnxTransformerLM
+from studies.lib.models import TransformerConfig as TransformerConfig
+from studies.lib.models import TransformerLM as TransformerLM
+from studies.lib.models import lm_loss as lm_loss
 
 K_MASK = -2.3819763e38  # gemma's mask value: a large negative number, finite in f32.
 

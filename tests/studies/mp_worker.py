@@ -1,4 +1,4 @@
-"""One process of the multi-process tests (started by ``studies.launch`` or alone).
+"""One process of the multi-process tests (started by ``studies.app.launch`` or alone).
 
 ``python mp_worker.py MODE OUT_DIR JSON_ARGS``; writes ``OUT_DIR/p<process>.json``.
 
@@ -83,7 +83,7 @@ def run_inf(args: dict, out: Path) -> dict:
     import optax
 
     from fmtkit import optim
-    from studies.models import lm_loss
+    from studies.lib.models import lm_loss
     from studies.training import mesh
     from studies.training.config import TrainConfig
     from studies.training.data import batch_at, load_data

@@ -11,9 +11,11 @@ import pytest
 from studies_testlib import assert_plots, plain
 
 from fmtkit import fp4
-from studies import ablate, cli, corpus, fp4_training, runner
-from studies.models import TransformerConfig, TransformerLM, lm_loss
-from studies.training import TrainConfig, batch_at, init_params, load_data
+from studies.app import cli, runner
+from studies.lib import corpus
+from studies.lib.models import TransformerConfig, TransformerLM, lm_loss
+from studies.lm import ablate
+from studies.training import TrainConfig, batch_at, fp4_training, init_params, load_data
 
 
 def _only_run(out_root):

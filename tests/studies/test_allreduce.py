@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from studies import allreduce
+from studies.numerics import allreduce
 
 
 def test_allreduce_errors_order_and_magnitude():

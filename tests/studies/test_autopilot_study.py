@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from studies import autopilot, runner
+from studies.app import runner
+from studies.lm import autopilot
 from studies.training.config import TrainConfig
 from tests.studies.studies_testlib import Interrupted, assert_plots
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import studies.training as T
-from studies.models import TransformerConfig
+from studies.lib.models import TransformerConfig
 from studies.training import checkpoint, distributed
 from tests.studies.test_multiprocess import CFG, single
 

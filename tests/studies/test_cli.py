@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from studies.cli import exact_low_precision_flags, main
+from studies.app.cli import exact_low_precision_flags, main
 
 
 def test_formats_json(capsys):
@@ -53,13 +53,13 @@ def test_policies_lists_presets(capsys):
 
 
 def test_python_dash_m_runs_the_cli():
-    # The console script `fmtkit` and `python -m studies.cli` are the same entry point.
+    # The console script `fmtkit` and `python -m studies.app.cli` are the same entry point.
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "studies.cli", "inspect", "1", "-f", "e4m3",
+    out = subprocess.run([sys.executable, "-m", "studies.app.cli", "inspect", "1", "-f", "e4m3",
                           "--json"], cwd=root, capture_output=True, text=True, timeout=120,
                          check=False)
     assert out.returncode == 0, out.stderr[-2000:]

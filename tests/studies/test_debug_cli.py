@@ -14,7 +14,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fmtkit.debug.log import StatsLogger
-from studies.cli import main
+from studies.app.cli import main
 
 STEPS = (0, 10, 20, 30)
 MODULES = ("Block_0/Attn_0/Dense_0", "Block_0/MlpBlock_0/Dense_1", "")

@@ -14,8 +14,8 @@ import json
 import pytest
 
 from fmtkit.debug.log import StatsLogger
-from studies.cli import main
-from studies.debug_report import read_decisions, read_log
+from studies.app.cli import main
+from studies.app.debug_report import read_decisions, read_log
 
 TAG = "Dense_0/dot_general_0/activation/amax"
 

@@ -194,21 +194,20 @@ def _options(help_text: str) -> set[str]:
 def cli() -> dict:
     """The command line as its own ``--help`` describes it: commands, studies, benchmarks,
     and the options of each."""
-    from studies import cli as cli_module
-    from studies import runner
+    from studies.app import cli as cli_module
+    from studies.app import runner
 
     commands = set(re.findall(r'sub\.add_parser\("([\w-]+)"',
-                              (ROOT / "studies" / "cli.py").read_text()))
+                              (ROOT / "studies" / "app" / "cli.py").read_text()))
     options = {c: _options(_help(cli_module.main, [c, "--help"]))
                for c in commands - {"study", "bench"}}
     options["study"] = {"--list", "--help", "-h"}
     study_options = {name: _options(_help(cli_module.main, ["study", name, "--help"]))
                      for name in runner.STUDIES}
     options["ablate"] = study_options["ablate"]
-    benches = {p.stem.replace("_", "-") for p in (ROOT / "studies" / "bench").glob("*.py")
-               if not p.stem.startswith("_")}
-    bench_options = {name: _options(_help(importlib.import_module(
-        "studies.bench." + name.replace("-", "_")).main, ["--help"])) for name in benches}
+    bench_options = {name: _options(_help(importlib.import_module(entry.module).main,
+                                          ["--help"]))
+                     for name, entry in cli_module.benchmarks().items()}
     return {"commands": commands, "options": options, "studies": study_options,
             "benches": bench_options}
 
@@ -255,7 +254,7 @@ def bad_command_lines(text: str) -> list[str]:
 
 
 def _bad_cli_values(cmd: str, option: str, value: str) -> list[str]:
-    from studies.regimes import REGIMES
+    from studies.lib.regimes import REGIMES
     from studies.training import SETUPS
 
     if _is_placeholder(value) or value.startswith("-"):

@@ -10,8 +10,9 @@ import json
 import numpy as np
 import pytest
 
-from studies import delayed_lag, fp8_long, grad_blocks, outlier_dose, runner
-from studies.models import TransformerConfig
+from studies.app import runner
+from studies.lib.models import TransformerConfig
+from studies.lm import delayed_lag, fp8_long, grad_blocks, outlier_dose
 from studies.training.config import TrainConfig
 from tests.studies.studies_testlib import assert_plots
 

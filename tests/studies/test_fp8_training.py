@@ -13,8 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from studies import fp8_training as ft
-from studies import outlier_dose
+from studies.lm import outlier_dose
+from studies.training import fp8_training as ft
 from studies.training import monitor
 
 E4M3_MAX = 448.0

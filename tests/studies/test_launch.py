@@ -1,4 +1,4 @@
-"""The launcher (``studies.launch``) and the environment it hands to each process (no JAX
+"""The launcher (``studies.app.launch``) and the environment it hands to each process (no JAX
 runtime started here: plain Python children)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from studies import launch
+from studies.app import launch
 from studies.training import distributed
 
 PY = sys.executable

@@ -1,8 +1,8 @@
-"""Real multi-process runs (``jax.distributed`` over gloo on 127.0.0.1, ``studies.launch``):
+"""Real multi-process runs (``jax.distributed`` over gloo on 127.0.0.1, ``studies.app.launch``):
 training equals one process, precision state is the same on every process by construction,
 checkpoints survive a SIGKILL.
 
-Each test starts its processes through ``studies.launch`` (which kills every process when one
+Each test starts its processes through ``studies.app.launch`` (which kills every process when one
 fails, and all of them after ``--timeout``) or ``subprocess.run(timeout=...)``.
 """
 
@@ -43,7 +43,7 @@ def launch(mode: str, out: Path, args: dict, *, processes: int = 2,
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("p*.json"):
         f.unlink()
-    cmd = [sys.executable, "-m", "studies.launch", "--num-processes", str(processes),
+    cmd = [sys.executable, "-m", "studies.app.launch", "--num-processes", str(processes),
            "--timeout", str(TIMEOUT), "--", sys.executable, str(WORKER), mode, str(out),
            json.dumps(args)]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True,
@@ -191,11 +191,11 @@ def _ablate(out: Path, *, processes: int) -> dict:
             "--seq-len", "16", "--corpus-bytes", "4096", "--data-parallel", "2", "--warmup",
             "1", "--no-plot", "--out", str(out)]
     if processes > 1:
-        cmd = [sys.executable, "-m", "studies.launch", "--num-processes", str(processes),
-               "--timeout", str(TIMEOUT), "--", sys.executable, "-m", "studies.cli", *args]
+        cmd = [sys.executable, "-m", "studies.app.launch", "--num-processes", str(processes),
+               "--timeout", str(TIMEOUT), "--", sys.executable, "-m", "studies.app.cli", *args]
         env = _env()
     else:
-        cmd, env = [sys.executable, "-m", "studies.cli", *args], _env(devices=2)
+        cmd, env = [sys.executable, "-m", "studies.app.cli", *args], _env(devices=2)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT + 30,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]

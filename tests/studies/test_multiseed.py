@@ -13,7 +13,7 @@ from studies_testlib import Interrupted, stop_after
 
 from fmtkit import optim
 from studies import training as T
-from studies.models import TransformerConfig
+from studies.lib.models import TransformerConfig
 from studies.training import multiseed as M
 from studies.training.multiseed import init_seeds, run_seeds, stack, unstack, vmap_step
 

@@ -1,4 +1,4 @@
-"""studies.regimes: each regime does what it says, measured on the quantity it claims.
+"""studies.lib.regimes: each regime does what it says, measured on the quantity it claims.
 
 References are computed independently: NumPy float64 (and ml_dtypes / NumPy's float16 for
 the rounding), hand-worked values, and the closed-form cross-entropy gradient.
@@ -14,8 +14,8 @@ import numpy as np
 import optax
 import pytest
 
-from studies import regimes
-from studies.models import NnxTransformerLM, TransformerConfig, TransformerLM, lm_loss
+from studies.lib import regimes
+from studies.lib.models import NnxTransformerLM, TransformerConfig, TransformerLM, lm_loss
 
 CFG = TransformerConfig(d_model=32, num_heads=2, num_layers=1, d_ff=64, max_len=16)
 BATCH, SEQ = 4, 16

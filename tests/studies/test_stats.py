@@ -1,4 +1,4 @@
-"""studies.stats: mean ± std over seeds, the 3-SE rule, table cells, seed-band plots.
+"""studies.lib.stats: mean ± std over seeds, the 3-SE rule, table cells, seed-band plots.
 
 Expected values are worked out by hand in the comments (or, for the p-value, taken from
 SciPy's own Welch test, an independent implementation).
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from studies import stats
-from studies.stats import compare, format_gap, format_mean_std, summarize
+from studies.lib import stats
+from studies.lib.stats import compare, format_gap, format_mean_std, summarize
 
 
 def test_module_examples_run():
@@ -168,7 +168,7 @@ def test_stack_runs_pads_with_nan():
 
 
 def test_band_draws_mean_and_std():
-    from studies._common import figure
+    from studies.lib.common import figure
 
     runs = np.array([[1.0, 2.0, 4.0], [3.0, 2.0, 0.0], [2.0, 5.0, 2.0]])
     # column means [2, 3, 2]; sample stds [1, sqrt(3), 2].
@@ -189,7 +189,7 @@ def test_band_draws_mean_and_std():
 
 
 def test_gap_bars_whiskers_are_three_se():
-    from studies._common import figure
+    from studies.lib.common import figure
 
     a = np.array([2.0, 2.02, 1.98])
     gaps = {"big": compare(a, a + 0.1), "small": compare(a, a + 0.01)}

@@ -18,7 +18,7 @@ MODULES = [".".join(p.relative_to(ROOT).with_suffix("").parts)
 
 
 def test_the_examples_are_found():
-    assert "studies.stats" in MODULES
+    assert "studies.lib.stats" in MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from studies import corpus
-from studies.corpus import ALPHABET, MarkovSource
+from studies.lib import corpus
+from studies.lib.corpus import ALPHABET, MarkovSource
 
 
 def _binary_entropy(p):

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 from studies_testlib import assert_plots
 
-from studies import format_ranges, fp8_outliers, loss_scale, master_weights, rounding, underflow
+from studies.numerics import (
+    format_ranges,
+    fp8_outliers,
+    loss_scale,
+    master_weights,
+    rounding,
+    underflow,
+)
 
 # formats ------------------------------------------------------------------------------------
 

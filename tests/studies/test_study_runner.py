@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from studies_testlib import assert_plots, plain
 
-from studies import _common, runner
-from studies.cli import main as cli_main
+from studies.app import runner
+from studies.app.cli import main as cli_main
+from studies.lib import common
 
 
 def _reject_constants(name):
@@ -139,19 +140,19 @@ def test_run_study_warns_when_excess_precision_is_allowed(monkeypatch, tmp_path)
 
 
 def test_run_dirs_are_unique(tmp_path):
-    a, b = _common.run_dir(tmp_path, "x"), _common.run_dir(tmp_path, "x")
+    a, b = common.run_dir(tmp_path, "x"), common.run_dir(tmp_path, "x")
     assert a != b and a.is_dir() and b.is_dir()
 
 
 def test_to_jsonable():
-    out = _common.to_jsonable({
+    out = common.to_jsonable({
         "a": np.float32(0.5), "b": np.array([1.0, np.inf, np.nan]), "c": (1, True, None),
         "d": ml_dtypes.bfloat16(0.1), "e": np.int32(3), "f": float("-inf")})
     assert out["a"] == 0.5 and out["b"] == [1.0, "inf", "nan"] and out["c"] == [1, True, None]
     assert out["d"] == 0.10009765625 and out["e"] == 3 and out["f"] == "-inf"
     json.dumps(out, allow_nan=False)
     with pytest.raises(TypeError, match="Cannot write object"):
-        _common.to_jsonable(object())
+        common.to_jsonable(object())
 
 
 # A study added the documented way: one module + one registry line.
@@ -184,12 +185,12 @@ def _toy_module():
     module.__doc__ = "A toy study."
     module.Config = _ToyConfig
 
-    def run(config, progress=_common.no_progress):
+    def run(config, progress=common.no_progress):
         if config.data == "missing.txt":
-            from studies.corpus import load_text
+            from studies.lib.corpus import load_text
             load_text(config.data)
         if config.rate < 0:
-            raise _common.StudyError(f"loss is NaN at step 2 (rate={config.rate})")
+            raise common.StudyError(f"loss is NaN at step 2 (rate={config.rate})")
         xs = [config.rate * i for i in progress(range(config.steps), total=config.steps)]
         return {"xs": xs, "mode": config.mode, "noisy": config.noisy, "data": config.data}
 
@@ -200,6 +201,7 @@ def _toy_module():
 
 def test_registering_a_new_study(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(runner.STUDIES, "toy-study", "a toy study")
+    monkeypatch.setitem(runner.MODULES, "toy-study", "studies.toy_study")
     monkeypatch.setitem(sys.modules, "studies.toy_study", _toy_module())
     argv = ["toy-study", "--steps", "4", "--rate", "2", "--mode", "b", "--noisy",
             "--data", "x.txt", "--out", str(tmp_path)]
@@ -229,11 +231,12 @@ def test_reserved_option_names_are_rejected(monkeypatch):
     module = types.ModuleType("studies.clash")
     module.Config, module.run = Config, lambda c: {}
     monkeypatch.setitem(runner.STUDIES, "clash", "clashes")
+    monkeypatch.setitem(runner.MODULES, "clash", "studies.clash")
     monkeypatch.setitem(sys.modules, "studies.clash", module)
     with pytest.raises(TypeError, match="clashes with a runner option"):
         runner.parse_args("clash", [])
 
 
 def test_run_study_rejects_a_foreign_config():
-    with pytest.raises(TypeError, match=r"config must be a studies\.rounding\.Config"):
+    with pytest.raises(TypeError, match=r"config must be a studies\.numerics\.rounding\.Config"):
         runner.run_study("rounding", _ToyConfig())

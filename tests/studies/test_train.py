@@ -17,8 +17,8 @@ from studies_testlib import Interrupted, stop_after
 
 from fmtkit import optim
 from studies import training as T
-from studies._common import StudyError
-from studies.models import TransformerConfig
+from studies.lib.common import StudyError
+from studies.lib.models import TransformerConfig
 from studies.training import checkpoint, metrics, step
 
 MICRO = TransformerConfig(d_model=32, num_heads=2, num_layers=1, d_ff=64, max_len=16)
@@ -257,7 +257,7 @@ import numpy as np
 from fmtkit import optim
 from studies import training as T
 from studies.training import checkpoint, metrics, step
-from studies.models import TransformerConfig
+from studies.lib.models import TransformerConfig
 model = TransformerConfig(d_model=32, num_heads=2, num_layers=1, d_ff=64, max_len=16)
 cfg = dict(model=model, batch=4, seq_len=16, steps=3, warmup=1, corpus_bytes=4096)
 one = T.train("fp32", T.TrainConfig(**cfg))

@@ -15,15 +15,10 @@ from studies_testlib import assert_plots
 
 import fmtkit
 from fmtkit import fp8
-from studies import (
-    accumulation,
-    fp8_recipes,
-    memory_footprint,
-    router_precision,
-    sensitivity,
-    stats,
-    training,
-)
+from studies import training
+from studies.lib import stats
+from studies.lm import fp8_recipes, router_precision, sensitivity
+from studies.numerics import accumulation, memory_footprint
 from studies.training import TrainConfig
 
 # accumulation -------------------------------------------------------------------------------
@@ -119,7 +114,7 @@ def test_accumulation_config_validation():
 # memory -------------------------------------------------------------------------------------
 
 def _transformer_params(cfg):
-    """Parameter count of studies.models.TransformerLM, by hand from Flax's layer definitions:
+    """Parameter count of studies.lib.models.TransformerLM, by hand from Flax's layer definitions:
     Embed (vocab x d), learned positions (max_len x d); per block RMSNorm scales (d each),
     four attention DenseGeneral projections with bias (d x d + d), MLP Dense kernels and
     biases; final LayerNorm (scale and bias); head Dense (d x vocab + vocab)."""
@@ -287,7 +282,7 @@ def _near_tie_case():
 
 @pytest.mark.parametrize("router", ["f32", "bf16"])
 def test_router_flips_on_constructed_near_ties(router):
-    from studies.models import MoeBlock
+    from studies.lib.models import MoeBlock
 
     w, rows, x = _near_tie_case()
     model = fmtkit.with_policy(MoeBlock(num_experts=4, d_ff=8),
@@ -447,7 +442,7 @@ def test_router_precision_config_validation():
 
 
 def test_router_precision_cli_seeds_and_grid():
-    from studies import runner
+    from studies.app import runner
 
     inv = runner.parse_args("router-precision", ["--seeds", "2", "--grid", "--grid-lr",
                                                  "1e-3", "2e-3", "--grid-steps", "5"])
@@ -513,7 +508,7 @@ def test_fp8_recipes_losses_close_to_bf16(tmp_path):
 
 
 def test_fp8_recipe_g128_changes_only_the_gradients():
-    from studies.models import Mlp
+    from studies.lib.models import Mlp
 
     # The two setups' rules on a three-layer MLP, 2 x 64 tokens: Dense_0 and Dense_1 in FP8,
     # Dense_2 produces the output (the head, found by its role) and stays in bf16.

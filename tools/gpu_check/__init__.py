@@ -31,10 +31,10 @@ output and the telemetry samples; rebuilt after every phase). Phases, in order:
 4. ``train``: the policied training steps of a Llama-style stack at d_model 4096 (SwiGLU
    11008, 4 blocks, 8192 tokens) and of a d_model-1024 transformer LM under f32 (the Llama
    stack only), bf16-mixed, fp8-current, fp8-delayed and fp8-blockwise (steps/s), through
-   the ``fmtkit bench fp8-step`` CLI
-   (run as a command: the tool never imports ``studies``); and the optimizer step of the
-   studies' optax chain (``fmtkit.optim`` master weights and dynamic loss scaling around
-   adamw) beside plain ``optax.adamw``, interleaved, with their ratio.
+   the ``fmtkit bench fp8-step`` CLI (run as a command: the tool imports no study, only
+   ``studies.lib``); and the optimizer step of the studies' optax chain (``fmtkit.optim``
+   master weights and dynamic loss scaling around adamw) beside plain ``optax.adamw``,
+   interleaved, with their ratio.
 5. ``tune``: every shipped config at 8192^3 and 4096x7168x2048 (data for ``choose_config``).
 6. ``pytest``: the compiled-mode kernel tests and the per-tensor cuBLASLt test, in the time
    left.

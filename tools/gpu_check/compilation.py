@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import sys
 import time
 
+from studies.lib.common import environment as studies_environment
 from tools.gpu_check.correctness import (
     BF16_RTOL,
     block_magnitude_operands,
@@ -68,9 +68,11 @@ def compile_kernel(m: int, n: int, k: int, *, impl: str, config, out_dtype: str,
 
 
 def environment() -> dict:
-    """The device, its SM count, whether it is a Hopper GPU, and the versions that matter."""
+    """What every results file records (``studies.lib.common.environment``: versions,
+    device, machine, commit, date), jax's and jaxlib's versions at the top, and the GPU's:
+    the backend, device kind, compute capability, SM count, whether it is a Hopper GPU,
+    torch's version."""
     import jax
-    import jaxlib
 
     import pallas_kernels
 
@@ -79,12 +81,13 @@ def environment() -> dict:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = None
-    return {"ok": True, "python": sys.version.split()[0], "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
-            "device": getattr(dev, "device_kind", str(dev)),
+    env = studies_environment()
+    return {"ok": True, **env, "jax": env["versions"]["jax"],
+            "jaxlib": env["versions"]["jaxlib"], "backend": jax.default_backend(),
+            "device_kind": getattr(dev, "device_kind", str(dev)),
             "compute_capability": getattr(dev, "compute_capability", None),
             "num_sms": pallas_kernels.num_sms("kernel"), "hopper": pallas_kernels.is_hopper(),
-            "torch": torch_version, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            "torch": torch_version}
 
 
 # ptxas's report.

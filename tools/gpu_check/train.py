@@ -1,6 +1,6 @@
 """The ``train`` phase's training steps: steps/s of the policied train step of a Llama-style
 stack at realistic width and of a small transformer LM, through ``fmtkit bench fp8-step``
-run as a command (the tool never imports ``studies``)."""
+run as a command (the tool imports no study, only ``studies.lib``)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def train_step(work: Path, rehearsal: bool, model: str = "transformer") -> dict:
     out = work / f"train-{model}"
     args = ((LLAMA_ARGS_REHEARSAL if rehearsal else LLAMA_ARGS) if model == "llama" else
             (TRAIN_ARGS_REHEARSAL if rehearsal else TRAIN_ARGS))
-    cmd = [sys.executable, "-m", "studies.cli", "bench", "fp8-step", "--models",
+    cmd = [sys.executable, "-m", "studies.app.cli", "bench", "fp8-step", "--models",
            model, "--recipes", "current,delayed,blockwise", "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     print(proc.stdout[-6000:], proc.stderr[-6000:], flush=True)
