@@ -16,8 +16,11 @@ the way combines it only with constants, parameters (a bias) or values computed 
 matmul (a log-softmax's ``x - logsumexp(x)``); a residual add of two independent streams
 breaks the chain, and so does any other matmul. The matmuls that the model's outputs derive
 from transparently, with a parameter operand, are the head: lm1b's ``logitdense``, a
-tied-embedding ``attend``, a CNN's classifier, whatever their names. A model whose output is
-a hidden state has no head.
+tied-embedding ``attend``, a CNN's classifier, whatever their names. Where none of those
+matmuls has a parameter operand, the ones of two activations are the head: CLIP's
+contrastive logits ``(image_emb @ text_emb.T) * exp(logit_scale)`` (f32 logits before a
+scale of up to 100). A model whose output is a hidden state (past its last matmul) has no
+head.
 
 Roles are stable under additions: the head is searched from the first floating output leaf
 only (an auxiliary output, a dict of MoE metrics, never makes a second head), or from the
@@ -122,7 +125,10 @@ class Analysis:
         else:  # the main output is the first floating output leaf; the rest are auxiliary
             first = next((f for f, h in zip(outs, head_outputs) if h), _NO_FACTS)
             heads = first.head
-        heads = {d for d in heads if self.dots[d].projection}
+        # A projection (a parameter operand) is the head where one is found; else a matmul
+        # of two activations (CLIP's contrastive logits, ``img @ txt.T * exp(scale)``).
+        heads = ({d for d in heads if self.dots[d].projection}
+                 or {d for d in heads if not self.dots[d].projection})
         self._warn_ambiguous(heads)
         for d in heads:
             self.dots[d] = dataclasses.replace(self.dots[d], head=True)
