@@ -301,7 +301,8 @@ def _wide_dot(av: jax.Array, bv: jax.Array, dims) -> jax.Array:
     free_b = [d for d in range(bv.ndim) if d not in (*cb, *bb)]
     av = jnp.transpose(av, (*ba, *free_a, *ca))
     bv = jnp.transpose(bv, (*bb, *free_b, *cb))
-    av, bv = lax.optimization_barrier((av, bv))
+    # (one barrier per operand: each output is its own input, for jaxpr readers too)
+    av, bv = lax.optimization_barrier(av), lax.optimization_barrier(bv)
     n = len(ba)
     dims = ((tuple(range(av.ndim - len(ca), av.ndim)),
              tuple(range(bv.ndim - len(cb), bv.ndim))),
