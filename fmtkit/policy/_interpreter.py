@@ -58,7 +58,6 @@ from fmtkit.policy._scopes import (
 )
 from fmtkit.scaling import DelayedScalingState
 
-
 # The prefix of the names ``checkpoint_name`` gives FP8 GEMM outputs (``_gemm_output``).
 GEMM_OUTPUT = "fmtkit_fp8_gemm_output:"
 

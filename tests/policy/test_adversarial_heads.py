@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 from fmtkit import inspect_policy, with_policy
 from fmtkit.policy import mark_head
 
+pytestmark = pytest.mark.slow  # each test compiles training steps (seconds)
 
 def _bf16(a):
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)

@@ -1,7 +1,7 @@
 """``inspect_policy`` counts the GEMMs the step runs: a recurrent cell under ``lax.scan`` whose
 inputs ``xs`` are not differentiated has no data gradient into them (an FP8 GEMM's backward
-writes one in the scan's transposed body, which the compiled step drops as dead code). References: a hand count of the
-FLOPs of each GEMM, and the dots of the compiled step's HLO.
+writes one in the scan's transposed body, which the compiled step drops as dead code).
+References: a hand count of the FLOPs of each GEMM, and the dots of the compiled step's HLO.
 """
 
 import re
@@ -13,10 +13,12 @@ from jax import lax
 
 from fmtkit import inspect_policy, with_policy
 
-T, B, I, H, O = 6, 4, 8, 16, 3  # steps, batch, input, hidden, output sizes
+pytestmark = pytest.mark.slow  # each test compiles training steps (seconds)
+
+T, B, NI, H, NO = 6, 4, 8, 16, 3  # steps, batch, input, hidden, output sizes
 
 
-def _rnn(p, xs):  # xs [T, B, I]
+def _rnn(p, xs):  # xs [T, B, NI]
     def step(h, x):
         return jnp.tanh(x @ p["w_ih"] + h @ p["w_hh"]), None
 
@@ -26,9 +28,9 @@ def _rnn(p, xs):  # xs [T, B, I]
 
 def _inputs():
     k = jax.random.split(jax.random.key(0), 4)
-    p = {"w_ih": jax.random.normal(k[0], (I, H)), "w_hh": jax.random.normal(k[1], (H, H)),
-         "w_out": jax.random.normal(k[2], (H, O))}
-    return p, jax.random.normal(k[3], (T, B, I))
+    p = {"w_ih": jax.random.normal(k[0], (NI, H)), "w_hh": jax.random.normal(k[1], (H, H)),
+         "w_out": jax.random.normal(k[2], (H, NO))}
+    return p, jax.random.normal(k[3], (T, B, NI))
 
 
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current"])
@@ -40,9 +42,9 @@ def test_no_data_gradient_into_undifferentiated_scan_inputs(preset):
     # By hand: each step x @ w_ih (2BIH) and h @ w_hh (2BHH), then the head (2BHO); backward,
     # per step the carry's data gradient through w_hh (2BHH) and both weight gradients, the
     # head's dgrad and wgrad; no gradient into xs (it would be 2BIH per step).
-    assert flops == {"forward": T * (2 * B * I * H + 2 * B * H * H) + 2 * B * H * O,
-                     "dgrad": T * 2 * B * H * H + 2 * B * H * O,
-                     "wgrad": T * (2 * B * I * H + 2 * B * H * H) + 2 * B * H * O}
+    assert flops == {"forward": T * (2 * B * NI * H + 2 * B * H * H) + 2 * B * H * NO,
+                     "dgrad": T * 2 * B * H * H + 2 * B * H * NO,
+                     "wgrad": T * (2 * B * NI * H + 2 * B * H * H) + 2 * B * H * NO}
 
 
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-current"])
@@ -50,7 +52,7 @@ def test_the_compiled_step_runs_the_reported_gemms(preset):
     p, xs = _inputs()
     f = with_policy(_rnn, preset)
     report = inspect_policy(f, p, xs, argnums=0)
-    c = jax.random.normal(jax.random.key(1), (B, O))  # (a cotangent XLA cannot fold)
+    c = jax.random.normal(jax.random.key(1), (B, NO))  # (a cotangent XLA cannot fold)
     step = jax.jit(jax.value_and_grad(lambda p, xs, c: jnp.sum(f(p, xs) * c)))
     hlo = step.lower(p, xs, c).compile().as_text()
     # The loop's two forward GEMMs and the head; in the backward loop the carry's dgrad and

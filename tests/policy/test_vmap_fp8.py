@@ -15,8 +15,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 from fmtkit import fp8, with_policy
+
+pytestmark = pytest.mark.slow  # each test compiles training steps (seconds)
 
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value (OCP FP8 spec)
 
