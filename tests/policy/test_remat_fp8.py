@@ -79,6 +79,16 @@ def test_checkpoint_dots_saves_the_fp8_gemm_outputs(preset):
 
 
 @pytest.mark.slow
+def test_a_names_only_policy_saves_no_fp8_gemm_output():
+    """``save_only_these_names`` saves the user's names only: the FP8 GEMM's internal name is
+    not one of them, so the backward pass recomputes the first GEMM, as on the unwrapped
+    model (one dot more than under checkpoint_dots)."""
+    policy = jax.checkpoint_policies.save_only_these_names("mine")
+    assert _dots("bf16-mixed", policy) == 2 + 4 + 3 + 1
+    assert _dots("fp8-current", policy) == 2 + 4 + 3 + 1
+
+
+@pytest.mark.slow
 def test_saved_residuals_match_the_unwrapped_models():
     ref = _residuals("bf16-mixed")
     assert _residuals("fp8-current") == ref
