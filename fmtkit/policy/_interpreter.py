@@ -527,7 +527,9 @@ class Interpreter(ControlFlow, CustomRules):
         remat policy in the model saves it where it saves the traced matmul's output: the
         GEMM runs inside ``custom_jvp`` rules, which the policy never sees as a
         ``dot_general`` (``remat_policy``)."""
-        name = f"{GEMM_OUTPUT}{self._call}:{len(self._gemm_outputs)}"
+        # (numbered in trace order, not by the call: a trace's text does not depend on how
+        # many policied calls came before it)
+        name = f"{GEMM_OUTPUT}{len(self._gemm_outputs)}"
         self._gemm_outputs[name] = eqn
         return checkpoint_name(y, name)
 
