@@ -78,7 +78,7 @@ def _dense_transposes(res: Any, ct: jax.Array, a: jax.Array, b: jax.Array
 
 
 def _full_extras(args: tuple, n: int, extra_mapped: tuple[bool, ...]) -> list:
-    """``args`` with the amax history's tangent (operands after ``n + 4``) given every batch
+    """``args`` with the amax history's tangent (operands from ``n + 4`` on) given every batch
     axis it lacks (``extra_mapped``: per batch axis, outermost first, whether it has it), so
     that all operands map over the same ``nbatch`` leading axes."""
     args = list(args)
