@@ -315,7 +315,8 @@ def _fp4_fed(eqn, producers, depth=8):
     float4_e2m1fn value through at most ``depth`` layout / widening equations (convert,
     reshape, pad, transpose, slice)."""
     passthrough = {"convert_element_type", "reshape", "pad", "transpose", "slice",
-                   "broadcast_in_dim", "squeeze", "dynamic_slice", "copy"}
+                   "broadcast_in_dim", "squeeze", "dynamic_slice", "copy",
+                   "optimization_barrier"}
 
     def fed(var, d):
         if getattr(var.aval, "dtype", None) == jnp.float4_e2m1fn:

@@ -111,10 +111,8 @@ def _scaled_matmul(a: ScaledArray | Operand, b: ScaledArray | Operand,
         with jax.named_scope(_scope(a, b)):
             av, bv = dequantize(a.sa, _WIDE_DTYPE), dequantize(b.sa, _WIDE_DTYPE)
             if transposed:
-                return lax.dot_general(bv, av, (((cb_,), (ca,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-            return lax.dot_general(av, bv, (((ca,), (cb_,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+                return _wide_dot(bv, av, (((cb_,), (ca,)), ((), ())))
+            return _wide_dot(av, bv, (((ca,), (cb_,)), ((), ())))
     if nb == 1:
         if _cublaslt_form(a, b):
             return _per_tensor_dot(a, b, (((ca,), (cb_,)), ((), ())), transposed)
@@ -293,22 +291,27 @@ def widened_operands(av: jax.Array, bv: jax.Array, fmt_a: str, fmt_b: str
 def _wide_dot(av: jax.Array, bv: jax.Array, dims) -> jax.Array:
     """``lax.dot_general(av, bv, dims)`` of bf16 operands into f32, in a form XLA:CPU runs.
 
-    XLA:CPU (jax 0.11) rejects some batched bf16 x bf16 -> f32 dots ("Unsupported element
-    type for DotThunk::Execute") where the two operands' batch and contraction axes sit in
-    different places (the per-block partials of a contraction-major operand with a
-    contraction-minor one): batched operands are laid out [batch, free, contraction] first
-    (the transpose fuses with the widening into one pass). Same output and layout
-    [batch, a free, b free] as ``lax.dot_general``."""
+    XLA:CPU (jax 0.11) rejects at run time some bf16 x bf16 -> f32 dots ("Unsupported
+    element type for DotThunk::Execute: BF16 x BF16 = F32"): those whose operands' batch
+    and contraction axes sit in different places (the per-block partials of a
+    contraction-major operand with a contraction-minor one), and those into which its
+    simplifier folds an operand's transpose (a data-gradient GEMM of a model batched with
+    ``jax.vmap`` inside ``lax.scan``: Equinox's ``weight @ x`` in a GRU cell). So the
+    operands are laid out [*batch, free, contraction] (the transpose fuses with the
+    widening into one pass) behind ``lax.optimization_barrier``, which keeps XLA from
+    folding the transposes back into the dot. Same output and layout [*batch, a free,
+    b free] as ``lax.dot_general``."""
     (ca, cb), (ba, bb) = dims
-    if ba:
-        free_a = [d for d in range(av.ndim) if d not in (*ca, *ba)]
-        free_b = [d for d in range(bv.ndim) if d not in (*cb, *bb)]
-        av = jnp.transpose(av, (*ba, *free_a, *ca))
-        bv = jnp.transpose(bv, (*bb, *free_b, *cb))
-        n = len(ba)
-        dims = ((tuple(range(av.ndim - len(ca), av.ndim)),
-                 tuple(range(bv.ndim - len(cb), bv.ndim))),
-                (tuple(range(n)), tuple(range(n))))
+    free_a = [d for d in range(av.ndim) if d not in (*ca, *ba)]
+    free_b = [d for d in range(bv.ndim) if d not in (*cb, *bb)]
+    av = jnp.transpose(av, (*ba, *free_a, *ca))
+    bv = jnp.transpose(bv, (*bb, *free_b, *cb))
+    # (one barrier per operand: each output is its own input, for jaxpr readers too)
+    av, bv = lax.optimization_barrier(av), lax.optimization_barrier(bv)
+    n = len(ba)
+    dims = ((tuple(range(av.ndim - len(ca), av.ndim)),
+             tuple(range(bv.ndim - len(cb), bv.ndim))),
+            (tuple(range(n)), tuple(range(n))))
     return lax.dot_general(av, bv, dims, preferred_element_type=jnp.float32)
 
 

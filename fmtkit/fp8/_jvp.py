@@ -20,7 +20,12 @@ The primitive takes the forward pass's residuals (``jax.tree`` leaves), ``x`` an
 dead code in a compiled gradient) and the tangents of ``x``, ``w`` and the amax history (the
 grouped GEMM's group sizes, integers, have none).
 Under ``vmap`` it is bound again with one more leading batch axis (``nbatch``), and its
-evaluation and transpose map over those axes.
+evaluation and transpose map over those axes. The amax history's tangent is the one operand
+that may stay unmapped (``extra_mapped``: per batch axis, whether it has it): a history
+shared by a vmapped batch (``jax.vmap(policied, in_axes=(None, 0))``, the state not mapped)
+receives as cotangent the max of the examples' observed amaxes over the unmapped axes, the
+batch amax, as ``combine_observations`` combines micro-batches. (Broadcast like the other
+operands, its cotangent would be their sum: scales up to the batch size too large.)
 """
 
 from __future__ import annotations
@@ -72,9 +77,25 @@ def _dense_transposes(res: Any, ct: jax.Array, a: jax.Array, b: jax.Array
     return _f32_matmul(ct, b.T), _f32_matmul(ct.T, a.T)
 
 
-def _tangent_impl(*args, tree, operands, product, bwd, nbatch, out_aval):
+def _full_extras(args: tuple, n: int, extra_mapped: tuple[bool, ...]) -> list:
+    """``args`` with the amax history's tangent (operands from ``n + 4`` on) given every batch
+    axis it lacks (``extra_mapped``: per batch axis, outermost first, whether it has it), so
+    that all operands map over the same ``nbatch`` leading axes."""
+    args = list(args)
+    missing = tuple(i for i, m in enumerate(extra_mapped) if not m)
+    if not missing:
+        return args
+    batch = args[n + 2].shape[:len(extra_mapped)]
+    for j in range(n + 4, len(args)):
+        a = jnp.expand_dims(args[j], missing)
+        args[j] = jnp.broadcast_to(a, (*batch, *args[j].shape[len(extra_mapped) - len(missing):]))
+    return args
+
+
+def _tangent_impl(*args, tree, operands, product, bwd, nbatch, out_aval, extra_mapped):
     del bwd
     n = tree.num_leaves
+    args = _full_extras(args, n, extra_mapped)
 
     def one(*a):
         dx, dw = a[n + 2:n + 4]
@@ -85,10 +106,10 @@ def _tangent_impl(*args, tree, operands, product, bwd, nbatch, out_aval):
     return _mapped(one, nbatch)(*args)
 
 
-def _tangent_abstract(*avals, tree, operands, product, bwd, nbatch, out_aval):
+def _tangent_abstract(*avals, tree, operands, product, bwd, nbatch, out_aval, extra_mapped):
     """y's tangent type (its sharding, and under ``shard_map`` the manual axes it varies
     over), with the batch axes of ``vmap`` in front."""
-    del operands, product, bwd
+    del operands, product, bwd, extra_mapped
     if not nbatch:
         return out_aval
     batch = avals[tree.num_leaves + 2].shape[:nbatch]
@@ -99,13 +120,14 @@ def _tangent_abstract(*avals, tree, operands, product, bwd, nbatch, out_aval):
     return out_aval.update(shape=(*batch, *out_aval.shape), sharding=sharding)
 
 
-def _tangent_jvp(primals, tangents, *, tree, operands, product, bwd, nbatch, out_aval):
+def _tangent_jvp(primals, tangents, *, tree, operands, product, bwd, nbatch, out_aval,
+                 extra_mapped):
     """The tangent's own derivative (forward over forward, or reverse over forward): linear
     in ``dx``, ``dw`` (the primitive again, on their tangents) plus ``dx · ẇᵀ + ẋ · dwᵀ``
     (``product(dx, ẇ) + product(ẋ, dw)``) in f32, the quantization's derivative taken as the
     identity (the residuals' tangents are not read)."""
     params = dict(tree=tree, operands=operands, product=product, bwd=bwd, nbatch=nbatch,
-                  out_aval=out_aval)
+                  out_aval=out_aval, extra_mapped=extra_mapped)
     n = tree.num_leaves
     out = _tangent_p.bind(*primals, **params)
     tangents = [ad.instantiate_zeros(t) for t in tangents]
@@ -121,7 +143,8 @@ def _tangent_jvp(primals, tangents, *, tree, operands, product, bwd, nbatch, out
     return out, lin + cross.astype(out_aval.dtype)
 
 
-def _tangent_transpose(ct, *args, tree, operands, product, bwd, nbatch, out_aval):
+def _tangent_transpose(ct, *args, tree, operands, product, bwd, nbatch, out_aval,
+                       extra_mapped):
     del operands, product, out_aval
     n = tree.num_leaves
     res, (x, w), lin = args[:n], args[n:n + 2], args[n + 2:]
@@ -130,18 +153,28 @@ def _tangent_transpose(ct, *args, tree, operands, product, bwd, nbatch, out_aval
         return [None] * len(args)
     ct = ad.instantiate_zeros(ct)
     need = tuple(ad.is_undefined_primal(t) for t in lin)
-    cts = _mapped(lambda r, a, b, g: bwd(need, jax.tree.unflatten(tree, r), a, b, g), nbatch)(
-        list(res), x, w, ct)
+    cts = list(_mapped(lambda r, a, b, g: bwd(need, jax.tree.unflatten(tree, r), a, b, g),
+                       nbatch)(list(res), x, w, ct))
+    # The observed amaxes of a history the batch shares: their max over the examples.
+    missing = tuple(i for i, m in enumerate(extra_mapped) if not m)
+    if missing:
+        cts[2:] = [None if c is None else jnp.max(c, axis=missing) for c in cts[2:]]
     return [None] * (n + 2) + [c if ad.is_undefined_primal(t) else None
                                for c, t in zip(cts, lin)]
 
 
-def _tangent_batch(args, dims, *, tree, operands, product, bwd, nbatch, out_aval):
+def _tangent_batch(args, dims, *, tree, operands, product, bwd, nbatch, out_aval,
+                   extra_mapped):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [jnp.broadcast_to(a, (size, *a.shape)) if d is None
-             else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    n = tree.num_leaves
+    # (the history's tangent, operands from n + 4, stays unmapped where it is: see above)
+    extra = len(args) > n + 4 and dims[n + 4] is not None
+    moved = [a if d is None and j >= n + 4 else jnp.broadcast_to(a, (size, *a.shape))
+             if d is None else jnp.moveaxis(a, d, 0)
+             for j, (a, d) in enumerate(zip(args, dims))]
     return _tangent_p.bind(*moved, tree=tree, operands=operands, product=product, bwd=bwd,
-                           nbatch=nbatch + 1, out_aval=out_aval), 0
+                           nbatch=nbatch + 1, out_aval=out_aval,
+                           extra_mapped=(extra, *extra_mapped)), 0
 
 
 _tangent_p.def_impl(_tangent_impl)
@@ -223,7 +256,7 @@ def fwd_and_bwd_core(fwd: Callable, bwd: Callable, operands: Callable, doc: str,
         # (an integer ``extra``'s tangent, float0, is not an input: it has no gradient)
         tangents = [t for t in tangents if jax.typeof(t).dtype != jax.dtypes.float0]
         return _tangent_p.bind(
-            *leaves, x, w, *tangents, tree=tree, nbatch=0,
+            *leaves, x, w, *tangents, tree=tree, nbatch=0, extra_mapped=(),
             operands=functools.partial(operands, recipe), product=product,
             bwd=functools.partial(backward, recipe, out_dtype),
             out_aval=jax.typeof(y).to_tangent_aval())

@@ -16,8 +16,12 @@ the way combines it only with constants, parameters (a bias) or values computed 
 matmul (a log-softmax's ``x - logsumexp(x)``); a residual add of two independent streams
 breaks the chain, and so does any other matmul. The matmuls that the model's outputs derive
 from transparently, with a parameter operand, are the head: lm1b's ``logitdense``, a
-tied-embedding ``attend``, a CNN's classifier, whatever their names. A model whose output is
-a hidden state has no head.
+tied-embedding ``attend``, a CNN's classifier, whatever their names. Where none of those
+matmuls has a parameter operand, the ``dot_general`` of two activations without batch
+dimensions is the head: CLIP's contrastive logits ``(image_emb @ text_emb.T) *
+exp(logit_scale)`` (f32 logits before a scale of up to 100); attention's batched
+``probs @ v`` is not. A model whose output is a hidden state (past its last matmul) has no
+head.
 
 Roles are stable under additions: the head is searched from the first floating output leaf
 only (an auxiliary output, a dict of MoE metrics, never makes a second head), or from the
@@ -113,6 +117,7 @@ class Analysis:
         # from different output layers
         self.ambiguous: list[tuple[frozenset, list[frozenset]]] = []
         self._upstream: dict[tuple, frozenset] = {}  # matmul -> the matmuls feeding it
+        self._dot_names: dict[tuple, str] = {}  # matmul -> its primitive's name
         ins = [_Facts(param=bool(p), const=not floating_dtype(v.aval.dtype),
                       data=floating_dtype(v.aval.dtype) and not p)
                for v, p in zip(jaxpr.invars, param_inputs)]
@@ -122,7 +127,12 @@ class Analysis:
         else:  # the main output is the first floating output leaf; the rest are auxiliary
             first = next((f for f, h in zip(outs, head_outputs) if h), _NO_FACTS)
             heads = first.head
-        heads = {d for d in heads if self.dots[d].projection}
+        # A projection (a parameter operand) is the head where one is found; else a matmul
+        # of two activations without batch dimensions (CLIP's contrastive logits,
+        # ``img @ txt.T * exp(scale)``; not attention's batched ``probs @ v``).
+        heads = ({d for d in heads if self.dots[d].projection}
+                 or {d for d in heads if not self.dots[d].batched
+                     and self._is_dot(d)})
         self._warn_ambiguous(heads)
         for d in heads:
             self.dots[d] = dataclasses.replace(self.dots[d], head=True)
@@ -131,6 +141,9 @@ class Analysis:
                 if key is not None:
                     self.site_shapes.pop(key)
         self.heads = frozenset(heads)
+
+    def _is_dot(self, idp: tuple) -> bool:
+        return self._dot_names.get(idp) == "dot_general"
 
     def _warn_ambiguous(self, heads: set) -> None:
         """Warns when the head was chosen among loss terms from the output layers of two
@@ -246,6 +259,7 @@ class Analysis:
             info = DotInfo(module, any(a.param for a in args[:2])
                            and not any(a.onehot for a in args[:2]), bool(lb))
             self.dots[idp] = info
+            self._dot_names[idp] = name
             self._upstream[idp] = dep
             policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed

@@ -139,7 +139,7 @@ class ControlFlow:
             return self._walk(body, (), list(xs), [chain] * len(xs), chain, idp, fp8_local)
 
         return jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"],
-                              policy=eqn.params["policy"])(*invals)
+                              policy=self.remat_policy(eqn.params["policy"]))(*invals)
 
     def _scan(self, eqn, invals, chain, idp, fp8_local):
         n0, n1, _ = scan_counts(eqn)

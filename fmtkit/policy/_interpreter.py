@@ -28,6 +28,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
 from fmtkit import fp4, fp8
@@ -57,6 +58,9 @@ from fmtkit.policy._scopes import (
     scope_chain,
 )
 from fmtkit.scaling import DelayedScalingState
+
+# The prefix of the names ``checkpoint_name`` gives FP8 GEMM outputs (``_gemm_output``).
+GEMM_OUTPUT = "fmtkit_fp8_gemm_output:"
 
 
 def _swapped(lhs, rhs, dims, sharding):
@@ -207,6 +211,7 @@ class Interpreter(ControlFlow, CustomRules):
         # (None, None for a while loop); indices only while a hook is active.
         self._loops: list[tuple[Any, int | None]] = []
         self._call = next(GEMM_CALLS)
+        self._gemm_outputs: dict[str, Any] = {}  # name of an FP8 GEMM's output -> its eqn
         # Rules that change nothing ("fp32"): every op as traced, no exit casts.
         self.identity = is_identity(plan.rules)
 
@@ -531,13 +536,13 @@ class Interpreter(ControlFlow, CustomRules):
             out = self._fp8_ragged(eqn, lhs, rhs, rest, recipe, module, target, cdt,
                                    cdt if wide_out is None else wide_out)
             if out is not None:
-                return out
+                return self._gemm_output(out, eqn)
         if (recipe is not None and not head and target == cdt and info is not None
                 and info.projection and eqn.primitive.name == "dot_general"):
             out = self._fp8_matmul(eqn, lhs, rhs, recipe, idp, module, info, fp8_local,
                                    cdt if wide_out is None else wide_out, weight)
             if out is not None:
-                return out
+                return self._gemm_output(out, eqn)
         if not (is_float_value(lhs) and is_float_value(rhs)):
             return bind(eqn, [lhs, rhs, *rest])[0]
         if wide_out is not None:  # the backward as the head's: on the operands' dtype
@@ -546,6 +551,34 @@ class Interpreter(ControlFlow, CustomRules):
         if out_dt.itemsize > target.itemsize:
             return _mixed_matmul(eqn, lhs, rhs, out_dt, rest=rest)
         return bind(eqn, [lhs, rhs, *rest], preferred_element_type=out_dt)[0]
+
+    def _gemm_output(self, y, eqn):
+        """An FP8 GEMM's output, named (``jax.ad_checkpoint.checkpoint_name``) so that a
+        remat policy in the model saves it where it saves the traced matmul's output: the
+        GEMM runs inside ``custom_jvp`` rules, which the policy never sees as a
+        ``dot_general`` (``remat_policy``)."""
+        # (numbered in trace order, not by the call: a trace's text does not depend on how
+        # many policied calls came before it)
+        name = f"{GEMM_OUTPUT}{len(self._gemm_outputs)}"
+        self._gemm_outputs[name] = eqn
+        return checkpoint_name(y, name)
+
+    def remat_policy(self, policy):
+        """The user's remat policy (``jax.checkpoint(policy=...)``, ``nn.remat(policy=...)``)
+        with each FP8 GEMM's named output (``_gemm_output``) asked about as the traced
+        matmul it replaces: ``checkpoint_dots`` saves it, ``save_only_these_names`` does
+        not, as on the unwrapped model. None (save nothing) stays None."""
+        if policy is None:
+            return None
+        outputs = self._gemm_outputs
+
+        def translated(prim, *avals, **params):
+            eqn = outputs.get(params.get("name")) if prim.name == "name" else None
+            if eqn is None:
+                return policy(prim, *avals, **params)
+            return policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+
+        return translated
 
     def _fp8_ragged(self, eqn, lhs, rhs, rest, recipe, module, target, cdt, out_dt):
         """A ``lax.ragged_dot`` projection as the grouped FP8 GEMM (``fmtkit.fp8.ragged_dot``),

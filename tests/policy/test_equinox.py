@@ -112,12 +112,8 @@ def _policied_per_example(preset):
     return jax.vmap(with_policy(lambda model, x: model(x), preset), in_axes=(None, 0))
 
 
-# XLA:CPU (jax 0.11.2) rejects at run time some bf16 x bf16 -> f32 dots of a training step
-# whose per-tensor FP8 GEMMs it reads widened ("UNIMPLEMENTED: Unsupported element type for
-# DotThunk::Execute: BF16 x BF16 = F32") when ``jax.vmap`` runs inside the policied function
-# (Equinox's ``weight @ x`` batched: the weight is the GEMM's lhs); with the policy on one
-# example's call and ``jax.vmap`` around it the same model trains. The FP8 case takes that
-# form (the bf16 one the other).
+# Both forms train: the FP8 case takes the per-example form, the bf16 one the batched form
+# (the batched form under fp8-current: test_equinox_gru.py).
 @pytest.mark.parametrize("preset, style, fp8_dots", [("bf16-mixed", "filter", 0),
                                                      ("fp8-current", "partition", 3)])
 def test_an_equinox_model_trains_under_a_policy(preset, style, fp8_dots):

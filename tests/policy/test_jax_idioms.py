@@ -280,7 +280,9 @@ def test_wider_preferred_element_type_is_kept():
 
 def test_wider_preferred_element_type_negative_control(monkeypatch):
     monkeypatch.setattr(_interpreter, "_asked_output", lambda eqn, traced, target: (None, None))
-    closed = jax.make_jaxpr(with_policy(wide_result_model, "bf16-mixed"))(PARAMS, X)
+    # (times the input, so the Gram matrix is not the output head, whose result is f32 by role)
+    closed = jax.make_jaxpr(with_policy(lambda p, x: wide_result_model(p, x) * x[:, :1],
+                                        "bf16-mixed"))(PARAMS, X)
     assert _dots(closed)[1] == (BF16, BF16, BF16, None)
 
 
