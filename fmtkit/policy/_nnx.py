@@ -100,10 +100,13 @@ def _scoped_method(fn, path: str, names: tuple[str, ...]):
 
 @functools.cache
 def _scoped_class(cls: type, path: str) -> type:
+    # A policied sub-module run as its own region (``_policied_method``) is scoped again at
+    # its own root: scope the class its parent's trace swapped, not that scoped class.
+    cls = vars(cls).get("_fmtkit_unscoped", cls)
     names = type_names(cls)
     namespace = {n: _scoped_method(getattr(cls, n), path, names) for n in _method_names(cls)}
     namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
-                     _fmtkit_base=cls)
+                     _fmtkit_base=cls, _fmtkit_unscoped=cls, _fmtkit_path=path)
     return type(cls.__name__, (cls,), namespace)
 
 
@@ -171,8 +174,10 @@ def _is_param(path, leaf) -> bool:
     return len(path) > 1 and getattr(path[1], "idx", None) == 0
 
 
-def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
-    """``fn(model, *args, **kwargs)`` traced and re-interpreted under the model's rules."""
+def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict,
+                   nested: bool = False) -> Any:
+    """``fn(model, *args, **kwargs)`` traced and re-interpreted under the model's rules;
+    ``nested``: called inside another policied model's trace (``_trace.run``)."""
     plan = _plan(model, type(model)._fmtkit_rules)
     nodes_in = [x for x in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)
                 if nnx.graph.is_graph_node(x)]
@@ -196,7 +201,8 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
                               cache=_TRACES if type(model)._fmtkit_cache_traces else None,
                               cache_key=(graphdef, fn), static_types=(_Slot,))
         (out, new_state), _ = _trace.run(traced, plan, main=_main_outputs(traced),
-                                         fp8_state=_fp8_state(model, traced, plan))
+                                         fp8_state=_fp8_state(model, traced, plan, nested),
+                                         nested=nested)
         return out, new_state
 
     def changes(tree):  # the output and the Variables the call changed or created
@@ -211,7 +217,7 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict) -> Any:
     # method are part of the key). Not under a delayed FP8 recipe: its histories are read
     # from the model itself.
     delayed = plan.delayed or isinstance(vars(model).get("fp8_state"), DelayedScalingVariable)
-    cached, result = ((False, None) if delayed or is_identity(plan.rules) else
+    cached, result = ((False, None) if delayed or nested or is_identity(plan.rules) else
                       _EAGER_CALLS(changes, tree, (graphdef, fn), static_types=(_Slot,),
                                    aux=True))
     if not cached:
@@ -255,8 +261,9 @@ def _main_outputs(traced) -> list[bool | str]:
     return main
 
 
-def _fp8_state(model: nnx.Module, traced, plan: Plan) -> dict | None:
-    """The delayed-FP8 histories of the model (created zero at the first call)."""
+def _fp8_state(model: nnx.Module, traced, plan: Plan, nested: bool = False) -> dict | None:
+    """The delayed-FP8 histories of the model (created zero at the first call, which cannot
+    be a call inside another policied model's trace: the Variable would hold its tracers)."""
     state = vars(model).get("fp8_state")
     if isinstance(state, DelayedScalingVariable):
         return dict(state.get_value())
@@ -264,9 +271,17 @@ def _fp8_state(model: nnx.Module, traced, plan: Plan) -> dict | None:
         return None
     shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
     n_main = len(jax.tree.leaves(shapes[0]))
-    slots = _trace.fp8_slots(traced, plan, [i < n_main for i in range(len(traced.out_avals))])
+    slots = _trace.fp8_slots(traced, plan, [i < n_main for i in range(len(traced.out_avals))],
+                             nested=nested)
     if not slots:
         return None
+    if nested:
+        raise ValueError(
+            "This policied NNX model has a delayed FP8 recipe and is called inside another "
+            "policied model before it has its amax histories (fp8_state), which cannot be "
+            "created inside that model's trace. Call it once on its own first, or make "
+            "the region a function of it: with_policy(lambda m, x: m(x), ...) with "
+            "fp8_state=... (init_fp8_state).")
     fresh = {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
     model.fp8_state = DelayedScalingVariable(fresh)
     return fresh
@@ -306,9 +321,16 @@ _SLOT = _Slot()  # one instance: a static leaf of the eager cache's key
 def _policied_method(fn):
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        if _scopes.is_tracing():  # inside our own trace: the model's own code
+        if not _scopes.is_tracing():
+            return _policied_call(self, fn, args, kwargs)
+        if vars(type(self)).get("_fmtkit_path") == "":  # the root of its own trace
             return fn(self, *args, **kwargs)
-        return _policied_call(self, fn, args, kwargs)
+        # Called inside another policied model's trace (by a function, or as a sub-module):
+        # a nested region, as a policied function is (``_apply.with_policy``): its rules
+        # decide its ops, no head by role.
+        _scopes.note_nested_call()
+        with jax.named_scope(_scopes.NESTED_SCOPE):
+            return _policied_call(self, fn, args, kwargs, nested=True)
 
     return method
 

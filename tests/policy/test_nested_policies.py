@@ -136,3 +136,63 @@ def test_policied_linen_model_applied_inside_a_bf16_model_keeps_fp8():
     pairs = dot_operand_dtypes(jax.make_jaxpr(outer)(variables, X))
     assert pairs.count((E4M3, E4M3)) == 2, pairs
     assert pairs.count((BF16, BF16)) == 1, pairs
+
+
+def _nnx_block():
+    """The FP8 block as a policied NNX model: one bias-free ``nnx.Linear`` holding ``w``."""
+    from flax import nnx
+
+    linear = nnx.Linear(16, 8, use_bias=False, rngs=nnx.Rngs(0))
+    linear.kernel.set_value(PARAMS["w"])
+    return with_policy(linear, "fp8-current")
+
+
+def test_policied_nnx_model_called_inside_a_bf16_function_keeps_fp8():
+    """A policied NNX model called inside a policied function is a region: its matmul on
+    E4M3 (no head by role), the model's own head on bf16; its output equals the float64
+    reference of the FP8 block, and inspect_policy reports the block's GEMMs as FP8."""
+    inner = _nnx_block()
+    outer = with_policy(lambda p, x: jnp.tanh(inner(x)) @ p["o"], "bf16-mixed")
+    pairs = dot_operand_dtypes(jax.make_jaxpr(outer)(PARAMS, X))
+    assert pairs.count((E4M3, E4M3)) == 1, pairs
+    assert pairs.count((BF16, BF16)) == 1, pairs
+
+    out = with_policy(lambda p, x: jnp.tanh(inner(x)), "bf16-mixed")(PARAMS, X)
+    ref = np.tanh((_qdq(X) @ _qdq(PARAMS["w"]))
+                  .astype(np.float32).astype(BF16).astype(np.float64))
+    # as in test_fp8_block_value_matches_float64_reference: one bf16 ulp at most
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=2.0**-7, atol=0)
+
+    report = inspect_policy(outer, PARAMS, X, argnums=0)
+    assert report.fp8_fraction("forward") == 1.0, str(report)
+
+
+def test_policied_nnx_submodule_of_a_bf16_nnx_model_keeps_fp8():
+    """A policied NNX model held and called by a bf16-mixed NNX model is a region too."""
+    from flax import nnx
+
+    class Outer(nnx.Module):
+        def __init__(self, block):
+            self.block = block
+            self.head = nnx.Linear(8, 4, use_bias=False, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(self.block(x)))
+
+    outer = with_policy(Outer(_nnx_block()), "bf16-mixed")
+    pairs = dot_operand_dtypes(jax.make_jaxpr(lambda x: outer(x))(X))
+    assert pairs.count((E4M3, E4M3)) == 1, pairs
+    assert pairs.count((BF16, BF16)) == 1, pairs
+
+
+@pytest.mark.slow
+def test_delayed_nnx_region_without_its_state_raises():
+    """A delayed-FP8 NNX model called inside another policied model before it has its amax
+    histories cannot create them inside that trace: a ValueError naming the workaround."""
+    from flax import nnx
+
+    linear = nnx.Linear(16, 8, use_bias=False, rngs=nnx.Rngs(0))
+    inner = with_policy(linear, "fp8-delayed")
+    outer = with_policy(lambda p, x: jnp.tanh(inner(x)) @ p["o"], "bf16-mixed")
+    with pytest.raises(ValueError, match=r"with_policy\(lambda m, x: m\(x\)"):
+        outer(PARAMS, X)
