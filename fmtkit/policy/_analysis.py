@@ -20,8 +20,8 @@ tied-embedding ``attend``, a CNN's classifier, whatever their names. Where none 
 matmuls has a parameter operand, the ``dot_general`` of two activations without batch
 dimensions is the head: CLIP's contrastive logits ``(image_emb @ text_emb.T) *
 exp(logit_scale)`` (f32 logits before a scale of up to 100); attention's batched
-``probs @ v`` is not. A model whose output is a hidden state (past its last matmul) has no
-head.
+``probs @ v`` is not, nor a hidden state times an input (a projection whose weight is passed
+as data). A model whose output is a hidden state (past its last matmul) has no head.
 
 Roles are stable under additions: the head is searched from the first floating output leaf
 only (an auxiliary output, a dict of MoE metrics, never makes a second head), or from the
@@ -117,7 +117,8 @@ class Analysis:
         # from different output layers
         self.ambiguous: list[tuple[frozenset, list[frozenset]]] = []
         self._upstream: dict[tuple, frozenset] = {}  # matmul -> the matmuls feeding it
-        self._dot_names: dict[tuple, str] = {}  # matmul -> its primitive's name
+        # dot_generals of two activations alike: both computed by matmuls, or both inputs
+        self._activation_products: set[tuple] = set()
         ins = [_Facts(param=bool(p), const=not floating_dtype(v.aval.dtype),
                       data=floating_dtype(v.aval.dtype) and not p)
                for v, p in zip(jaxpr.invars, param_inputs)]
@@ -129,10 +130,11 @@ class Analysis:
             heads = first.head
         # A projection (a parameter operand) is the head where one is found; else a matmul
         # of two activations without batch dimensions (CLIP's contrastive logits,
-        # ``img @ txt.T * exp(scale)``; not attention's batched ``probs @ v``).
+        # ``img @ txt.T * exp(scale)``; not attention's batched ``probs @ v``, nor a hidden
+        # state times an input, a projection whose weight was passed as data).
         heads = ({d for d in heads if self.dots[d].projection}
                  or {d for d in heads if not self.dots[d].batched
-                     and self._is_dot(d)})
+                     and d in self._activation_products})
         self._warn_ambiguous(heads)
         for d in heads:
             self.dots[d] = dataclasses.replace(self.dots[d], head=True)
@@ -141,9 +143,6 @@ class Analysis:
                 if key is not None:
                     self.site_shapes.pop(key)
         self.heads = frozenset(heads)
-
-    def _is_dot(self, idp: tuple) -> bool:
-        return self._dot_names.get(idp) == "dot_general"
 
     def _warn_ambiguous(self, heads: set) -> None:
         """Warns when the head was chosen among loss terms from the output layers of two
@@ -259,7 +258,8 @@ class Analysis:
             info = DotInfo(module, any(a.param for a in args[:2])
                            and not any(a.onehot for a in args[:2]), bool(lb))
             self.dots[idp] = info
-            self._dot_names[idp] = name
+            if name == "dot_general" and bool(args[0].dep) == bool(args[1].dep):
+                self._activation_products.add(idp)
             self._upstream[idp] = dep
             policy = self._modules.policy_of(module)
             if (policy is not None and policy.fp8 is not None and policy.fp8.delayed
