@@ -695,10 +695,14 @@ class Interpreter(ControlFlow, CustomRules):
         parameter operand (a view of the parameters): the recipe then quantizes nothing,
         and ``inspect_policy``'s ``fp8_fraction`` is NaN. Usually the parameters were not
         where the frontend looks for them (a function's ``params_argnums``, a Hugging Face
-        model's ``params=`` keyword). (A one-hot embedding lookup has a parameter operand
-        and stays out of FP8 by design: it does not warn.)"""
+        model's ``params=`` keyword), so it warns only when no matmul of the whole program
+        has one (a rule that puts a recipe on attention's ``q @ k`` alone does not warn).
+        (A one-hot embedding lookup has a parameter operand and stays out of FP8 by design:
+        it does not warn.)"""
         if not self._warn_no_projection_on or self._fp8_with_params or not self._fp8_covered:
             return
+        if any(d.projection for d in self.analysis.dots.values()):
+            return  # the parameters were found: the recipe's modules just have no projection
         recipes = sorted({p.fp8.name for p in (self.rules.default,
                                                 *(p for _, p in self.rules.rules))
                           if p is not None and p.fp8 is not None})

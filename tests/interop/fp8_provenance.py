@@ -57,6 +57,8 @@ def _walk(jaxpr, kinds_in: list, found: dict) -> list:
             data = ins[1:] if name == "select_n" else ins if name == "concatenate" else ins[:1]
             same = data[0] if data and all(k == data[0] for k in data) else None
             outs = [same] * len(eqn.outvars)
+        elif name == "optimization_barrier":  # passes each operand through unchanged
+            outs = list(ins)
         elif name == "mul":
             outs = [FP8 if sorted(map(str, ins)) == [E8M0, FP8] else None]
         elif name == "cond":
