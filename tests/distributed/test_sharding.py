@@ -25,6 +25,7 @@ def results() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # tens of seconds: trains or launches processes (make test-all runs it)
 def test_jit_data_parallel_step_equals_single_device():
     # dynamic_loss_scale(master_weights(adamw)) on bf16 params; XLA's SPMD partitioner sums
     # the f32 partial products before anything is rounded, so the masters agree exactly.

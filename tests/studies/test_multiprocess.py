@@ -101,6 +101,7 @@ def test_two_processes_train_like_one(tmp_path):
     assert worst <= 2 * 2 * 3e-3
 
 
+@pytest.mark.slow  # tens of seconds: trains or launches processes (make test-all runs it)
 def test_inf_in_one_process_skips_everywhere(tmp_path):
     # fp16 compute, f32 masters, dynamic loss scale from 2^16; step 1 gets inf example
     # weights on the rows of process 1 only.
@@ -204,6 +205,7 @@ def _ablate(out: Path, *, processes: int) -> dict:
     return json.loads(results.read_text())["results"]
 
 
+@pytest.mark.slow  # tens of seconds: trains or launches processes (make test-all runs it)
 def test_ablate_under_the_launcher_writes_once_and_equals_one_process(tmp_path):
     """The seed-vmapped step sharded over a 2-process mesh: one results file, both seeds'
     numbers, equal to one process over 2 devices (the same mesh shape, so the same

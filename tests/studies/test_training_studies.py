@@ -358,6 +358,7 @@ def _check_gaps(cell):
     assert cell["hurts"] == hurts
 
 
+@pytest.mark.slow  # tens of seconds: trains or launches processes (make test-all runs it)
 def test_router_precision_training_run(tmp_path):
     res = router_precision.run(RP_CFG)
     assert not res["grid"] and res["seeds"] == [0, 1]
@@ -400,6 +401,7 @@ def test_router_precision_training_run(tmp_path):
     assert p1["flip_frac"] == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow  # tens of seconds: trains or launches processes (make test-all runs it)
 def test_router_precision_grid_has_one_row_per_cell(tmp_path):
     cfg = dataclasses.replace(RP_CFG, grid=True, grid_lr=(3e-3, 1e-2), grid_experts=(4,),
                               grid_steps=(2,))
@@ -464,6 +466,7 @@ FP8_CFG = fp8_recipes.Config(recipes=("blockwise", "blockwise-g128"),
                                                seq_len=64, seeds=2))
 
 
+@pytest.mark.slow  # tens of seconds: trains or launches processes (make test-all runs it)
 def test_fp8_recipes_losses_close_to_bf16(tmp_path):
     res = fp8_recipes.run(FP8_CFG)
     assert set(res["recipes"]) == {"blockwise", "blockwise-g128"}
