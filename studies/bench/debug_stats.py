@@ -39,7 +39,7 @@ from studies.lib.common import write_bench_results
 NAME = "debug-stats"
 SUMMARY = "the study transformer's train step with per-GEMM statistics off vs on"
 
-TARGET = 1.10  # the budget: statistics at freq=10 within 10% of the step without
+TARGET = 1.10  # the budget: statistics at freq=10 within 10% of the step without
 
 
 def _steps(args):

@@ -34,7 +34,7 @@ def _bf16(a) -> np.ndarray:
 
 
 def test_a_function_of_data_alone_does_not_round_its_input():
-    # The repro: values whose bf16 rounding moves the result by ~1e-3.
+    # The reproducer: values whose bf16 rounding moves the result by ~1e-3.
     x = jnp.asarray([-1.0, 0.0013, 3.0007, 2.0], jnp.float32)
     out = np.asarray(with_policy(lambda x: x - jnp.mean(x), "p=f32,c=bf16")(x))
     x64 = np.asarray(x, np.float64)

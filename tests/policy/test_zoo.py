@@ -43,8 +43,8 @@ from fmtkit.policy import inspect_policy, with_policy
 CASES = list(zoo.CASES)
 MIXED = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
 FP8_PRESETS = ("fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "fp8-mxfp8")
-# Recipes whose blocks (128 / 32 elements) a zoo dimension may not fill: the issue allows such
-# a GEMM to run in the compute dtype with a warning instead of zero-padding it.
+# Recipes whose blocks (128 / 32 elements) a zoo dimension may not fill: such a GEMM may run in
+# the compute dtype with a warning instead of zero-padding it.
 BLOCKED = ("fp8-blockwise", "fp8-mxfp8")
 ALL_PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "pure-bf16", *FP8_PRESETS)
 # The target: at least 95% of the matmul FLOPs outside the head on the compute dtype.

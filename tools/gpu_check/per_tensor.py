@@ -21,7 +21,7 @@ from tools.gpu_check.timing import time_interleaved
 __all__ = ["PER_TENSOR_SHAPE", "gemm_targets", "per_tensor_gemms"]
 
 PER_TENSOR_SHAPE = (8192, 8192, 8192)
-"""The issue's measuring point for the per-tensor GEMM against XLA's bf16 one."""
+"""The measuring point (8192³) for the per-tensor GEMM against XLA's bf16 one."""
 
 _GEMM_TARGET = re.compile(r'custom_call_target="(__cublas[^"]*|__gemm[^"]*|__cudnn[^"]*)"'
                           r'|"kind":"(__triton[^"]*gemm[^"]*)"')
