@@ -45,12 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fmtkit", "pallas_kernels", "studies", "tools")
 
 # The statistics of a tensor and of its quantization are core: every unit above reports them.
-CORE = ("fmtkit.formats", "fmtkit.casting", "fmtkit.scaling", "fmtkit.stats")
+# The private switches (fmtkit._switches) are read by every unit of the library that has one.
+CORE = ("fmtkit.formats", "fmtkit.casting", "fmtkit.scaling", "fmtkit.stats", "fmtkit._switches")
 LIBRARY = ("fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8", "fmtkit.fp4",
            "fmtkit.optim", "fmtkit.policy", "fmtkit.memory")
 ALLOWED: dict[str, set[str]] = {
     # unit: the units it may import (besides itself and third-party packages)
     "fmtkit.formats": set(),
+    "fmtkit._switches": set(),
     "fmtkit.casting": {"fmtkit.formats"},
     "fmtkit.scaling": {"fmtkit.formats", "fmtkit.casting"},
     "fmtkit.stats": {"fmtkit.formats", "fmtkit.casting", "fmtkit.scaling"},

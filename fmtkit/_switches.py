@@ -1,0 +1,72 @@
+"""The private switches of fmtkit's implementation, in one place that the code reads.
+
+Each switch selects between the form fmtkit ships (the default) and a plainer form it replaces.
+Tests flip one to show that a check notices the difference (a negative control), through
+``flipped``, instead of patching a module's attribute: the private layout of the modules is then
+free to change without breaking the suite. The code reads a switch while it traces, so JAX's
+caches of traced functions are cleared whenever one changes. Never part of the public API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import jax
+
+
+@dataclasses.dataclass
+class Switches:
+    """The switches, each on (the shipped form) unless a test flips it."""
+
+    # Policy engine.
+    trace_cache: bool = True
+    """Reuse a traced jaxpr for equal arguments (a policied call is traced once per shape)."""
+    jit_primitives: bool = True
+    """Bind re-emitted primitives and casts through small jits (one trace each, not one per
+    equation), inlined as they are traced (``jit_inline``)."""
+    jit_inline: jax.Inline = jax.Inline.JAX_EARLY
+    """How those jits are inlined: into the enclosing jaxpr as it is traced."""
+    dedup_cotangent: bool = True
+    """Round a cotangent once when several uses of a value would each round it."""
+
+    # FP8 GEMM.
+    scan_block_dots: bool = True
+    """Off GPUs, per-block partials of 128-wide (or wider) blocks are one 2-D dot per block in a
+    ``lax.scan`` (bounded memory) rather than one batched dot."""
+    fold_pow2_scales: bool = True
+    """Off GPUs, power-of-two scales are folded into the operands (exact) and one dot sums."""
+    widen_off_gpu: bool = True
+    """Off GPUs, FP8 dot operands are widened exactly to bf16 (XLA:CPU would run an f32 GEMM)."""
+    cublaslt_form: bool = True
+    """On GPUs, a GEMM of two per-tensor operands takes the form XLA rewrites into cuBLASLt's
+    FP8 GEMM."""
+    partials_budget_bytes: int = 32 * 2**20
+    """Largest ``[C/g, F1, F2]`` f32 partials computed as one batched dot (32 MiB: well inside
+    any accelerator's memory, small enough for a CPU test)."""
+
+
+SWITCHES = Switches()
+"""The switches the code reads."""
+
+
+@contextlib.contextmanager
+def flipped(**changes) -> Iterator[Switches]:
+    """Sets switches for the body of a ``with`` and restores them after, clearing JAX's caches
+    of traced functions on both sides (a trace made under one setting must not be reused under
+    the other). Unknown names are refused."""
+    known = {f.name for f in dataclasses.fields(Switches)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise ValueError(f"flipped: unknown switches {unknown}; known: {sorted(known)}")
+    saved = {name: getattr(SWITCHES, name) for name in changes}
+    for name, value in changes.items():
+        setattr(SWITCHES, name, value)
+    jax.clear_caches()
+    try:
+        yield SWITCHES
+    finally:
+        for name, value in saved.items():
+            setattr(SWITCHES, name, value)
+        jax.clear_caches()
