@@ -17,7 +17,7 @@ tile) make a 256x128 or 128x256 CTA tile, which loads a quarter fewer bytes per 
 L2/HBM than 128x128 (1.5x the bytes per K block for 2x the FLOPs).
 
 Shared memory (``smem_bytes`` models Mosaic GPU's allocation exactly;
-``tests/pallas_kernels/test_pallas_cross_lowering.py`` lowers every shipped config and checks
+``tests/pallas_kernels/test_cross_lowering.py`` lowers every shipped config and checks
 the model against Mosaic's own count): the ring of FP8 A and B tiles (the scales are read
 from global memory by the compute warpgroups, so they need no ring and no proxy fence), two
 8 KiB output staging slots per compute warpgroup, and the barriers. Stages are the most
@@ -170,7 +170,7 @@ def pipeline_stages(config: TuningConfig, k_blocks: int) -> tuple[int, bool]:
 
 
 # Shipped configs: the most stages that fit (both output dtypes stage 16 KiB per warpgroup, so the
-# count does not depend on it; ``test_pallas_cross_lowering`` checks that one more does not
+# count does not depend on it; ``test_cross_lowering`` checks that one more does not
 # fit). Names are the CTA tile.
 SHIPPED_CONFIGS: dict[str, TuningConfig] = {
     "128x128": TuningConfig(128, 128, "m", 6),

@@ -4,7 +4,7 @@
 ``quantize_128x128(w)`` per 128x128 block (its weight blocks). Each returns
 ``(values, scale)``: the same arrays as ``fmtkit.quantize(x, "e4m3",
 BlockScaling(block, power_of_two=...))``'s ``.values`` and ``.scale``, bit for bit
-(``tests/pallas_kernels/test_fp8_quantize_kernels.py``). The rule, from ``fmtkit/scaling.py``:
+(``tests/pallas_kernels/test_quantize.py``). The rule, from ``fmtkit/scaling.py``:
 
     amax   = max |x| over the block                         (f32; NaN if the block has one)
     scale  = amax * f32(1/448)                              (448: e4m3fn max, OCP FP8 v1.0)

@@ -7,7 +7,7 @@ parameters. References: the unwrapped model (fp32, bit for bit) and bf16 roundin
 ml_dtypes in float64 NumPy.
 
 (fmtkit.debug's statistics of an Equinox model against float64 NumPy:
-tests/debug/test_debug_stats.py, case "equinox".)
+tests/debug/test_capture_stats.py, case "equinox".)
 """
 
 import equinox as eqx

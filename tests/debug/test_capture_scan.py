@@ -3,7 +3,7 @@ and lax.scan layer stacks.
 
 The reference is independent of the scan: the same model unrolled by hand (a Python loop over
 the layers, each layer's parameters sliced from the stacked ones), whose GEMM tensors the
-zero-addition hook of ``test_debug_stats`` captures (one GEMM per layer, no loop), with every
+zero-addition hook of ``test_capture_stats`` captures (one GEMM per layer, no loop), with every
 statistic computed in NumPy float64. Stacked statistic ``[i]`` must equal layer ``i``'s.
 """
 
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_debug_stats import RTOL, SQNR_ATOL, _captured, _np_base, _np_quant
-from test_debug_stats import _debug_stats as _stats
+from test_capture_stats import RTOL, SQNR_ATOL, _captured, _np_base, _np_quant
+from test_capture_stats import _debug_stats as _stats
 
 import fmtkit.debug as debug
 from fmtkit import with_policy
@@ -440,7 +440,7 @@ def test_the_worst_layer_moves_the_stacked_gemm():
 
 @pytest.mark.slow
 def test_delayed_scaling_statistics_per_layer_use_that_layers_history():
-    from test_debug_stats import DELAYED_AMAX
+    from test_capture_stats import DELAYED_AMAX
 
     from fmtkit import TensorScaling
 

@@ -341,7 +341,7 @@ def test_a_model_applied_twice_in_one_capture_raises():
 
 
 def test_statistics_of_a_gemm_inside_a_scan_have_one_slot_per_iteration():
-    # (their values: tests/debug/test_debug_scan.py)
+    # (their values: tests/debug/test_capture_scan.py)
     def f(ws, x):
         def body(h, w):
             return jnp.tanh(h @ w), None
