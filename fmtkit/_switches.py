@@ -46,6 +46,19 @@ class Switches:
     """Largest ``[C/g, F1, F2]`` f32 partials computed as one batched dot (32 MiB: well inside
     any accelerator's memory, small enough for a CPU test)."""
 
+    # Debug tools.
+    debug_loop_slots: bool = True
+    """In a loop body, a GEMM's statistics go to the current iteration's slot of the state
+    (off: every iteration writes slot 0)."""
+    debug_weight_as_read: bool = True
+    """Quantization statistics replay the weight laid out as its GEMM reads it, ``[N, K]``
+    (off: as stored)."""
+
+    # Optimizers.
+    fused_finite_fallback: bool = True
+    """``all_finite``'s exact fallback sums ``x - x``, which fuses into its reductions (off: a
+    per-leaf ``all(isfinite(x))``, a bool temporary per leaf on XLA:CPU)."""
+
 
 SWITCHES = Switches()
 """The switches the code reads."""

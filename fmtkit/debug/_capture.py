@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fmtkit._switches import SWITCHES
 from fmtkit.debug._config import (
     BASE_STATS,
     QUANT_STATS,
@@ -189,7 +190,7 @@ def _canonical(site: GemmSite, tensor: str, x, lhs_shape, rhs_shape):
     if tensor == "activation":
         return _as3(x, *act)
     if tensor == "weight":
-        return _as3(x, *weight)
+        return _as3(x, *weight) if SWITCHES.debug_weight_as_read else x.reshape(1, *x.shape)
     # The output is laid out [batch, lhs free, rhs free]; M is the activation's free axes.
     nb = len(lb)
     lhs_free = tuple(range(nb, nb + len(lf)))
@@ -318,7 +319,7 @@ def _slot_mask(site: GemmSite):
     for i, n in zip(site.loop_index, site.loop_lengths):
         hit = jnp.arange(n, dtype=jnp.int32) == i
         mask = mask[..., None] & hit.reshape((1,) * mask.ndim + (n,))
-    return mask
+    return mask if SWITCHES.debug_loop_slots else jnp.zeros_like(mask).at[0].set(True)
 
 
 def _in_slot(stats, slot):

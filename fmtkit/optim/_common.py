@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fmtkit._switches import SWITCHES
+
 F32 = jnp.float32
 
 
@@ -68,6 +70,8 @@ def all_finite(tree: Any) -> jax.Array:
         total = total + jnp.sum(jnp.asarray(x).astype(F32))
 
     def exact(xs):
+        if not SWITCHES.fused_finite_fallback:
+            return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
         nan_if_not_finite = jnp.zeros([], F32)
         for x in xs:
             nan_if_not_finite = nan_if_not_finite + jnp.sum(x - x, dtype=F32)

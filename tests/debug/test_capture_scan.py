@@ -19,6 +19,7 @@ from test_capture_stats import _debug_stats as _stats
 
 import fmtkit.debug as debug
 from fmtkit import with_policy
+from fmtkit._switches import flipped
 from fmtkit.policy import intercept_gemms
 
 LAYERS = 3
@@ -214,18 +215,9 @@ def test_lax_scan_statistics_per_iteration_match_numpy_float64(reverse):
 
 
 @pytest.mark.slow
-def test_all_iterations_in_one_slot_fails_the_comparison(monkeypatch):
+def test_all_iterations_in_one_slot_fails_the_comparison():
     # Negative control: every iteration writes slot 0 (the others stay 0).
-    from fmtkit.debug import _capture
-
-    real = _capture._slot_mask
-
-    def slot0(site):
-        mask = real(site)
-        return None if mask is None else jnp.zeros_like(mask).at[0].set(True)
-
-    monkeypatch.setattr(_capture, "_slot_mask", slot0)
-    with pytest.raises(AssertionError, match="layer 0"):
+    with flipped(debug_loop_slots=False), pytest.raises(AssertionError, match="layer 0"):
         _check(_function_case("bf16-mixed"))
 
 

@@ -18,6 +18,7 @@ import pytest
 
 import fmtkit.debug as debug
 from fmtkit import TensorScaling, dequantize, quantize, with_policy
+from fmtkit._switches import flipped
 from fmtkit.policy import intercept_gemms
 
 # Sums of a few thousand f32 terms (mean, std, norms, mse) against float64: the f32
@@ -246,20 +247,11 @@ def test_delayed_scaling_statistics_match_numpy_float64():
                                        err_msg=f"{t}/{s}")
 
 
-def test_the_comparison_sees_a_wrong_operand_layout(monkeypatch):
+def test_the_comparison_sees_a_wrong_operand_layout():
     # Negative control: quantization statistics of the weight replayed on the kernel as
     # stored ([K, N]) instead of as the GEMM reads it ([N, K]); row-wise scales then differ.
-    from fmtkit.debug import _capture
-
-    real = _capture._canonical
-
-    def untransposed(site, tensor, x, lhs_shape, rhs_shape):
-        if tensor == "weight":
-            return x.reshape(1, *x.shape)
-        return real(site, tensor, x, lhs_shape, rhs_shape)
-
-    monkeypatch.setattr(_capture, "_canonical", untransposed)
-    with pytest.raises(AssertionError, match="weight/scale_m"):
+    with flipped(debug_weight_as_read=False), pytest.raises(AssertionError,
+                                                             match="weight/scale_m"):
         _check("linen", "fp8-rowwise")
 
 

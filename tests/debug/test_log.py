@@ -94,12 +94,15 @@ def mismatches(logdir: Path, steps) -> list[str]:
     return problems
 
 
-def _write_run(logdir: Path, steps) -> None:
+def _write_run(logdir: Path, steps, breakage=None) -> None:
+    """Writes ``synthetic`` at ``steps``, each step's statistics changed by ``breakage`` first
+    (None: as they are)."""
     nan_step = {m: {g: {t: dict.fromkeys(e, NAN) for t, e in ts.items()}
                     for g, ts in gs.items()} for m, gs in synthetic(0).items()}
     with StatsLogger(logdir) as log:
         for step in steps:
-            assert log.write(step, synthetic(step)) == len(expected_flat(synthetic(step)))
+            stats = synthetic(step) if breakage is None else breakage(synthetic(step))
+            assert log.write(step, stats) == len(expected_flat(synthetic(step)))
             # A step that does not log holds NaN everywhere: nothing is written.
             assert log.write(step + 5, nan_step) == 0
 
@@ -116,18 +119,25 @@ def test_tensorboard_and_jsonl_hold_every_tag_and_value(tmp_path):
 
 
 @pytest.mark.parametrize("breakage", ["tag", "value"])
-def test_the_readback_check_sees_a_broken_writer(tmp_path, monkeypatch, breakage):
-    """Negative control: a writer that swaps two tag components or shifts a value by one
-    float32 ulp is caught by ``mismatches``."""
+def test_the_readback_check_sees_a_broken_writer(tmp_path, breakage):
+    """Negative control: files whose tags have two components swapped (the GEMM name and the
+    tensor) or whose values are one float32 ulp off are caught by ``mismatches``. The files
+    are written from statistics changed so (what a writer with either fault would write)."""
     if breakage == "tag":
-        monkeypatch.setattr(dlog, "_tag", lambda m, g, t, s: "/".join(p for p in (m, t, g, s)
-                                                                      if p))
+        def broken(stats):  # {m: {g: {t: ...}}} -> {m: {t: {g: ...}}}: tags "m/t/g/s"
+            out = {}
+            for m, gs in stats.items():
+                for g, ts in gs.items():
+                    for t, entries in ts.items():
+                        out.setdefault(m, {}).setdefault(t, {})[g] = entries
+            return out
     else:
-        real = dlog.flatten_stats
-        monkeypatch.setattr(dlog, "flatten_stats", lambda st, **kw: {
-            k: float(np.nextafter(np.float32(v), np.float32(np.inf))) if k.endswith("amax")
-            else v for k, v in real(st, **kw).items()})
-    _write_run(tmp_path, (0, 10))
+        def broken(stats):
+            return {m: {g: {t: {s: float(np.nextafter(np.float32(v), np.float32(np.inf)))
+                                if s == "amax" else v for s, v in e.items()}
+                            for t, e in ts.items()} for g, ts in gs.items()}
+                    for m, gs in stats.items()}
+    _write_run(tmp_path, (0, 10), broken)
     assert mismatches(tmp_path, (0, 10))
 
 

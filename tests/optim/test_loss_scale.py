@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from fmtkit import optim
+from fmtkit._switches import flipped
 
 from ._reference import grad_scaler_trace
 
@@ -675,7 +676,7 @@ def test_exact_fallback_of_all_finite_when_the_fast_sum_overflows(dtype):
             assert bool(check(leaves)) is want, (bad, where)
 
 
-def test_all_finite_allocates_no_parameter_sized_temporary(monkeypatch):
+def test_all_finite_allocates_no_parameter_sized_temporary():
     # The exact fallback (x - x summed) fuses into its reductions; a fallback built on
     # all(isfinite(x)) made XLA:CPU allocate a bool array per leaf on every step.
     params = {f"w{i}": jnp.full((96, 80), 0.5, jnp.bfloat16) for i in range(3)}
@@ -693,14 +694,5 @@ def test_all_finite_allocates_no_parameter_sized_temporary(monkeypatch):
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temp_bytes() < 96 * 80  # less than one bool array of a parameter's shape
-
-    def all_isfinite(tree):  # negative control: the previous fallback
-        leaves = jax.tree.leaves(tree)
-        total = sum(jnp.sum(x.astype(jnp.float32)) for x in leaves)
-        return jax.lax.cond(jnp.isfinite(total), lambda xs: jnp.array(True),
-                            lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
-                                                          for x in xs])), leaves)
-
-    from fmtkit.optim import _loss_scale
-    monkeypatch.setattr(_loss_scale, "all_finite", all_isfinite)
-    assert temp_bytes() >= 3 * 96 * 80
+    with flipped(fused_finite_fallback=False):  # negative control: the previous fallback
+        assert temp_bytes() >= 3 * 96 * 80
