@@ -48,16 +48,13 @@ class Switches:
 
     # Debug tools.
     debug_loop_slots: bool = True
-    """In a loop body, a GEMM's statistics go to the current iteration's slot of the state
-    (off: every iteration writes slot 0)."""
+    """In a loop body, a GEMM's statistics fill the current iteration's slot (off: slot 0)."""
     debug_weight_as_read: bool = True
-    """Quantization statistics replay the weight laid out as its GEMM reads it, ``[N, K]``
-    (off: as stored)."""
+    """Quantization statistics replay the weight as its GEMM reads it, ``[N, K]`` (off: stored)."""
 
     # Optimizers.
     fused_finite_fallback: bool = True
-    """``all_finite``'s exact fallback sums ``x - x``, which fuses into its reductions (off: a
-    per-leaf ``all(isfinite(x))``, a bool temporary per leaf on XLA:CPU)."""
+    """``all_finite``'s exact test sums ``x - x``, fused (off: ``all(isfinite(x))`` per leaf)."""
 
 
 SWITCHES = Switches()
