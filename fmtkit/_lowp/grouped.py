@@ -3,7 +3,7 @@ megablox style) with FP8 operands and a custom VJP.
 
 Tokens are sorted by group: rows ``[start_g, start_g + group_sizes[g])`` of ``lhs [M, K]``
 meet group g's weights ``rhs[g] [K, N]``. The three GEMMs, each on FP8 operands quantized
-along the axis it contracts, with the dense FP8 GEMM's quantizers (``_operands``):
+along the axis it contracts, with the dense FP8 GEMM's quantizers (``operands``):
 
     forward   y  [M, N]    = x · w[g(m)]            ragged_dot, contracts K
     dgrad     dx [M, K]    = dy · w[g(m)]ᵀ          ragged_dot, contracts N
@@ -30,12 +30,12 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from fmtkit._lowp.autodiff import fwd_and_bwd_core
+from fmtkit._lowp.backends import kernel_backend
+from fmtkit._lowp.gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm_dtype, widened_operands
+from fmtkit._lowp.operands import Operand, padded_c, quantize_operand
+from fmtkit._lowp.recipes import RECIPES, Fp4Recipe, Fp8Recipe, Tile, get_recipe, recipe_tiles
 from fmtkit.formats import get_format
-from fmtkit.fp8._backends import kernel_backend
-from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm_dtype, widened_operands
-from fmtkit.fp8._jvp import fwd_and_bwd_core
-from fmtkit.fp8._operands import Operand, Tile, padded_c, quantize_operand, recipe_tiles
-from fmtkit.fp8._recipe import RECIPES, Fp4Recipe, Fp8Recipe, get_recipe
 from fmtkit.scaling import ScaledArray, dequantize
 
 
@@ -348,7 +348,7 @@ def _core_bwd(recipe, out_dtype, res, g, need):
 
 def _core_operands(recipe, res, m, n):
     """``Q(x)`` [M, K] and ``Q(w)`` [G, K, N], the forward GEMM's operands as it multiplied
-    them (dequantized, f32): the forward-mode tangent's operands (see ``fmtkit.fp8._jvp``)."""
+    them (dequantized, f32): the forward-mode tangent's operands (see ``fmtkit._lowp.autodiff``)."""
     del m, n
     x, w, _ = res
     (mm, k), nn = x.shape, w.shape[2]
@@ -453,7 +453,7 @@ def _ragged_transposes(res, ct, a, b):
 _core = fwd_and_bwd_core(_core_fwd, _core_bwd, _core_operands, """\
 ``lhs [M, K]`` by the weight stack ``[G, K, N]`` in groups of rows, with the recipe's three
 grouped GEMMs; ``group_sizes`` int32[G] (no gradient). Forward-mode AD: see
-``fmtkit.fp8._jvp.fwd_and_bwd_core``.""", product=_ragged_product,
+``fmtkit._lowp.autodiff.fwd_and_bwd_core``.""", product=_ragged_product,
                          transposes=_ragged_transposes, needs=True)
 
 
@@ -516,7 +516,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     operands (widened exactly to bf16 off GPUs, in the ``WIDENED_SCOPE`` scope, as the dense
     emulation). Forward-mode AD (``jax.jvp``, ``jacfwd``, Hessian-vector products) computes
     the tangent through the forward GEMM's quantized operands, ``ragged_dot(ẋ, Q(w)) +
-    ragged_dot(Q(x), ẇ)`` in f32 (see ``fmtkit.fp8._jvp``); reverse mode runs the three FP8
+    ragged_dot(Q(x), ẇ)`` in f32 (see ``fmtkit._lowp.autodiff``); reverse mode runs the three FP8
     GEMMs above. Under ``vmap`` (``jacfwd``, ``jacrev``) the ragged dots run as a loop over
     the mapped axis.
 

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fmtkit._lowp.fp4_core import fp4_core
+from fmtkit._lowp.fp8_core import fp8_core
+from fmtkit._lowp.gemm import gemm_dtype
+from fmtkit._lowp.recipes import Fp4Recipe, Fp8Recipe, get_recipe
 from fmtkit.casting import check_floating
-from fmtkit.fp8._fp4_vjp import fp4_core
-from fmtkit.fp8._gemm import gemm_dtype
-from fmtkit.fp8._recipe import Fp4Recipe, Fp8Recipe, get_recipe
-from fmtkit.fp8._vjp import fp8_core
 from fmtkit.scaling import DelayedScalingState
 
 

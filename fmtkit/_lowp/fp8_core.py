@@ -16,7 +16,7 @@ quantized again from x / w / dy.
 
 Forward-mode AD (``jax.jvp``, ``jacfwd``) computes the tangent through the forward GEMM's
 quantized operands, ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` in f32 (``_core_operands``); reverse mode
-runs the three GEMMs above (see ``fmtkit.fp8._jvp``).
+runs the three GEMMs above (see ``fmtkit._lowp.autodiff``).
 """
 
 from __future__ import annotations
@@ -27,18 +27,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm, gemm_dtype
-from fmtkit.fp8._jvp import fwd_and_bwd_core
-from fmtkit.fp8._operands import (
+from fmtkit._lowp.autodiff import fwd_and_bwd_core
+from fmtkit._lowp.gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm, gemm_dtype
+from fmtkit._lowp.operands import (
     Operand,
-    Tile,
     padded_c,
     quantize_operand,
-    recipe_tiles,
     round_up,
     transpose_operand,
 )
-from fmtkit.fp8._recipe import Fp8Recipe
+from fmtkit._lowp.recipes import Fp8Recipe, Tile, recipe_tiles
 from fmtkit.scaling import delayed_amax_of, dequantize
 
 
@@ -164,7 +162,7 @@ def _forward_operand(res: jax.Array | Operand, fmt: str, tile: Tile, recipe: Fp8
 def _core_operands(recipe, res, m, n):
     """``Q(x)`` [M, K] and ``Q(w)`` [N, K], the forward GEMM's operands as it multiplied them
     (dequantized, f32), from ``_core_fwd``'s residuals: the forward-mode tangent's operands
-    (see ``fmtkit.fp8._jvp``)."""
+    (see ``fmtkit._lowp.autodiff``)."""
     x_res, w_res, hist, amax_x, amax_w, x_meta, _ = res
     tx, tw, _ = recipe_tiles(recipe)
     k = x_meta.shape[1]
@@ -178,4 +176,4 @@ def _core_operands(recipe, res, m, n):
 fp8_core = fwd_and_bwd_core(_core_fwd, _core_bwd, _core_operands, """\
 ``x [M, K] · w [N, K]ᵀ`` with the recipe's three GEMMs; ``hist`` f32[3, history] is the
 delayed recipe's amax history (its cotangent: the observed amaxes). Forward-mode AD: see
-``fmtkit.fp8._jvp.fwd_and_bwd_core``.""")
+``fmtkit._lowp.autodiff.fwd_and_bwd_core``.""")

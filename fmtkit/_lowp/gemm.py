@@ -26,19 +26,16 @@ on this module.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fmtkit.fp8._accumulator import limited_precision_matmul
-from fmtkit.fp8._backends import kernel_backend, on_gpu
-from fmtkit.fp8._operands import Operand
+from fmtkit._lowp.accumulator import limited_precision_matmul
+from fmtkit._lowp.backends import kernel_backend, on_gpu
+from fmtkit._lowp.operands import Operand
+from fmtkit._lowp.recipes import Fp8Recipe
 from fmtkit.scaling import ScaledArray, dequantize
 
-if TYPE_CHECKING:
-    from fmtkit.fp8._recipe import Fp8Recipe
 
 def _expand_scale(sa: ScaledArray, g: int) -> jax.Array:
     """Scale as f32 [F, C / g]: repeated along the free dim and over g-blocks of C."""
