@@ -9,7 +9,8 @@ One concept per module (the public names are the faces'):
     operands     quantized [free, contraction] operands, padding, transposes
     accumulator  limited_precision_matmul (an emulated narrow accumulator)
     gemm         scaled_matmul: per-block dots, widening off GPUs, kernel dispatch
-    autodiff     forward- and reverse-mode AD of every core
+    core         the core protocol: the record (forward, backward, operands) every core gives
+    autodiff     forward- and reverse-mode AD of every core, through that record
     fp8_core     the FP8 core (forward, dgrad, wgrad)
     fp4_quant    NVFP4 / MXFP4 quantization (Fp4Array)
     hadamard     the random Hadamard transform
