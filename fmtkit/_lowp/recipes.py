@@ -1,6 +1,11 @@
 """Recipes: ``Fp8Recipe`` (how the three GEMMs of a scaled ``dot_general`` quantize their
-operands), its FP4 subclass ``Fp4Recipe``, the named recipes of both families and
-``get_recipe``, which takes a name of either.
+operands), its FP4 subclass ``Fp4Recipe``, the named recipes of both families,
+``get_recipe``, which takes a name of either, and the tilings the recipes own (``Tile``: how
+an operand is blocked, and the ``fmtkit.scaling`` recipe of each block).
+
+``Fp4Recipe`` subclasses ``Fp8Recipe`` on purpose: the policy's rules, ``dot_general_fn`` and
+users' code take "a recipe" as an ``Fp8Recipe`` (``isinstance``), and an FP4 recipe goes
+everywhere an FP8 one goes.
 
 An FP4 recipe goes wherever an FP8 recipe goes (``fmtkit.fp8.dot_general_fn``, policies,
 rules): the names of both families are one namespace (``fmtkit.fp8.RECIPES`` holds the FP8

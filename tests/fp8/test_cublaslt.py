@@ -27,6 +27,7 @@ from jaxpr_utils import dot_operand_dtypes
 
 from fmtkit import fp8
 from fmtkit._lowp import gemm
+from fmtkit._switches import flipped
 
 DN = (((1,), (0,)), ((), ()))
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
@@ -127,12 +128,12 @@ def test_per_tensor_gemms_lowered_for_cuda_have_the_rewriters_form(recipe):
         [("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")])
 
 
-def test_the_form_check_fails_on_the_previous_form(monkeypatch):
+def test_the_form_check_fails_on_the_previous_form():
     """Negative control: the form this replaces (two multiplies by [1, 1] scale arrays after
     the dot) is caught, and so is a dequantize-then-dot in bf16 (FP8 widened before the dot,
     as off GPUs)."""
-    monkeypatch.setattr(gemm, "_CUBLASLT_FORM", False)
-    gemms = fp8_gemms(_lowered_for_h200(_step("current"), *_ARGS))
+    with flipped(cublaslt_form=False):
+        gemms = fp8_gemms(_lowered_for_h200(_step("current"), *_ARGS))
     assert len(gemms) == 3
     assert any("scale" in v for v in rewriter_form_violations(gemms))
 

@@ -148,10 +148,10 @@ def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(set_fp8_
     """The weight gradient, computed in the kernel's [K, N] layout, equals bit for bit
     ``scaled_matmul`` of the two quantized operands (``fmtkit.quantize`` along the tokens)
     transposed, on Gaussian data: the scales are applied in ``scaled_matmul``'s order. With
-    the FP8 dots of the GPU path (``_WIDEN_OFF_GPU`` off): XLA:CPU's bf16 GEMM may sum
+    the FP8 dots of the GPU path (the ``widen_off_gpu`` switch off): XLA:CPU's bf16 GEMM may sum
     ``b · aᵀ`` in another order than ``a · bᵀ`` (the float64 reference tests cover the
     widened dots)."""
-    set_fp8_switch("_WIDEN_OFF_GPU", False)
+    set_fp8_switch("widen_off_gpu", False)
     r = fp8.get_recipe(name)
     x, w, dy = data(128, 256, 96, seed=3)
     _, _, gw = jax.jit(lambda a, b, g: fwd_bwd(name, a, b, g))(x, w, dy)
@@ -164,13 +164,13 @@ def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(set_fp8_
 
 # ---------------------------------------------------------------------------------------------
 # Power-of-two scales: the fold (one f32 dot of dequantized operands) against the per-block
-# form it replaces off GPUs (``gemm._FOLD_POW2_SCALES`` switches it).
+# form it replaces off GPUs (the ``fold_pow2_scales`` switch).
 
 
 def _fold_vs_per_block(set_fp8_switch, recipe, x, w, dy):
-    set_fp8_switch("_FOLD_POW2_SCALES", True)  # no trace of another test's setting reused
+    set_fp8_switch("fold_pow2_scales", True)  # no trace of another test's setting reused
     folded = jax.jit(lambda a, b, g: fwd_bwd(recipe, a, b, g))(x, w, dy)
-    set_fp8_switch("_FOLD_POW2_SCALES", False)
+    set_fp8_switch("fold_pow2_scales", False)
     per_block = jax.jit(lambda a, b, g: fwd_bwd(recipe, a, b, g))(x, w, dy)
     return folded, per_block
 
@@ -292,14 +292,14 @@ def _np_dot_general(a, b, dims):
 @pytest.mark.parametrize("name", [*fp8.RECIPES])
 def test_widened_dots_equal_fp8_dots_up_to_summation_order(set_fp8_switch, name):
     """Off GPUs the dots read FP8 operands widened to bf16; against the FP8 dots they replace
-    (``gemm._WIDEN_OFF_GPU`` off) y, dx and dw differ at most by the f32 summation bound of
+    (the ``widen_off_gpu`` switch off) y, dx and dw differ at most by the f32 summation bound of
     the two orders (the values and products are the same), on data with outlier channels."""
     x, w, dy = data(128, 384, 256, seed=11)
     x = x.at[:, ::37].multiply(100.0)
     state = fp8.init_state() if fp8.RECIPES[name].delayed else None  # bootstrap: current
-    set_fp8_switch("_WIDEN_OFF_GPU", True)
+    set_fp8_switch("widen_off_gpu", True)
     widened = jax.jit(lambda a, b, g: fwd_bwd(name, a, b, g, state))(x, w, dy)
-    set_fp8_switch("_WIDEN_OFF_GPU", False)
+    set_fp8_switch("widen_off_gpu", False)
     fp8_dots = jax.jit(lambda a, b, g: fwd_bwd(name, a, b, g, state))(x, w, dy)
     for what, a, b, bound in zip(("y", "dx", "dw"), widened, fp8_dots,
                                  _summation_bounds(name, x, w, dy)):
@@ -309,7 +309,7 @@ def test_widened_dots_equal_fp8_dots_up_to_summation_order(set_fp8_switch, name)
 
 # ---------------------------------------------------------------------------------------------
 # Off GPUs the blockwise per-block partials are one 2-D dot per 128-block in a lax.scan
-# (``gemm._block_dots``; ``gemm._SCAN_BLOCK_DOTS`` switches it) instead of one batched dot.
+# (``gemm._block_dots``; the ``scan_block_dots`` switch) instead of one batched dot.
 
 
 _BLOCK_SHAPES = [(256, 1024, 384), (100, 200, 300), (128, 384, 256)]
@@ -319,10 +319,10 @@ def _blockwise_both_ways(set_fp8_switch, x, w, dy, budget=None):
     """blockwise y / dx / dw with the scanned 2-D dots and with the batched form (its one
     batched dot, or with ``budget`` its loop of one-block batched dots)."""
     if budget is not None:
-        set_fp8_switch("PARTIALS_BUDGET_BYTES", budget)
-    set_fp8_switch("_SCAN_BLOCK_DOTS", True)
+        set_fp8_switch("partials_budget_bytes", budget)
+    set_fp8_switch("scan_block_dots", True)
     scanned = jax.jit(lambda a, b, g: fwd_bwd("blockwise", a, b, g))(x, w, dy)
-    set_fp8_switch("_SCAN_BLOCK_DOTS", False)
+    set_fp8_switch("scan_block_dots", False)
     batched = jax.jit(lambda a, b, g: fwd_bwd("blockwise", a, b, g))(x, w, dy)
     return scanned, batched
 

@@ -10,7 +10,8 @@ import pytest
 from jaxpr_utils import iter_eqns, operand_dtypes
 
 from fmtkit import fp8
-from fmtkit._lowp import gemm, grouped
+from fmtkit._lowp import grouped
+from fmtkit._switches import flipped
 from fmtkit.policy import _interpreter, inspect_policy, with_policy
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -183,11 +184,11 @@ def _ragged_operands(closed):
 
 @pytest.mark.parametrize("preset, grad_fmt", [("fp8-current", "float8_e5m2"),
                                                ("fp8-blockwise", "float8_e4m3fn")])
-def test_moe_layer_ragged_gemms_are_fp8_forward_and_backward(monkeypatch, preset, grad_fmt):
+def test_moe_layer_ragged_gemms_are_fp8_forward_and_backward(preset, grad_fmt):
     # FP8 operands enter the dots as FP8 (as on a GPU), so the walker reads their dtypes.
-    monkeypatch.setattr(gemm, "_WIDEN_OFF_GPU", False)
     policied = with_policy(moe_layer, preset)
-    closed = jax.make_jaxpr(jax.grad(_loss(policied), argnums=(0, 1)))(MOE, TOKENS)
+    with flipped(widen_off_gpu=False):
+        closed = jax.make_jaxpr(jax.grad(_loss(policied), argnums=(0, 1)))(MOE, TOKENS)
     ops = _ragged_operands(closed)
     e4 = "float8_e4m3fn"
     # forward up / down and dgrad down / up: groups of rows; wgrad up / down: ragged tokens
