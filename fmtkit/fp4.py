@@ -58,9 +58,10 @@ contraction with f32 accumulation, block scales applied per block, the two tenso
 applied to the f32 output (the Blackwell GEMM's ``alpha``). On a Blackwell GPU, NVFP4 GEMMs run
 through ``jax.nn.scaled_matmul`` (cuDNN's block-scaled dot) instead.
 
-The implementation lives in the FP8 family's package, whose operand and GEMM modules it
-shares (``fmtkit/fp8/_fp4_quant.py``, ``_hadamard.py``, ``_fp4_vjp.py``; the recipes in
-``_recipe.py``); this module is its public path.
+This module and ``fmtkit.fp8`` are the two public faces of one private low-precision package,
+``fmtkit._lowp``, whose recipes, operands, GEMM and autodiff the FP8 and FP4 cores share
+(``fmtkit/_lowp/fp4_quant.py``, ``hadamard.py``, ``fp4_core.py``; the recipes in
+``recipes.py``).
 
 Deprecated spellings: the statistics of ``quantization_stats`` carry the names of
 ``fmtkit.stats`` (``BLOCK_STATS``); its earlier keys ``saturated_blocks``,
@@ -76,15 +77,15 @@ from typing import Any, Literal
 
 import jax
 
-from fmtkit import fp8
-from fmtkit.fp8._fp4_quant import E2M1 as E2M1
-from fmtkit.fp8._fp4_quant import E4M3 as E4M3
-from fmtkit.fp8._fp4_quant import Fp4Array, dequantize, mxfp4_quantize, nvfp4_quantize
-from fmtkit.fp8._fp4_vjp import GEMM_SCOPE as GEMM_SCOPE
-from fmtkit.fp8._fp4_vjp import quantization_stats as _block_stats_of
-from fmtkit.fp8._hadamard import hadamard_matrix, random_hadamard_transform, rht_matrix
-from fmtkit.fp8._recipe import FP4_RECIPES as RECIPES
-from fmtkit.fp8._recipe import Fp4Recipe, get_recipe
+from fmtkit._lowp.dot import dot_general_fn as _dot_general_fn
+from fmtkit._lowp.fp4_core import GEMM_SCOPE as GEMM_SCOPE
+from fmtkit._lowp.fp4_core import quantization_stats as _block_stats_of
+from fmtkit._lowp.fp4_quant import E2M1 as E2M1
+from fmtkit._lowp.fp4_quant import E4M3 as E4M3
+from fmtkit._lowp.fp4_quant import Fp4Array, dequantize, mxfp4_quantize, nvfp4_quantize
+from fmtkit._lowp.hadamard import hadamard_matrix, random_hadamard_transform, rht_matrix
+from fmtkit._lowp.recipes import FP4_RECIPES as RECIPES
+from fmtkit._lowp.recipes import Fp4Recipe, get_recipe
 
 __all__ = [
     "RECIPES",
@@ -112,7 +113,7 @@ def dot_general_fn(recipe: str | Fp4Recipe = "nvfp4", *, name: str | None = None
       >>> dg(jnp.ones((32, 48)), jnp.ones((48, 16)), (((1,), (0,)), ((), ()))).shape
       (32, 16)
     """
-    return fp8.dot_general_fn(get_recipe(recipe), name=name)
+    return _dot_general_fn(get_recipe(recipe), name=name)
 
 
 # Earlier keys of quantization_stats: the fmtkit.stats name each one reads.

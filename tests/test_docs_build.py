@@ -61,3 +61,23 @@ def test_the_hook_drops_skip_markers_only():
             "Mark a block with `# docs-test: skip (REASON)`.\n")
     assert hooks.on_page_markdown(page) == (
         "```python\nx = 1\n```\nMark a block with `# docs-test: skip (REASON)`.\n")
+
+
+@pytest.mark.slow  # griffe reads the whole package: about a second
+def test_a_public_constant_of_a_private_value_renders_its_value():
+    # fmtkit.fp8.PARTIALS_BUDGET_BYTES is the default of a private switch: the page shows
+    # the number, not the private name it is read from (docs/_ext/public_paths.py); a value
+    # naming nothing private renders as written.
+    import griffe
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import public_paths
+    finally:
+        sys.path.pop(0)
+    pkg = griffe.load("fmtkit", search_paths=[str(ROOT)])
+    budget = pkg["_lowp.gemm.PARTIALS_BUDGET_BYTES"].value
+    assert str(budget) == "Switches.partials_budget_bytes"
+    assert str(public_paths._public_value(budget)) == "32 * 2 ** 20"
+    scope = pkg["_lowp.gemm.WIDENED_SCOPE"].value
+    assert public_paths._public_value(scope) is scope

@@ -25,12 +25,15 @@ test file imports ``studies`` or runs one of its modules (``python -m studies.ap
 one exception is ``studies.lib.models``, which the test zoo (``tests/policy/zoo.py``) imports
 so that the core's tests and the studies train one transformer, not two copies of it.
 
+The low-precision GEMMs live in one private package, ``fmtkit._lowp``, on the core only (it
+never imports the policy, a kernel package or its own faces); its two public faces
+``fmtkit.fp8`` and ``fmtkit.fp4`` re-export it and import nothing of each other, and every
+unit above them imports the faces, never the private package.
+
 Also checked: no module imports a private name (``from m import _x``) of another module, and
-no module imports a private module of another unit (``fmtkit.optim._master`` from
+no module imports a private module of another package (``fmtkit.optim._master`` from
 ``fmtkit.memory``). Inside a package, its private modules (``pallas_kernels._backend``) are
-the "internal module meant for it" and may be imported by its other modules, and by the
-public module that is their public path (``FACADES``: ``fmtkit.fp4`` for the FP4 modules of
-the ``fmtkit.fp8`` package).
+the "internal module meant for it" and may be imported by its other modules.
 """
 
 from __future__ import annotations
@@ -58,9 +61,12 @@ ALLOWED: dict[str, set[str]] = {
     "fmtkit.stats": {"fmtkit.formats", "fmtkit.casting", "fmtkit.scaling"},
     "fmtkit.telemetry": {*CORE},
     "fmtkit.distributed": {*CORE},
-    "fmtkit.fp8": {*CORE},
-    # The public path of the FP8 family's FP4 modules (FACADES): fp4 -> fp8.
-    "fmtkit.fp4": {*CORE, "fmtkit.fp8"},
+    # The low-precision GEMMs (FP8 and FP4), private; the policy places their recipes on
+    # modules, never the reverse.
+    "fmtkit._lowp": {*CORE},
+    # Its two public faces, equal: each re-exports the private package, neither the other.
+    "fmtkit.fp8": {*CORE, "fmtkit._lowp"},
+    "fmtkit.fp4": {*CORE, "fmtkit._lowp"},
     "fmtkit.optim": {*CORE},
     # Policies place FP8 recipes on modules: policy -> fp8, never the reverse.
     "fmtkit.policy": {*CORE, "fmtkit.fp8", "fmtkit.fp4"},
@@ -75,7 +81,8 @@ ALLOWED: dict[str, set[str]] = {
     "fmtkit": {*CORE, "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8", "fmtkit.fp4",
                "fmtkit.optim",
                "fmtkit.policy", "fmtkit.memory"},
-    # A GEMM backend: the core (quantizers, formats) and fp8's backend registry, nothing above.
+    # A GEMM backend: the core (quantizers, formats) and fp8's backend registry (through the
+    # public face), nothing above.
     "pallas_kernels": {*CORE, "fmtkit.fp8"},
     # The studies' models, the one studies module the core tests import: a leaf (the core at
     # most, no other studies module, no kernels).
@@ -95,15 +102,6 @@ ALLOWED: dict[str, set[str]] = {
     "tools": {*CORE, "fmtkit", "fmtkit.telemetry", "fmtkit.distributed", "fmtkit.fp8",
               "fmtkit.fp4", "fmtkit.optim", "fmtkit.policy", "fmtkit.memory", "pallas_kernels",
               "studies.lib"},
-}
-
-FACADES: dict[str, str] = {
-    # public module: the package whose private modules it re-exports under its own path.
-    # FP4 recipes are Fp8Recipe subclasses that share the FP8 operand and GEMM modules, so
-    # their implementation lives in the fmtkit.fp8 package (_fp4_quant, _hadamard, _fp4_vjp,
-    # _recipe); fmtkit.fp4 is its public path and defines nothing but a default and the
-    # view of quantization_stats under its earlier key names.
-    "fmtkit.fp4": "fmtkit.fp8",
 }
 
 KNOWN_EDGES: dict[tuple[str, str], str] = {
@@ -181,8 +179,10 @@ def test_every_module_is_in_the_table():
         except KeyError:
             missing.append(m)
     assert not missing, f"modules without a layer: {missing}; add them to ALLOWED"
-    # A package is one unit with its submodules (fmtkit.fp8's concepts are private modules).
-    assert "fmtkit.fp8._gemm" in MODULES and _unit("fmtkit.fp8._gemm") == "fmtkit.fp8"
+    # A package is one unit with its submodules (the low-precision concepts are the modules of
+    # the private package fmtkit._lowp), and its faces are units of their own.
+    assert "fmtkit._lowp.gemm" in MODULES and _unit("fmtkit._lowp.gemm") == "fmtkit._lowp"
+    assert _unit("fmtkit.fp8") == "fmtkit.fp8" and _unit("fmtkit.fp4") == "fmtkit.fp4"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -209,7 +209,7 @@ def _private_imports(module: str, path: Path) -> list[str]:
             continue
         if private is not None and (module, private) not in PENDING_PRIVATE:
             pkg = private.rsplit(".", 1)[0]  # a private module is internal to its package
-            if module != pkg and not module.startswith(pkg + ".") and FACADES.get(module) != pkg:
+            if module != pkg and not module.startswith(pkg + "."):
                 bad.append(f"{where} imports the private module {private} of another package")
         if name is not None and name.startswith("_") and not name.startswith("__") \
                 and (module, name) not in PENDING_PRIVATE:
@@ -234,21 +234,27 @@ def test_the_checker_sees_violations(tmp_path):
     assert ("fmtkit.optim._master", "x", 4) in found  # lazy imports count
     assert _unit("studies.lm.ablate") not in ALLOWED["fmtkit.scaling"]
     assert _private_module("fmtkit.optim._master") == "fmtkit.optim._master"
-    # The facade exception covers its own package only: fmtkit.fp4 may import fmtkit.fp8's
-    # private modules, not another package's; no other module may import fmtkit.fp8's, and
-    # inside fmtkit.fp8 a private name stays private to its module.
-    facade = tmp_path / "facade.py"
-    facade.write_text("from fmtkit.fp8._recipe import Fp4Recipe\n"
-                      "from fmtkit.optim._master import x\n"
-                      "from fmtkit.fp8._operands import _quantize\n")
-    assert _private_imports("fmtkit.fp4", facade) == [
-        f"{facade}:2 imports the private module fmtkit.optim._master of another package",
-        f"{facade}:3 imports the private name _quantize from fmtkit.fp8._operands"]
-    assert len(_private_imports("fmtkit.memory", facade)) == 4
-    assert _private_imports("fmtkit.fp8._dot", facade) == [
-        f"{facade}:2 imports the private module fmtkit.optim._master of another package",
-        f"{facade}:3 imports the private name _quantize from fmtkit.fp8._operands"]
-
+    # The private package fmtkit._lowp: its faces may import it, and inside it a private name
+    # stays private to its module; another package's module (a kernel) may not import it,
+    # and the layer table keeps it below its faces (the policy, debug, qwix, the kernels,
+    # the studies and the tools import fmtkit.fp8 and fmtkit.fp4 only; neither face imports
+    # the other; the private package never imports the policy).
+    faces = tmp_path / "faces.py"
+    faces.write_text("from fmtkit._lowp.recipes import Fp4Recipe\n"
+                     "from fmtkit.optim._master import x\n"
+                     "from fmtkit._lowp.operands import _quantize\n")
+    inside = [f"{faces}:2 imports the private module fmtkit.optim._master of another package",
+              f"{faces}:3 imports the private name _quantize from fmtkit._lowp.operands"]
+    assert _private_imports("fmtkit.fp4", faces) == inside
+    assert _private_imports("fmtkit._lowp.dot", faces) == inside
+    outside = "imports the private module fmtkit._lowp of another package"
+    assert _private_imports("pallas_kernels.grouped_fp8_matmul", faces) == [
+        f"{faces}:1 {outside}", inside[0], f"{faces}:3 {outside}", inside[1]]
+    for unit in ("fmtkit.policy", "fmtkit.debug", "fmtkit.qwix", "fmtkit.memory", "fmtkit",
+                 "pallas_kernels", "studies", "tools"):
+        assert _unit("fmtkit._lowp.recipes") not in ALLOWED[unit], unit
+    assert "fmtkit.fp8" not in ALLOWED["fmtkit.fp4"] and "fmtkit.fp4" not in ALLOWED["fmtkit.fp8"]
+    assert ALLOWED["fmtkit._lowp"] == set(CORE) and "fmtkit.policy" not in ALLOWED["fmtkit._lowp"]
 
 
 TESTS = ROOT / "tests"

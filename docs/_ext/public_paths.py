@@ -3,7 +3,9 @@
 A parameter annotated with a type alias that lives in a private module (``Hook`` in
 ``fmtkit.policy._gemm_hook``), or a base class defined in one, renders as a name whose
 tooltip is that private path. Such an annotation or base is rendered as its plain text
-instead; those naming objects defined in public modules keep their links.
+instead; those naming objects defined in public modules keep their links. A public constant
+whose value is a private one (``fmtkit.fp8.PARTIALS_BUDGET_BYTES``, the default of a private
+switch) renders with that constant's value instead of its private name.
 """
 
 import griffe
@@ -38,6 +40,7 @@ class PublicPaths(griffe.Extension):
                 member.returns = self._plain(member.returns)
             if member.is_attribute:
                 member.annotation = self._plain(member.annotation)
+                member.value = _public_value(member.value)
             if member.is_class:
                 member.bases = [self._plain(base) for base in member.bases]
             if member.is_class or member.is_module:
@@ -65,3 +68,18 @@ def _public_alias(name) -> bool:
         return False
     return target is not None and getattr(target, "is_public", False) and not _private(
         getattr(target, "path", "_"))
+
+
+def _public_value(value, depth: int = 4):
+    """``value``, or, where it is only the name of a constant in a private module, that
+    constant's own value expression (followed at most ``depth`` names deep)."""
+    name = value.last if isinstance(value, griffe.ExprAttribute) else value
+    if depth == 0 or not isinstance(name, griffe.ExprName):
+        return value
+    try:
+        path, target = name.canonical_path, name.resolved
+    except Exception:  # an unresolvable name renders as written
+        return value
+    if not _private(path) or not getattr(target, "is_attribute", False) or target.value is None:
+        return value
+    return _public_value(target.value, depth - 1)

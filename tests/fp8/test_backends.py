@@ -12,8 +12,8 @@ import pytest
 from fp8_testlib import data, fwd_bwd, reference_gemms
 
 from fmtkit import fp8
+from fmtkit._lowp import backends, gemm
 from fmtkit.formats import get_format
-from fmtkit.fp8 import _backends, _gemm
 from fmtkit.scaling import ScaledArray
 
 
@@ -54,9 +54,9 @@ def test_registered_backend_is_used_when_it_applies():
             ScaledArray(a, a_scale, get_format("e4m3"), None),
             ScaledArray(b, b_scale, get_format("e4m3"), None)).astype(out_dtype)
 
-    saved = dict(_backends._GEMM_BACKENDS)
+    saved = dict(backends._GEMM_BACKENDS)
     try:
-        _backends._GEMM_BACKENDS.clear()  # only the fake (pallas_kernels may be registered)
+        backends._GEMM_BACKENDS.clear()  # only the fake (pallas_kernels may be registered)
         fp8.register_gemm_backend("fake", fake, applies=lambda a, b: a.block == (1, 128),
                                   available=lambda: False)
         x, w, dy = data(128, 256, 128)
@@ -70,8 +70,8 @@ def test_registered_backend_is_used_when_it_applies():
         with pytest.raises(TypeError, match="applies must be callable"):
             fp8.register_gemm_backend("bad", fake, applies=None, available=lambda: True)
     finally:
-        _backends._GEMM_BACKENDS.clear()
-        _backends._GEMM_BACKENDS.update(saved)
+        backends._GEMM_BACKENDS.clear()
+        backends._GEMM_BACKENDS.update(saved)
 
 
 def test_blockwise_on_a_gpu_without_a_kernel_package_warns_once(monkeypatch):
@@ -80,11 +80,11 @@ def test_blockwise_on_a_gpu_without_a_kernel_package_warns_once(monkeypatch):
     emulated GEMM's; with a package registered, or use_kernel="never", nothing is said."""
     x, w, dy = data(128, 256, 128)
     ref = fwd_bwd("blockwise", x, w, dy)
-    monkeypatch.setattr(_backends, "_entry_points_loaded", True)
-    monkeypatch.setattr(_backends, "_GEMM_BACKENDS", {
-        k: v for k, v in _backends._GEMM_BACKENDS.items() if k in _backends._BUILT_IN})
-    monkeypatch.setattr(_backends, "_warned_no_kernel", set())
-    for mod in (_gemm, _backends):
+    monkeypatch.setattr(backends, "_entry_points_loaded", True)
+    monkeypatch.setattr(backends, "_GEMM_BACKENDS", {
+        k: v for k, v in backends._GEMM_BACKENDS.items() if k in backends._BUILT_IN})
+    monkeypatch.setattr(backends, "_warned_no_kernel", set())
+    for mod in (gemm, backends):
         monkeypatch.setattr(mod, "on_gpu", lambda: True)
     with pytest.warns(UserWarning, match=r"'blockwise' .* runs its blockwise GEMMs emulated"):
         got = fwd_bwd("blockwise", x, w, dy)

@@ -26,7 +26,8 @@ import pytest
 from jaxpr_utils import dot_operand_dtypes
 
 from fmtkit import fp8
-from fmtkit.fp8 import _gemm
+from fmtkit._lowp import gemm
+from fmtkit._switches import flipped
 
 DN = (((1,), (0,)), ((), ()))
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
@@ -127,12 +128,12 @@ def test_per_tensor_gemms_lowered_for_cuda_have_the_rewriters_form(recipe):
         [("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")])
 
 
-def test_the_form_check_fails_on_the_previous_form(monkeypatch):
+def test_the_form_check_fails_on_the_previous_form():
     """Negative control: the form this replaces (two multiplies by [1, 1] scale arrays after
     the dot) is caught, and so is a dequantize-then-dot in bf16 (FP8 widened before the dot,
     as off GPUs)."""
-    monkeypatch.setattr(_gemm, "_CUBLASLT_FORM", False)
-    gemms = fp8_gemms(_lowered_for_h200(_step("current"), *_ARGS))
+    with flipped(cublaslt_form=False):
+        gemms = fp8_gemms(_lowered_for_h200(_step("current"), *_ARGS))
     assert len(gemms) == 3
     assert any("scale" in v for v in rewriter_form_violations(gemms))
 
@@ -163,7 +164,7 @@ def test_gpu_form_computes_the_same_gemms(monkeypatch):
     """The GPU form, run on CPU (the trace told it runs on a GPU, so FP8 operands go into
     the dot and the scales multiply its output): y, dx, dw equal float64 products of the
     recipe's quantized operands (E4M3 x and w, E5M2 gradient) up to f32 summation."""
-    monkeypatch.setattr(_gemm, "on_gpu", lambda: True)
+    monkeypatch.setattr(gemm, "on_gpu", lambda: True)
     k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(k1, (96, 160), jnp.float32)
     w = jax.random.normal(k2, (160, 48), jnp.float32) / np.sqrt(160)

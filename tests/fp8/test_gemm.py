@@ -14,8 +14,8 @@ from fp8_testlib import DN, data, exact_operand, fwd_bwd, np_tile_qdq, reference
 from jaxpr_utils import dot_operand_dtypes, iter_eqns, iter_eqns_with_trips
 
 from fmtkit import fp8, scaling
+from fmtkit._lowp import gemm
 from fmtkit.formats import get_format
-from fmtkit.fp8 import _gemm
 from fmtkit.scaling import BlockScaling, ScaledArray
 
 
@@ -97,11 +97,11 @@ def _blockwise_operands(m, k, n):
             jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
 
-    def gemm(a, sa, b, sb):
+    def matmul(a, sa, b, sb):
         return fp8.scaled_matmul(ScaledArray(a, sa, e4m3, BlockScaling((1, 128))),
                                  ScaledArray(b, sb, e4m3, BlockScaling((128, 128))))
 
-    return gemm, args
+    return matmul, args
 
 
 def test_fallback_has_no_per_block_partials_array():
@@ -109,8 +109,8 @@ def test_fallback_has_no_per_block_partials_array():
     # so the 8 K-blocks are accumulated one at a time.
     m, k, n = 2048, 1024, 1024
     assert 4 * (k // 128) * m * n > fp8.PARTIALS_BUDGET_BYTES
-    gemm, args = _blockwise_operands(m, k, n)
-    jaxpr = jax.make_jaxpr(gemm)(*args)
+    matmul, args = _blockwise_operands(m, k, n)
+    jaxpr = jax.make_jaxpr(matmul)(*args)
     biggest = max(math.prod(v.aval.shape) for e in iter_eqns(jaxpr) for v in e.outvars)
     assert biggest <= m * max(n, k)  # the output or an input, never 8 * m * n
     # Compiled on CPU: peak footprint (arguments + temporaries + output) within 2x that of
@@ -123,7 +123,7 @@ def test_fallback_has_no_per_block_partials_array():
 
     f32 = footprint(lambda x, w: x @ w.T, jax.ShapeDtypeStruct((m, k), jnp.float32),
                     jax.ShapeDtypeStruct((n, k), jnp.float32))
-    assert footprint(gemm, *args) <= 2 * f32
+    assert footprint(matmul, *args) <= 2 * f32
 
 
 def test_fallback_lowered_for_the_h200_has_no_per_block_partials():
@@ -132,11 +132,11 @@ def test_fallback_lowered_for_the_h200_has_no_per_block_partials():
     import re
 
     m, k, n = 2048, 1024, 1024
-    gemm, args = _blockwise_operands(m, k, n)
+    matmul, args = _blockwise_operands(m, k, n)
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     mesh = jax.sharding.AbstractMesh((), (), abstract_device=h200)
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(gemm).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     sizes = [math.prod(int(d) for d in dims.split("x"))
              for dims in re.findall(r"tensor<((?:\d+x)+)f32>", text)
              for dims in [dims.rstrip("x")]]
@@ -148,10 +148,10 @@ def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(set_fp8_
     """The weight gradient, computed in the kernel's [K, N] layout, equals bit for bit
     ``scaled_matmul`` of the two quantized operands (``fmtkit.quantize`` along the tokens)
     transposed, on Gaussian data: the scales are applied in ``scaled_matmul``'s order. With
-    the FP8 dots of the GPU path (``_WIDEN_OFF_GPU`` off): XLA:CPU's bf16 GEMM may sum
+    the FP8 dots of the GPU path (the ``widen_off_gpu`` switch off): XLA:CPU's bf16 GEMM may sum
     ``b · aᵀ`` in another order than ``a · bᵀ`` (the float64 reference tests cover the
     widened dots)."""
-    set_fp8_switch("_WIDEN_OFF_GPU", False)
+    set_fp8_switch("widen_off_gpu", False)
     r = fp8.get_recipe(name)
     x, w, dy = data(128, 256, 96, seed=3)
     _, _, gw = jax.jit(lambda a, b, g: fwd_bwd(name, a, b, g))(x, w, dy)
@@ -164,13 +164,13 @@ def test_weight_gradient_equals_scaled_matmul_of_the_quantized_operands(set_fp8_
 
 # ---------------------------------------------------------------------------------------------
 # Power-of-two scales: the fold (one f32 dot of dequantized operands) against the per-block
-# form it replaces off GPUs (``_gemm._FOLD_POW2_SCALES`` switches it).
+# form it replaces off GPUs (the ``fold_pow2_scales`` switch).
 
 
 def _fold_vs_per_block(set_fp8_switch, recipe, x, w, dy):
-    set_fp8_switch("_FOLD_POW2_SCALES", True)  # no trace of another test's setting reused
+    set_fp8_switch("fold_pow2_scales", True)  # no trace of another test's setting reused
     folded = jax.jit(lambda a, b, g: fwd_bwd(recipe, a, b, g))(x, w, dy)
-    set_fp8_switch("_FOLD_POW2_SCALES", False)
+    set_fp8_switch("fold_pow2_scales", False)
     per_block = jax.jit(lambda a, b, g: fwd_bwd(recipe, a, b, g))(x, w, dy)
     return folded, per_block
 
@@ -211,7 +211,7 @@ def test_power_of_two_fold_at_extreme_block_scales(set_fp8_switch, scale):
     """Blocks of x scaled by 2^-100 (E8M0 scales near 2^-108: dequantized elements near
     2^-117, still f32 normals) or 2^100 (scales near 2^92), next to ordinary blocks: the fold
     gives the per-block form's values (within the summation bound) and flushes nothing the
-    per-block form keeps (the exactness bounds in ``_gemm._folds_scales``)."""
+    per-block form keeps (the exactness bounds in ``gemm._folds_scales``)."""
     x, w, dy = data(128, 256, 64, seed=9)
     x = x.at[:, :64].multiply(scale)  # two MX blocks of every row, one 128-block half
     if scale > 1:
@@ -229,7 +229,7 @@ def test_power_of_two_fold_at_extreme_block_scales(set_fp8_switch, scale):
 
 
 # ---------------------------------------------------------------------------------------------
-# Off GPUs every FP8 dot reads its operands widened exactly to bf16 (``_gemm._emulated_dot``): that
+# Off GPUs every FP8 dot reads its operands widened exactly to bf16 (``gemm._emulated_dot``): that
 # relies on XLA:CPU accumulating a bf16 x bf16 -> f32 dot in f32, checked here directly.
 
 
@@ -249,7 +249,7 @@ def test_cpu_bf16_dot_accumulates_in_f32(dims, a_shape, b_shape):
     them is exact in f32 (below 2, on the 2^-14 grid: 15 bits), so any order of f32
     accumulation gives the float64 sum exactly, while a bf16 accumulator (8 bits: 1 + 2^-14
     rounds to 1) or a TF32-like one (11 bits) would lose the small terms. The dot is the one
-    ``_gemm._emulated_dot`` emits off GPUs (``_wide_dot``: bf16 operands, f32 output; its
+    ``gemm._emulated_dot`` emits off GPUs (``_wide_dot``: bf16 operands, f32 output; its
     layouts are every one the per-block partials take, a plain ``lax.dot_general`` of
     some of which XLA:CPU rejects)."""
     ca = dims[0][0]
@@ -264,7 +264,7 @@ def test_cpu_bf16_dot_accumulates_in_f32(dims, a_shape, b_shape):
     a = np.moveaxis(a, -1, ca[0])
     a *= rng.choice([1.0, -1.0], size=(*a.shape[:ca[0]], 1, *a.shape[ca[0] + 1:])).astype(
         np.float32)  # signs per output row of a: sums of equal-sign terms
-    dot = jax.jit(lambda p, q: _gemm._wide_dot(p, q, dims))
+    dot = jax.jit(lambda p, q: gemm._wide_dot(p, q, dims))
     got = np.asarray(dot(jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)))
     assert got.dtype == np.float32
     want = _np_dot_general(a.astype(np.float64), b.astype(np.float64), dims)
@@ -292,14 +292,14 @@ def _np_dot_general(a, b, dims):
 @pytest.mark.parametrize("name", [*fp8.RECIPES])
 def test_widened_dots_equal_fp8_dots_up_to_summation_order(set_fp8_switch, name):
     """Off GPUs the dots read FP8 operands widened to bf16; against the FP8 dots they replace
-    (``_gemm._WIDEN_OFF_GPU`` off) y, dx and dw differ at most by the f32 summation bound of
+    (the ``widen_off_gpu`` switch off) y, dx and dw differ at most by the f32 summation bound of
     the two orders (the values and products are the same), on data with outlier channels."""
     x, w, dy = data(128, 384, 256, seed=11)
     x = x.at[:, ::37].multiply(100.0)
     state = fp8.init_state() if fp8.RECIPES[name].delayed else None  # bootstrap: current
-    set_fp8_switch("_WIDEN_OFF_GPU", True)
+    set_fp8_switch("widen_off_gpu", True)
     widened = jax.jit(lambda a, b, g: fwd_bwd(name, a, b, g, state))(x, w, dy)
-    set_fp8_switch("_WIDEN_OFF_GPU", False)
+    set_fp8_switch("widen_off_gpu", False)
     fp8_dots = jax.jit(lambda a, b, g: fwd_bwd(name, a, b, g, state))(x, w, dy)
     for what, a, b, bound in zip(("y", "dx", "dw"), widened, fp8_dots,
                                  _summation_bounds(name, x, w, dy)):
@@ -309,7 +309,7 @@ def test_widened_dots_equal_fp8_dots_up_to_summation_order(set_fp8_switch, name)
 
 # ---------------------------------------------------------------------------------------------
 # Off GPUs the blockwise per-block partials are one 2-D dot per 128-block in a lax.scan
-# (``_gemm._block_dots``; ``_gemm._SCAN_BLOCK_DOTS`` switches it) instead of one batched dot.
+# (``gemm._block_dots``; the ``scan_block_dots`` switch) instead of one batched dot.
 
 
 _BLOCK_SHAPES = [(256, 1024, 384), (100, 200, 300), (128, 384, 256)]
@@ -319,10 +319,10 @@ def _blockwise_both_ways(set_fp8_switch, x, w, dy, budget=None):
     """blockwise y / dx / dw with the scanned 2-D dots and with the batched form (its one
     batched dot, or with ``budget`` its loop of one-block batched dots)."""
     if budget is not None:
-        set_fp8_switch("PARTIALS_BUDGET_BYTES", budget)
-    set_fp8_switch("_SCAN_BLOCK_DOTS", True)
+        set_fp8_switch("partials_budget_bytes", budget)
+    set_fp8_switch("scan_block_dots", True)
     scanned = jax.jit(lambda a, b, g: fwd_bwd("blockwise", a, b, g))(x, w, dy)
-    set_fp8_switch("_SCAN_BLOCK_DOTS", False)
+    set_fp8_switch("scan_block_dots", False)
     batched = jax.jit(lambda a, b, g: fwd_bwd("blockwise", a, b, g))(x, w, dy)
     return scanned, batched
 
@@ -373,7 +373,7 @@ def test_block_dots_are_bit_identical_to_batched_partials_where_sums_are_exact(
 
 def test_block_dots_are_one_scanned_dot_per_gemm_and_fp4_keeps_its_batched_dot():
     """A 4096-wide contraction (32 blocks) is still one dot equation per GEMM, in a scan of
-    32 steps; NVFP4's 16-wide blocks keep the batched form (``_gemm._MIN_SCAN_BLOCK``)."""
+    32 steps; NVFP4's 16-wide blocks keep the batched form (``gemm._MIN_SCAN_BLOCK``)."""
     from fmtkit import fp4
 
     x, w, dy = (jax.ShapeDtypeStruct(s, jnp.float32) for s in

@@ -11,7 +11,7 @@ import pytest
 
 import pallas_kernels
 from fmtkit import fp8
-from fmtkit.fp8 import _backends
+from fmtkit._lowp import backends
 
 DN = (((1,), (0,)), ((), ()))
 BLOCKWISE_INTERPRET = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="interpret")
@@ -22,18 +22,18 @@ BLOCKWISE_XLA = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="never"
 def _spy():
     """Records the ``out_dtype`` of every call of the registered Pallas backend."""
     name = "pallas_blockwise_fp8"
-    saved = _backends._GEMM_BACKENDS[name]
+    saved = backends._GEMM_BACKENDS[name]
     calls = []
 
     def fn(*args, impl, out_dtype):
         calls.append(jnp.dtype(out_dtype).name)
         return saved.fn(*args, impl=impl, out_dtype=out_dtype)
 
-    _backends._GEMM_BACKENDS[name] = saved._replace(fn=fn)
+    backends._GEMM_BACKENDS[name] = saved._replace(fn=fn)
     try:
         yield calls
     finally:
-        _backends._GEMM_BACKENDS[name] = saved
+        backends._GEMM_BACKENDS[name] = saved
 
 
 def _fwd_bwd(recipe, x, w, dy):

@@ -15,7 +15,7 @@ import pytest
 
 import pallas_kernels  # noqa: F401  (registers the backend)
 from fmtkit import fp8
-from fmtkit.fp8 import _backends
+from fmtkit._lowp import backends
 from fmtkit.policy import Policy, with_policy
 
 INTERPRET = dataclasses.replace(fp8.RECIPES["blockwise"], use_kernel="interpret")
@@ -29,7 +29,7 @@ F32_RTOL = 1e-5
 def _spy():
     """Records which form of the Pallas backend each grouped GEMM called."""
     name = "pallas_blockwise_fp8"
-    saved = _backends._GEMM_BACKENDS[name]
+    saved = backends._GEMM_BACKENDS[name]
     calls = []
 
     def wrap(form):
@@ -40,12 +40,12 @@ def _spy():
             return fn(*args, impl=impl, out_dtype=out_dtype)
         return spy
 
-    _backends._GEMM_BACKENDS[name] = saved._replace(ragged=wrap("ragged"),
+    backends._GEMM_BACKENDS[name] = saved._replace(ragged=wrap("ragged"),
                                                     ragged_wgrad=wrap("ragged_wgrad"))
     try:
         yield calls
     finally:
-        _backends._GEMM_BACKENDS[name] = saved
+        backends._GEMM_BACKENDS[name] = saved
 
 
 def _fwd_bwd(recipe, x, w, gs, dy):

@@ -4,7 +4,7 @@
 XLA:CPU runs. XLA:CPU (jax 0.11.2) rejected the data-gradient GEMM of ``fp8-current`` at run
 time ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"); the emulated FP8
 GEMMs now hand it their widened operands in a form it runs. Reference: the same step with
-the FP8 operands fed to XLA's own FP8 dots (``_gemm._WIDEN_OFF_GPU`` off), which XLA:CPU
+the FP8 operands fed to XLA's own FP8 dots (the ``widen_off_gpu`` switch off), which XLA:CPU
 computes as f32 GEMMs of the converted operands: the same exact products, summed in f32.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from jaxpr_utils import dot_operand_dtypes
 
 from fmtkit import with_policy
-from fmtkit.fp8 import _gemm
+from fmtkit._switches import flipped
 
 
 class GRU(eqx.Module):
@@ -44,7 +44,7 @@ def _step(preset):
 
 
 @pytest.mark.slow
-def test_batched_equinox_gru_under_fp8_current_runs_on_cpu(monkeypatch):
+def test_batched_equinox_gru_under_fp8_current_runs_on_cpu():
     model = GRU(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (16, 10, 8))
     y = jnp.zeros((16, 4))
@@ -57,8 +57,8 @@ def test_batched_equinox_gru_under_fp8_current_runs_on_cpu(monkeypatch):
     formats = {jnp.dtype(d).name for pair in dot_operand_dtypes(jaxpr) for d in pair}
     assert {"float8_e4m3fn", "float8_e5m2"} <= formats, formats
     # Reference: XLA's own FP8 dots on the same quantized operands.
-    monkeypatch.setattr(_gemm, "_WIDEN_OFF_GPU", False)
-    ref_loss, ref_grads = _step("fp8-current")(model, x, y)
+    with flipped(widen_off_gpu=False):
+        ref_loss, ref_grads = _step("fp8-current")(model, x, y)
     # Exact FP8 products summed in f32 in another order: a few f32 ulps of the sums, which
     # the GRU's 10 recurrent steps carry on (measured: below 1e-5 relative).
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)

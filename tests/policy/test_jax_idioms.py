@@ -633,7 +633,7 @@ def test_forward_mode_ad_under_fp8_and_fp4_presets(preset):
     FP4 GEMMs: finite, within the recipe's quantization error of the f32 model's, and the
     jvp's jaxpr computes the hidden layer's tangent with the FP8 GEMM's tangent primitive
     (not a mixed-precision fallback)."""
-    from fmtkit.fp8 import _jvp
+    from fmtkit._lowp import autodiff
 
     model = _Classifier()
     policied = with_policy(model, preset)
@@ -647,7 +647,7 @@ def test_forward_mode_ad_under_fp8_and_fp4_presets(preset):
     closed = jax.make_jaxpr(lambda x: jax.jvp(lambda y: policied.apply(variables, y), (x,),
                                               (x,)))(X)
     prims = [e.primitive.name for e in iter_eqns(closed)]
-    assert prims.count(_jvp.TANGENT_PRIMITIVE) == 1, prims  # the hidden layer (the head: bf16)
+    assert prims.count(autodiff.TANGENT_PRIMITIVE) == 1, prims  # the hidden layer (the head: bf16)
 
 
 # ---------------------------------------------------------------------------------------------

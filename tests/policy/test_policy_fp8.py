@@ -213,7 +213,7 @@ def test_user_linen_model_with_fp8_rule():
 
 def test_inspect_policy_reports_one_fp8_gemm_per_blockwise_matmul():
     """Off GPUs a blockwise GEMM over several 128-blocks is one 2-D dot per block in a scan
-    (``fmtkit.fp8._gemm._block_dots``): the report still lists each layer's three GEMMs once, in
+    (``fmtkit._lowp.gemm._block_dots``): the report still lists each layer's three GEMMs once, in
     E4M3, with the FLOPs of the whole GEMM (2 x 256 tokens x in x out), dgrad and wgrad
     told apart; the first layer has no dgrad (the input is not differentiated: what the
     step runs)."""

@@ -3,7 +3,7 @@ megablox style) with FP8 operands and a custom VJP.
 
 Tokens are sorted by group: rows ``[start_g, start_g + group_sizes[g])`` of ``lhs [M, K]``
 meet group g's weights ``rhs[g] [K, N]``. The three GEMMs, each on FP8 operands quantized
-along the axis it contracts, with the dense FP8 GEMM's quantizers (``_operands``):
+along the axis it contracts, with the dense FP8 GEMM's quantizers (``operands``):
 
     forward   y  [M, N]    = x · w[g(m)]            ragged_dot, contracts K
     dgrad     dx [M, K]    = dy · w[g(m)]ᵀ          ragged_dot, contracts N
@@ -30,12 +30,13 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from fmtkit._lowp.autodiff import differentiable
+from fmtkit._lowp.backends import kernel_backend
+from fmtkit._lowp.core import Core
+from fmtkit._lowp.gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm_dtype, widened_operands
+from fmtkit._lowp.operands import Operand, padded_c, quantize_operand
+from fmtkit._lowp.recipes import RECIPES, Fp4Recipe, Fp8Recipe, Tile, get_recipe, recipe_tiles
 from fmtkit.formats import get_format
-from fmtkit.fp8._backends import kernel_backend
-from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm_dtype, widened_operands
-from fmtkit.fp8._jvp import fwd_and_bwd_core
-from fmtkit.fp8._operands import Operand, Tile, padded_c, quantize_operand, recipe_tiles
-from fmtkit.fp8._recipe import RECIPES, Fp4Recipe, Fp8Recipe, get_recipe
 from fmtkit.scaling import ScaledArray, dequantize
 
 
@@ -222,7 +223,7 @@ def _kernel_grouped_gemm(recipe, a: Operand, b: ScaledArray, caxis: int,
                           out_dtype=gemm_dtype(out_dtype))
 
 
-def _forward(recipe, x, w, group_sizes, out_dtype=jnp.float32):
+def _forward_gemm(recipe, x, w, group_sizes, out_dtype=jnp.float32):
     m, n = x.shape[0], w.shape[2]
     xq, wq = _forward_operands(recipe, x, w)
     out = _kernel_grouped_gemm(recipe, xq, wq, 1, group_sizes, out_dtype)
@@ -302,7 +303,7 @@ def _kernel_grouped_wgrad(recipe, x, g, group_sizes, ng) -> jax.Array | None:
     return out[:, :k, :n]
 
 
-def _backward(recipe, x, w, group_sizes, g, need_dx: bool, need_dw: bool):
+def _backward_gemms(recipe, x, w, group_sizes, g, need_dx: bool, need_dw: bool):
     tx, tw, tg = recipe_tiles(recipe)
     m, k = x.shape
     ng, _, n = w.shape
@@ -331,24 +332,24 @@ def _backward(recipe, x, w, group_sizes, g, need_dx: bool, need_dw: bool):
     return dx, dw
 
 
-def _core_fwd(recipe, out_dtype, x, w, group_sizes):
-    return (_forward(recipe, x, w, group_sizes, out_dtype).astype(out_dtype),
+def _forward(recipe, out_dtype, x, w, group_sizes):
+    return (_forward_gemm(recipe, x, w, group_sizes, out_dtype).astype(out_dtype),
             (x, w, group_sizes))
 
 
-def _core_bwd(recipe, out_dtype, res, g, need):
+def _backward(recipe, out_dtype, res, g, need):
     # (``need``: the GEMM of an operand that needs no gradient, data or a frozen weight, is
     # not traced)
     del out_dtype
     x, w, group_sizes = res
-    dx, dw = _backward(recipe, x, w, group_sizes, g.astype(jnp.float32), *need[:2])
+    dx, dw = _backward_gemms(recipe, x, w, group_sizes, g.astype(jnp.float32), *need[:2])
     return (None if dx is None else dx.astype(x.dtype),
             None if dw is None else dw.astype(w.dtype), None)
 
 
-def _core_operands(recipe, res, m, n):
+def _operands(recipe, res, m, n):
     """``Q(x)`` [M, K] and ``Q(w)`` [G, K, N], the forward GEMM's operands as it multiplied
-    them (dequantized, f32): the forward-mode tangent's operands (see ``fmtkit.fp8._jvp``)."""
+    them (dequantized, f32): the forward-mode tangent's operands (see ``fmtkit._lowp.autodiff``)."""
     del m, n
     x, w, _ = res
     (mm, k), nn = x.shape, w.shape[2]
@@ -450,11 +451,14 @@ def _ragged_transposes(res, ct, a, b):
     return _f32_ragged(ct, b, res[2], "rows_t"), _f32_ragged(a, ct, res[2], "tokens")
 
 
-_core = fwd_and_bwd_core(_core_fwd, _core_bwd, _core_operands, """\
+GROUPED_CORE = Core(forward=_forward, backward=_backward, operands=_operands,
+                    product=_ragged_product, transposes=_ragged_transposes)
+"""The grouped GEMM's core functions (``fmtkit._lowp.core.Core``)."""
+
+_grouped_dot = differentiable(GROUPED_CORE, """\
 ``lhs [M, K]`` by the weight stack ``[G, K, N]`` in groups of rows, with the recipe's three
 grouped GEMMs; ``group_sizes`` int32[G] (no gradient). Forward-mode AD: see
-``fmtkit.fp8._jvp.fwd_and_bwd_core``.""", product=_ragged_product,
-                         transposes=_ragged_transposes, needs=True)
+``fmtkit._lowp.autodiff.differentiable``.""")
 
 
 def _check(lhs, rhs, group_sizes) -> None:
@@ -516,7 +520,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     operands (widened exactly to bf16 off GPUs, in the ``WIDENED_SCOPE`` scope, as the dense
     emulation). Forward-mode AD (``jax.jvp``, ``jacfwd``, Hessian-vector products) computes
     the tangent through the forward GEMM's quantized operands, ``ragged_dot(ẋ, Q(w)) +
-    ragged_dot(Q(x), ẇ)`` in f32 (see ``fmtkit.fp8._jvp``); reverse mode runs the three FP8
+    ragged_dot(Q(x), ẇ)`` in f32 (see ``fmtkit._lowp.autodiff``); reverse mode runs the three FP8
     GEMMs above. Under ``vmap`` (``jacfwd``, ``jacrev``) the ragged dots run as a loop over
     the mapped axis.
 
@@ -562,5 +566,5 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                         f"{out_dtype.name}.")
     if lhs.size == 0 or rhs.size == 0:  # no products to quantize: lax.ragged_dot's zeros
         return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
-    return _core(recipe, out_dtype, lhs, rhs, group_sizes.astype(jnp.int32))
+    return _grouped_dot(recipe, out_dtype, lhs, rhs, group_sizes.astype(jnp.int32))
 

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from fmtkit._lowp.recipes import Fp8Recipe
 from fmtkit.scaling import ScaledArray
 
-if TYPE_CHECKING:
-    from fmtkit.fp8._recipe import Fp8Recipe
 
 class GemmBackend(NamedTuple):
     """A GEMM kernel for quantized operands (see ``register_gemm_backend``)."""

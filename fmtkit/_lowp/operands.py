@@ -1,12 +1,12 @@
-"""Operands of the FP8 GEMMs: tilings, quantized ``[free, contraction]`` operands, padding
+"""Operands of the low-precision GEMMs: quantized ``[free, contraction]`` operands, padding
 and transposes.
 
-A tiling is given for an operand laid out ``[free, contraction]`` (``Fp8Recipe``'s
-``x_tile``, ``w_tile``, ``grad_tile``). Each dimension that a tiling blocks is zero-padded
-inside the GEMM that needs it (a GEMM of ``a [F1, C]`` and ``b [F2, C]`` pads C to both
-operands' contraction blocks and each F to its operand's free block) and the result is sliced
-back, so any shape trains. Padding is exact: zeros never raise a block's amax, an all-zero
-block gets scale 1 and zero values, and padded rows and columns contribute zero products.
+An operand is quantized with its recipe's tiling (``Tile``, owned by the recipes: see
+``fmtkit._lowp.recipes``). Each dimension that a tiling blocks is zero-padded inside the GEMM
+that needs it (a GEMM of ``a [F1, C]`` and ``b [F2, C]`` pads C to both operands' contraction
+blocks and each F to its operand's free block) and the result is sliced back, so any shape
+trains. Padding is exact: zeros never raise a block's amax, an all-zero block gets scale 1 and
+zero values, and padded rows and columns contribute zero products.
 """
 
 from __future__ import annotations
@@ -14,70 +14,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
-from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from fmtkit._lowp.recipes import Fp8Recipe, Tile, scaling_of
 from fmtkit.formats import get_format
-from fmtkit.scaling import (
-    AxisScaling,
-    BlockScaling,
-    MXScaling,
-    Recipe,
-    ScaledArray,
-    TensorScaling,
-    keep_nonfinite,
-    quantize,
-)
-
-if TYPE_CHECKING:
-    from fmtkit.fp8._recipe import Fp8Recipe
-
-_TILE_RE = re.compile(r"^(tensor|row|none|mx(\d+)|(\d+)x(\d+))$")
-
-
-def parse_tile(spec: str, arg: str) -> tuple[str, tuple[int, int] | int | None]:
-    """``(kind, arg)`` of a tiling spec: ("mx", 32) for "mx32", ("block", (1, 128)) for
-    "1x128", (spec, None) for "tensor", "row", "none"; ``arg`` names the field in the error."""
-    m = _TILE_RE.match(spec) if isinstance(spec, str) else None
-    if not m:
-        raise ValueError(
-            f"{arg}={spec!r} is not a tiling; use 'tensor', 'row', 'none', 'mxN' (e.g. "
-            f"'mx32') or 'AxB' (e.g. '1x128', '128x128').")
-    if m.group(2):
-        return "mx", int(m.group(2))
-    if m.group(3):
-        return "block", (int(m.group(3)), int(m.group(4)))
-    return spec, None
-
-
-class Tile(NamedTuple):
-    """A parsed tiling (``tile_of``) of a ``[free, contraction]`` operand."""
-
-    kind: str  # "tensor", "row", "none", "mx", "block"
-    f: int  # block along the free dim (1 for per-row tiles and MX; 0: whole dim)
-    c: int  # block along the contraction (0: the whole dim)
-    arg: Any
-
-    @property
-    def transposable(self) -> bool:
-        """Quantizing t.T gives the transpose of quantizing t (same blocks, same scales)."""
-        return self.kind in ("tensor", "none") or (self.kind == "block" and self.f == self.c)
-
-
-@functools.cache
-def tile_of(spec: str) -> Tile:
-    """The ``Tile`` of a (valid) tiling spec."""
-    kind, arg = parse_tile(spec, "tile")
-    if kind == "mx":
-        return Tile(kind, 1, arg, arg)
-    if kind == "block":
-        return Tile(kind, arg[0], arg[1], arg)
-    if kind == "row":
-        return Tile(kind, 1, 0, None)
-    return Tile(kind, 0, 0, None)
+from fmtkit.scaling import ScaledArray, TensorScaling, keep_nonfinite, quantize
 
 
 def round_up(n: int, m: int) -> int:
@@ -89,21 +32,6 @@ def pad2(t: jax.Array, f: int, c: int) -> jax.Array:
     """A 2-D ``t`` zero-padded at the end to ``[f, c]``."""
     pf, pc = f - t.shape[0], c - t.shape[1]
     return jnp.pad(t, ((0, pf), (0, pc))) if pf or pc else t
-
-
-def scaling_of(tile: Tile, recipe: Fp8Recipe, cmajor: bool = False) -> Recipe | None:
-    """The scaling recipe of a tile of a [free, contraction] operand (None: no scale), or,
-    ``cmajor``, of the same operand stored as its transpose [contraction, free]."""
-    if tile.kind == "tensor":
-        return TensorScaling(recipe.power_of_two, recipe.margin)
-    if tile.kind == "row":
-        return AxisScaling(0 if cmajor else -1, recipe.power_of_two, recipe.margin)
-    if tile.kind == "mx":
-        return MXScaling(tile.arg, recipe.mx_scale_rounding, axis=0 if cmajor else -1)
-    if tile.kind == "block":
-        return BlockScaling(tile.arg[::-1] if cmajor else tile.arg, recipe.power_of_two,
-                            recipe.margin)
-    return None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["sa"],
@@ -199,9 +127,3 @@ def transpose_operand(op: Operand, f_to: int, c_to: int) -> Operand:
 def padded_c(c: int, *tiles: Tile) -> int:
     """A contraction of ``c`` elements padded to every tile's contraction block."""
     return round_up(c, math.lcm(*(max(t.c, 1) for t in tiles)))
-
-
-
-def recipe_tiles(recipe: Fp8Recipe) -> tuple[Tile, Tile, Tile]:
-    """The tiles of a recipe's x, w and grad operands."""
-    return tile_of(recipe.x_tile), tile_of(recipe.w_tile), tile_of(recipe.grad_tile)

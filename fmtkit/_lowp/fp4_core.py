@@ -8,8 +8,8 @@ blocks along both dims (exact: zeros never raise an amax, a zero block has scale
 values) and the result sliced back, as in the FP8 core.
 
 Forward-mode AD computes the tangent through the forward GEMM's quantized operands,
-``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` in f32 (``_core_operands``), as the FP8 core does; reverse mode
-runs the backward GEMMs (see ``fmtkit.fp8._jvp``).
+``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` in f32 (``_operands``), as the FP8 core does; reverse mode
+runs the backward GEMMs (see ``fmtkit._lowp.autodiff``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fmtkit.casting import check_floating
-from fmtkit.fp8._backends import on_blackwell
-from fmtkit.fp8._fp4_quant import (
+from fmtkit._lowp.autodiff import differentiable
+from fmtkit._lowp.backends import on_blackwell
+from fmtkit._lowp.core import Core
+from fmtkit._lowp.fp4_quant import (
     E2M1_MAX,
     E4M3,
     Fp4Array,
@@ -31,11 +32,11 @@ from fmtkit.fp8._fp4_quant import (
     nvfp4_quantize,
     tensor_amax,
 )
-from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, scaled_matmul
-from fmtkit.fp8._hadamard import random_hadamard_transform
-from fmtkit.fp8._jvp import fwd_and_bwd_core
-from fmtkit.fp8._operands import pad2, padded_c, recipe_tiles, round_up, tile_of
-from fmtkit.fp8._recipe import Fp4Recipe, get_recipe
+from fmtkit._lowp.gemm import DGRAD_SCOPE, WGRAD_SCOPE, scaled_matmul
+from fmtkit._lowp.hadamard import random_hadamard_transform
+from fmtkit._lowp.operands import pad2, padded_c, round_up
+from fmtkit._lowp.recipes import Fp4Recipe, get_recipe, recipe_tiles, tile_of
+from fmtkit.casting import check_floating
 from fmtkit.scaling import ScaledArray
 from fmtkit.stats import block_stats
 
@@ -139,14 +140,14 @@ def _core_impl(recipe, x, w):
     return _gemm(xq, wq, recipe)[:m, :n], wq
 
 
-def _core_fwd(recipe, out_dtype, x, w, hist):
+def _forward(recipe, out_dtype, x, w, hist):
     y, wq = _core_impl(recipe, x, w)
     square = tile_of(recipe.w_tile).f > 1
     return y, (x, w, wq if square else None, hist)
 
 
-def _core_bwd(recipe, out_dtype, res, g):
-    del out_dtype
+def _backward(recipe, out_dtype, res, g, need):
+    del out_dtype, need  # (a gradient nothing reads is dead code in a compiled step)
     x, w, wq, hist = res
     m, k = x.shape
     n = w.shape[0]
@@ -174,10 +175,10 @@ def _core_bwd(recipe, out_dtype, res, g):
     return dx, dw, jnp.zeros_like(hist)
 
 
-def _core_operands(recipe, res, m, n):
+def _operands(recipe, res, m, n):
     """``Q(x)`` [M, K] and ``Q(w)`` [N, K], the forward GEMM's FP4 operands as it multiplied
-    them (stochastic rounding with its keys included; dequantized, f32), from ``_core_fwd``'s
-    residuals: the forward-mode tangent's operands (see ``fmtkit.fp8._jvp``)."""
+    them (stochastic rounding with its keys included; dequantized, f32), from ``_forward``'s
+    residuals: the forward-mode tangent's operands (see ``fmtkit._lowp.autodiff``)."""
     x, w, wq, _ = res
     k = x.shape[1]
     tx, tw, _ = recipe_tiles(recipe)
@@ -188,10 +189,13 @@ def _core_operands(recipe, res, m, n):
     return xd, wq.dequantize()[:n, :k]
 
 
-fp4_core = fwd_and_bwd_core(_core_fwd, _core_bwd, _core_operands, """\
-The FP8 core's signature (``fp8_core``); the emulated GEMMs return f32 (``out_dtype``, the
+FP4_CORE = Core(forward=_forward, backward=_backward, operands=_operands)
+"""The FP4 core's functions (``fmtkit._lowp.core.Core``)."""
+
+fp4_dot = differentiable(FP4_CORE, """\
+The FP8 core's signature (``fp8_dot``); the emulated GEMMs return f32 (``out_dtype``, the
 consumer's dtype, is applied by the caller). Forward-mode AD: see
-``fmtkit.fp8._jvp.fwd_and_bwd_core``.""")
+``fmtkit._lowp.autodiff.differentiable``.""")
 
 
 def quantization_stats(t: jax.typing.ArrayLike, recipe: str | Fp4Recipe = "nvfp4",

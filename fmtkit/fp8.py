@@ -24,18 +24,9 @@ FP4 recipes (``fmtkit.fp4``: NVFP4, MXFP4) are ``Fp8Recipe`` subclasses and go w
 FP8 recipe goes: ``get_recipe``, ``dot_general_fn``, ``dot_general`` and ``init_state`` take
 their names too.
 
-One concept per module (all private; the public names are the ones below):
-
-    _recipe       Fp8Recipe, Fp4Recipe, the named recipes, get_recipe
-    _state        the delayed-scaling state: init_state, update_state, combine_observations
-    _backends     the GEMM backend registry (register_gemm_backend, entry points)
-    _operands     tilings, quantized [free, contraction] operands, padding, transposes
-    _accumulator  limited_precision_matmul (an emulated narrow accumulator)
-    _gemm         scaled_matmul: per-block dots, widening off GPUs, kernel dispatch
-    _vjp          the FP8 custom-VJP core (forward, dgrad, wgrad)
-    _dot          dot_general_fn and dot_general (lax.dot_general's signature)
-    _ragged       ragged_dot: the grouped FP8 GEMM (lax.ragged_dot, MoE experts)
-    _fp4_quant, _hadamard, _fp4_vjp   the FP4 family (public path: fmtkit.fp4)
+This module and ``fmtkit.fp4`` are the two public faces of one private low-precision package,
+``fmtkit._lowp`` (recipes and their tilings, operands, the GEMM, the FP8 and FP4 cores, their
+autodiff, the grouped GEMM, the backend registry); both re-export its names.
 
 Deprecated spellings (they warn with a ``DeprecationWarning`` naming the replacement):
 ``FP8Recipe`` (``Fp8Recipe``), ``Fp8DotState`` (``fmtkit.DelayedScalingState``) and the
@@ -47,21 +38,21 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from fmtkit.fp8._accumulator import limited_precision_matmul
-from fmtkit.fp8._backends import (
+from fmtkit._lowp.accumulator import limited_precision_matmul
+from fmtkit._lowp.backends import (
     GemmBackend,
     gemm_backends,
     register_gemm_backend,
 )
-from fmtkit.fp8._backends import on_blackwell as on_blackwell
-from fmtkit.fp8._dot import dot_general, dot_general_fn
-from fmtkit.fp8._gemm import DGRAD_SCOPE as DGRAD_SCOPE
-from fmtkit.fp8._gemm import PARTIALS_BUDGET_BYTES, scaled_matmul
-from fmtkit.fp8._gemm import WGRAD_SCOPE as WGRAD_SCOPE
-from fmtkit.fp8._gemm import WIDENED_SCOPE as WIDENED_SCOPE
-from fmtkit.fp8._ragged import expert_block_layout, ragged_dot
-from fmtkit.fp8._recipe import RECIPES, Fp8Recipe, get_recipe
-from fmtkit.fp8._state import combine_observations, init_state, update_state
+from fmtkit._lowp.backends import on_blackwell as on_blackwell
+from fmtkit._lowp.dot import dot_general, dot_general_fn
+from fmtkit._lowp.gemm import DGRAD_SCOPE as DGRAD_SCOPE
+from fmtkit._lowp.gemm import PARTIALS_BUDGET_BYTES, scaled_matmul
+from fmtkit._lowp.gemm import WGRAD_SCOPE as WGRAD_SCOPE
+from fmtkit._lowp.gemm import WIDENED_SCOPE as WIDENED_SCOPE
+from fmtkit._lowp.grouped import expert_block_layout, ragged_dot
+from fmtkit._lowp.recipes import RECIPES, Fp8Recipe, get_recipe
+from fmtkit._lowp.state import combine_observations, init_state, update_state
 from fmtkit.scaling import DelayedScalingState as _DelayedScalingState
 
 __all__ = [

@@ -2,8 +2,8 @@
 function Flax modules take) and ``dot_general`` (the op).
 
 Any contracting and batch dims are flattened to a 2-D GEMM per batch element,
-``x [M, K] · w [N, K]ᵀ``, computed by the recipe's core (``fp8_core``, or
-``fp4_core`` for an FP4 recipe) and reshaped back.
+``x [M, K] · w [N, K]ᵀ``, computed by the recipe's core (``fp8_dot``, or
+``fp4_dot`` for an FP4 recipe) and reshaped back.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fmtkit._lowp.fp4_core import fp4_dot
+from fmtkit._lowp.fp8_core import fp8_dot
+from fmtkit._lowp.gemm import gemm_dtype
+from fmtkit._lowp.recipes import Fp4Recipe, Fp8Recipe, get_recipe
 from fmtkit.casting import check_floating
-from fmtkit.fp8._fp4_vjp import fp4_core
-from fmtkit.fp8._gemm import gemm_dtype
-from fmtkit.fp8._recipe import Fp4Recipe, Fp8Recipe, get_recipe
-from fmtkit.fp8._vjp import fp8_core
 from fmtkit.scaling import DelayedScalingState
 
 
@@ -149,7 +149,7 @@ def _fp8_dot(recipe: Fp8Recipe, where: str, lhs, rhs, dimension_numbers, precisi
         y = jnp.zeros(out_shape, out_dtype)
         return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
     # FP4 recipes run the FP4 core (its GEMMs take E2M1 operands), others the FP8 core.
-    core = functools.partial(fp4_core if isinstance(recipe, Fp4Recipe) else fp8_core,
+    core = functools.partial(fp4_dot if isinstance(recipe, Fp4Recipe) else fp8_dot,
                              recipe, gemm_dtype(out_dtype))
     for _ in range(nbatch):
         core = jax.vmap(core, in_axes=(0, 0, 0 if recipe.delayed else None))

@@ -10,7 +10,8 @@ import pytest
 from jaxpr_utils import iter_eqns, operand_dtypes
 
 from fmtkit import fp8
-from fmtkit.fp8 import _gemm, _ragged
+from fmtkit._lowp import grouped
+from fmtkit._switches import flipped
 from fmtkit.policy import _interpreter, inspect_policy, with_policy
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -110,8 +111,8 @@ def test_the_small_expert_keeps_its_own_scale():
 def test_one_scale_for_all_groups_fails_the_reference(monkeypatch):
     """Mutation: the weight stack quantized with one amax for all groups: the small expert
     falls into E4M3's subnormals."""
-    orig = _ragged._amax
-    monkeypatch.setattr(_ragged, "_amax", lambda t, recipe, axes=None: jnp.broadcast_to(
+    orig = grouped._amax
+    monkeypatch.setattr(grouped, "_amax", lambda t, recipe, axes=None: jnp.broadcast_to(
         orig(t, recipe), orig(t, recipe, axes).shape))
     y, _, _ = _run("current")
     ry, _, _ = _reference("current")
@@ -183,11 +184,11 @@ def _ragged_operands(closed):
 
 @pytest.mark.parametrize("preset, grad_fmt", [("fp8-current", "float8_e5m2"),
                                                ("fp8-blockwise", "float8_e4m3fn")])
-def test_moe_layer_ragged_gemms_are_fp8_forward_and_backward(monkeypatch, preset, grad_fmt):
+def test_moe_layer_ragged_gemms_are_fp8_forward_and_backward(preset, grad_fmt):
     # FP8 operands enter the dots as FP8 (as on a GPU), so the walker reads their dtypes.
-    monkeypatch.setattr(_gemm, "_WIDEN_OFF_GPU", False)
     policied = with_policy(moe_layer, preset)
-    closed = jax.make_jaxpr(jax.grad(_loss(policied), argnums=(0, 1)))(MOE, TOKENS)
+    with flipped(widen_off_gpu=False):
+        closed = jax.make_jaxpr(jax.grad(_loss(policied), argnums=(0, 1)))(MOE, TOKENS)
     ops = _ragged_operands(closed)
     e4 = "float8_e4m3fn"
     # forward up / down and dgrad down / up: groups of rows; wgrad up / down: ragged tokens
@@ -392,7 +393,7 @@ def test_reverse_mode_is_the_fp8_backward_bit_for_bit():
     for recipe in ("current", "blockwise"):
         _, pullback = jax.vjp(lambda a, b, r=recipe: fp8.ragged_dot(a, b, gs, r), x, w)
         got = pullback(dy)
-        want = _ragged._backward(fp8.get_recipe(recipe), x, w, gs, dy, True, True)
+        want = grouped._backward_gemms(fp8.get_recipe(recipe), x, w, gs, dy, True, True)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

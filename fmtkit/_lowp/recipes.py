@@ -1,6 +1,11 @@
 """Recipes: ``Fp8Recipe`` (how the three GEMMs of a scaled ``dot_general`` quantize their
-operands), its FP4 subclass ``Fp4Recipe``, the named recipes of both families and
-``get_recipe``, which takes a name of either.
+operands), its FP4 subclass ``Fp4Recipe``, the named recipes of both families,
+``get_recipe``, which takes a name of either, and the tilings the recipes own (``Tile``: how
+an operand is blocked, and the ``fmtkit.scaling`` recipe of each block).
+
+``Fp4Recipe`` subclasses ``Fp8Recipe`` on purpose: the policy's rules, ``dot_general_fn`` and
+users' code take "a recipe" as an ``Fp8Recipe`` (``isinstance``), and an FP4 recipe goes
+everywhere an FP8 one goes.
 
 An FP4 recipe goes wherever an FP8 recipe goes (``fmtkit.fp8.dot_general_fn``, policies,
 rules): the names of both families are one namespace (``fmtkit.fp8.RECIPES`` holds the FP8
@@ -10,12 +15,87 @@ ones, ``fmtkit.fp4.RECIPES`` the FP4 ones; no name is in both).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import functools
+import re
+from typing import Any, Literal, NamedTuple
 
+from fmtkit._lowp.fp4_quant import E2M1, ROUNDINGS
 from fmtkit.formats import get_format
-from fmtkit.fp8._fp4_quant import E2M1, ROUNDINGS
-from fmtkit.fp8._operands import parse_tile, scaling_of, tile_of
-from fmtkit.scaling import DelayedScaling, Recipe
+from fmtkit.scaling import (
+    AxisScaling,
+    BlockScaling,
+    DelayedScaling,
+    MXScaling,
+    Recipe,
+    TensorScaling,
+)
+
+# Tilings: how a recipe blocks each operand, given for the operand laid out
+# [free, contraction]; the operands and GEMMs read them from the recipe.
+
+_TILE_RE = re.compile(r"^(tensor|row|none|mx(\d+)|(\d+)x(\d+))$")
+
+
+def parse_tile(spec: str, arg: str) -> tuple[str, tuple[int, int] | int | None]:
+    """``(kind, arg)`` of a tiling spec: ("mx", 32) for "mx32", ("block", (1, 128)) for
+    "1x128", (spec, None) for "tensor", "row", "none"; ``arg`` names the field in the error."""
+    m = _TILE_RE.match(spec) if isinstance(spec, str) else None
+    if not m:
+        raise ValueError(
+            f"{arg}={spec!r} is not a tiling; use 'tensor', 'row', 'none', 'mxN' (e.g. "
+            f"'mx32') or 'AxB' (e.g. '1x128', '128x128').")
+    if m.group(2):
+        return "mx", int(m.group(2))
+    if m.group(3):
+        return "block", (int(m.group(3)), int(m.group(4)))
+    return spec, None
+
+
+class Tile(NamedTuple):
+    """A parsed tiling (``tile_of``) of a ``[free, contraction]`` operand."""
+
+    kind: str  # "tensor", "row", "none", "mx", "block"
+    f: int  # block along the free dim (1 for per-row tiles and MX; 0: whole dim)
+    c: int  # block along the contraction (0: the whole dim)
+    arg: Any
+
+    @property
+    def transposable(self) -> bool:
+        """Quantizing t.T gives the transpose of quantizing t (same blocks, same scales)."""
+        return self.kind in ("tensor", "none") or (self.kind == "block" and self.f == self.c)
+
+
+@functools.cache
+def tile_of(spec: str) -> Tile:
+    """The ``Tile`` of a (valid) tiling spec."""
+    kind, arg = parse_tile(spec, "tile")
+    if kind == "mx":
+        return Tile(kind, 1, arg, arg)
+    if kind == "block":
+        return Tile(kind, arg[0], arg[1], arg)
+    if kind == "row":
+        return Tile(kind, 1, 0, None)
+    return Tile(kind, 0, 0, None)
+
+
+def scaling_of(tile: Tile, recipe: Fp8Recipe, cmajor: bool = False) -> Recipe | None:
+    """The scaling recipe of a tile of a [free, contraction] operand (None: no scale), or,
+    ``cmajor``, of the same operand stored as its transpose [contraction, free]."""
+    if tile.kind == "tensor":
+        return TensorScaling(recipe.power_of_two, recipe.margin)
+    if tile.kind == "row":
+        return AxisScaling(0 if cmajor else -1, recipe.power_of_two, recipe.margin)
+    if tile.kind == "mx":
+        return MXScaling(tile.arg, recipe.mx_scale_rounding, axis=0 if cmajor else -1)
+    if tile.kind == "block":
+        return BlockScaling(tile.arg[::-1] if cmajor else tile.arg, recipe.power_of_two,
+                            recipe.margin)
+    return None
+
+
+def recipe_tiles(recipe: Fp8Recipe) -> tuple[Tile, Tile, Tile]:
+    """The tiles of a recipe's x, w and grad operands."""
+    return tile_of(recipe.x_tile), tile_of(recipe.w_tile), tile_of(recipe.grad_tile)
 
 
 def _check_fields(recipe: Any) -> None:

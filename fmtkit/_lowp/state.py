@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fmtkit.fp8._recipe import Fp8Recipe, get_recipe
+from fmtkit._lowp.recipes import Fp8Recipe, get_recipe
 from fmtkit.scaling import DelayedScalingState, record_amax
 
 

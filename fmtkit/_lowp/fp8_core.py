@@ -15,8 +15,8 @@ only the tilings that change with the contraction axis (rows, 1x128 tiles, MX bl
 quantized again from x / w / dy.
 
 Forward-mode AD (``jax.jvp``, ``jacfwd``) computes the tangent through the forward GEMM's
-quantized operands, ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` in f32 (``_core_operands``); reverse mode
-runs the three GEMMs above (see ``fmtkit.fp8._jvp``).
+quantized operands, ``ẏ = ẋ · Q(w)ᵀ + Q(x) · ẇᵀ`` in f32 (``_operands``); reverse mode
+runs the three GEMMs above (see ``fmtkit._lowp.autodiff``).
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fmtkit.fp8._gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm, gemm_dtype
-from fmtkit.fp8._jvp import fwd_and_bwd_core
-from fmtkit.fp8._operands import (
+from fmtkit._lowp.autodiff import differentiable
+from fmtkit._lowp.core import Core
+from fmtkit._lowp.gemm import DGRAD_SCOPE, WGRAD_SCOPE, gemm, gemm_dtype
+from fmtkit._lowp.operands import (
     Operand,
-    Tile,
     padded_c,
     quantize_operand,
-    recipe_tiles,
     round_up,
     transpose_operand,
 )
-from fmtkit.fp8._recipe import Fp8Recipe
+from fmtkit._lowp.recipes import Fp8Recipe, Tile, recipe_tiles
 from fmtkit.scaling import delayed_amax_of, dequantize
 
 
@@ -74,7 +73,7 @@ def _used_amax(t: jax.Array, recipe: Fp8Recipe, tile: Tile) -> jax.Array:
     return jnp.zeros((), jnp.float32)
 
 
-def _core_fwd(recipe, out_dtype, x, w, hist):
+def _forward(recipe, out_dtype, x, w, hist):
     tx, tw, _ = recipe_tiles(recipe)
     m, k = x.shape
     n = w.shape[0]
@@ -98,7 +97,7 @@ def _core_fwd(recipe, out_dtype, x, w, hist):
 def _backward_operand(res: jax.Array | Operand, fmt: str, tile: Tile,
                       recipe: Fp8Recipe, hist_row: jax.Array, amax: jax.Array, k: int,
                       c_to: int, *, stored_transposed: bool) -> Operand:
-    """A forward operand ([F, K], saved by ``_core_fwd``) as a backward GEMM reads it,
+    """A forward operand ([F, K], saved by ``_forward``) as a backward GEMM reads it,
     contracting F: its quantized forward value transposed where the tile allows, else the
     saved input re-quantized along the new contraction (padded to ``c_to`` columns), in the
     layout it is stored in: ``stored_transposed`` (w, the transpose of a [K, N] kernel) is
@@ -111,8 +110,8 @@ def _backward_operand(res: jax.Array | Operand, fmt: str, tile: Tile,
     return quantize_operand(res, fmt, tile, recipe, amax, c_to, cmajor=True)
 
 
-def _core_bwd(recipe, out_dtype, res, g):
-    del out_dtype
+def _backward(recipe, out_dtype, res, g, need):
+    del out_dtype, need  # (a gradient nothing reads is dead code in a compiled step)
     g = g.astype(jnp.float32)  # as when the forward GEMM returned f32 (exact from bf16)
     x_res, w_res, hist, amax_x, amax_w, x_meta, w_meta = res
     m, n = g.shape
@@ -151,7 +150,7 @@ def _forward_operand(res: jax.Array | Operand, fmt: str, tile: Tile, recipe: Fp8
                      hist_row: jax.Array, amax: jax.Array, f: int, k: int, *,
                      stored_transposed: bool) -> jax.Array:
     """A forward operand [F, K] as the forward GEMM read it, dequantized to f32: from its
-    saved quantized value, or quantized again from the saved input as ``_core_fwd`` did."""
+    saved quantized value, or quantized again from the saved input as ``_forward`` did."""
     if not isinstance(res, Operand):
         kp = padded_c(k, *recipe_tiles(recipe)[:2])
         t = res.T if stored_transposed else res
@@ -161,10 +160,10 @@ def _forward_operand(res: jax.Array | Operand, fmt: str, tile: Tile, recipe: Fp8
     return dequantize(res.logical(), jnp.float32)[:f, :k]
 
 
-def _core_operands(recipe, res, m, n):
+def _operands(recipe, res, m, n):
     """``Q(x)`` [M, K] and ``Q(w)`` [N, K], the forward GEMM's operands as it multiplied them
-    (dequantized, f32), from ``_core_fwd``'s residuals: the forward-mode tangent's operands
-    (see ``fmtkit.fp8._jvp``)."""
+    (dequantized, f32), from ``_forward``'s residuals: the forward-mode tangent's operands
+    (see ``fmtkit._lowp.autodiff``)."""
     x_res, w_res, hist, amax_x, amax_w, x_meta, _ = res
     tx, tw, _ = recipe_tiles(recipe)
     k = x_meta.shape[1]
@@ -175,7 +174,10 @@ def _core_operands(recipe, res, m, n):
     return xd, wd
 
 
-fp8_core = fwd_and_bwd_core(_core_fwd, _core_bwd, _core_operands, """\
+FP8_CORE = Core(forward=_forward, backward=_backward, operands=_operands)
+"""The FP8 core's functions (``fmtkit._lowp.core.Core``)."""
+
+fp8_dot = differentiable(FP8_CORE, """\
 ``x [M, K] · w [N, K]ᵀ`` with the recipe's three GEMMs; ``hist`` f32[3, history] is the
 delayed recipe's amax history (its cotangent: the observed amaxes). Forward-mode AD: see
-``fmtkit.fp8._jvp.fwd_and_bwd_core``.""")
+``fmtkit._lowp.autodiff.differentiable``.""")

@@ -19,26 +19,25 @@ per-block partials of 128-wide (or wider) blocks are one 2-D dot per block in a 
 per-tensor operands takes the form XLA rewrites into cuBLASLt's FP8 GEMM
 (``_per_tensor_dot``).
 
-The private switches (``_SCAN_BLOCK_DOTS``, ``_FOLD_POW2_SCALES``, ``_WIDEN_OFF_GPU``,
-``_CUBLASLT_FORM``) and ``PARTIALS_BUDGET_BYTES`` are read here while tracing: tests set them
-on this module.
+The forms this module ships are private switches (``fmtkit._switches``: ``scan_block_dots``,
+``fold_pow2_scales``, ``widen_off_gpu``, ``cublaslt_form``, and ``partials_budget_bytes``,
+whose default is ``PARTIALS_BUDGET_BYTES``), read here while tracing; tests flip them with
+``fmtkit._switches.flipped``.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fmtkit.fp8._accumulator import limited_precision_matmul
-from fmtkit.fp8._backends import kernel_backend, on_gpu
-from fmtkit.fp8._operands import Operand
+from fmtkit._lowp.accumulator import limited_precision_matmul
+from fmtkit._lowp.backends import kernel_backend, on_gpu
+from fmtkit._lowp.operands import Operand
+from fmtkit._lowp.recipes import Fp8Recipe
+from fmtkit._switches import SWITCHES, Switches
 from fmtkit.scaling import ScaledArray, dequantize
 
-if TYPE_CHECKING:
-    from fmtkit.fp8._recipe import Fp8Recipe
 
 def _expand_scale(sa: ScaledArray, g: int) -> jax.Array:
     """Scale as f32 [F, C / g]: repeated along the free dim and over g-blocks of C."""
@@ -130,10 +129,10 @@ def _scaled_matmul(a: ScaledArray | Operand, b: ScaledArray | Operand,
     # f32 accumulator (temporaries: the accumulator and one partial).
     sa = _rows(_block_scale(a, g), fa)  # [F1, nb]
     sb = _rows(_block_scale(b, g), fb)  # [F2, nb]
-    if (_SCAN_BLOCK_DOTS and g >= _MIN_SCAN_BLOCK and _widens(a.sa.values)
+    if (SWITCHES.scan_block_dots and g >= _MIN_SCAN_BLOCK and _widens(a.sa.values)
             and _widens(b.sa.values)):
         return _block_dots(a, b, sa, sb, g, transposed)
-    group = nb if 4 * nb * fa * fb <= PARTIALS_BUDGET_BYTES else 1
+    group = nb if 4 * nb * fa * fb <= SWITCHES.partials_budget_bytes else 1
 
     def split(t: Operand) -> tuple[jax.Array, int]:
         """Stored values split into [..., nb / group, group, g, ...] and the axis of
@@ -211,10 +210,6 @@ def _block_dots(a: Operand, b: Operand, sa: jax.Array, sb: jax.Array, g: int,
     return lax.scan(step, acc, jnp.arange(sa.shape[1]), unroll=_BLOCK_DOTS_UNROLL)[0]
 
 
-_SCAN_BLOCK_DOTS = True
-"""Private switch of the per-block 2-D dots off GPUs (``_block_dots``); tests turn it off to
-compare with the batched per-block dot it replaces."""
-
 _BLOCK_DOTS_UNROLL = 2
 """Blocks per loop iteration of ``_block_dots``' scan: two ran the blockwise FP8 step faster
 on XLA:CPU than one, and all blocks unrolled into separate dots slower than either. (XLA
@@ -233,14 +228,6 @@ widened off GPUs (``_emulated_dot``; scales folded in by ``_folds_scales``, or n
 ``fmtkit_fp8_widened-float8_e4m3fn-float8_e4m3fn``): its dot reads bf16 operands, and a jaxpr
 reader (``fmtkit.policy.inspect_policy``) reports the FP8 formats the GEMM computes in."""
 
-_FOLD_POW2_SCALES = True
-"""Private switch of the power-of-two fold (``_folds_scales``); tests turn it off to compare
-the fold with the per-block form it replaces."""
-
-_WIDEN_OFF_GPU = True
-"""Private switch of the bf16 widening of FP8 dot operands off GPUs (``_emulated_dot``); tests
-turn it off to compare with the FP8 dot it replaces."""
-
 _WIDE_DTYPE = jnp.bfloat16
 """The dtype FP8 dot operands enter the dot in off GPUs (and the folded operands'): bf16
 holds every FP8 element exactly (E4M3 / E5M2 have at most 4 significant bits and bf16's
@@ -258,7 +245,7 @@ def _widens(values: jax.Array) -> bool:
     exactly (at most 8 significant bits, exponents within bf16's)."""
     fi = jnp.finfo(values.dtype)
     wide = jnp.finfo(_WIDE_DTYPE)
-    return (_WIDEN_OFF_GPU and fi.bits < 16 and fi.nmant <= wide.nmant
+    return (SWITCHES.widen_off_gpu and fi.bits < 16 and fi.nmant <= wide.nmant
             and fi.maxexp <= wide.maxexp and fi.minexp >= wide.minexp and not on_gpu())
 
 
@@ -342,19 +329,14 @@ def _folds_scales(a: ScaledArray, b: ScaledArray) -> bool:
     partial products of the output's size. On a GPU the FP8 operands go into the dot
     (per block), as the FP8 GEMM contract requires.
     """
-    return (_FOLD_POW2_SCALES and _pow2_scales(a) and _pow2_scales(b) and not on_gpu())
-
-
-_CUBLASLT_FORM = True
-"""Private switch of the per-tensor GEMM's form on a GPU (``_per_tensor_dot``); tests turn it
-off to check that the cross-lowering test notices the form it replaces."""
+    return (SWITCHES.fold_pow2_scales and _pow2_scales(a) and _pow2_scales(b) and not on_gpu())
 
 
 def _cublaslt_form(a: Operand, b: Operand) -> bool:
     """Whether a GEMM of one scale per operand runs in the form XLA's GPU GEMM rewriter
     turns into cuBLASLt's FP8 GEMM (``_per_tensor_dot``): on a GPU, with FP8 stored values
     that enter the dot as they are (off GPUs they are widened: ``_emulated_dot``)."""
-    return (_CUBLASLT_FORM and on_gpu() and a.sa.scale.size == 1 and b.sa.scale.size == 1
+    return (SWITCHES.cublaslt_form and on_gpu() and a.sa.scale.size == 1 and b.sa.scale.size == 1
             and not (_widens(a.sa.values) or _widens(b.sa.values)))
 
 
@@ -397,12 +379,13 @@ def _row_scales(op: Operand) -> jax.Array:
     return s
 
 
-PARTIALS_BUDGET_BYTES = 32 * 2**20
+PARTIALS_BUDGET_BYTES: int = Switches.partials_budget_bytes
 """Most bytes of f32 per-block partial products ``scaled_matmul`` materializes at once where
-they come from batched dots (on a GPU, and for blocks narrower than 128): below it, all
-partials come from one batched dot (a 512 x 512 output with 16 MX blocks is 16 MiB; the loop
-form is several times slower on CPU at such sizes); above it (a 4096 x 7168 output is 112 MiB
-per partial), blocks are accumulated one at a time."""
+they come from batched dots (on a GPU, and for blocks narrower than 128), 32 MiB: below it,
+all partials come from one batched dot (a 512 x 512 output with 16 MX blocks is 16 MiB; the
+loop form is several times slower on CPU at such sizes); above it (a 4096 x 7168 output is
+112 MiB per partial), blocks are accumulated one at a time. The GEMM reads the private switch
+of which this is the default (tests lower it to reach the loop form with small arrays)."""
 
 
 def _block_scale(op: Operand, g: int) -> jax.Array:

@@ -12,8 +12,9 @@ tangents, so the tangent here is a primitive whose transpose rule *is* that back
   the forward GEMM's quantized operands (the quantization's derivative taken as the
   identity, as the backward GEMMs take it), in f32, rounded once to the GEMM's output dtype.
 * ``jax.grad`` / ``jax.vjp`` stage the primitive in the linear part and transpose it: the
-  backward function the core defines (``_core_bwd``: the recipe's dgrad and wgrad), on the
-  residuals the forward pass saves, exactly as a ``custom_vjp`` with that backward computes.
+  backward function of the core's record (``Core.backward``: the recipe's dgrad and wgrad),
+  on the residuals the forward pass saves, exactly as a ``custom_vjp`` with that backward
+  computes.
 
 The primitive takes the forward pass's residuals (``jax.tree`` leaves), ``x`` and ``w``
 (read only by the derivative of the backward: a Hessian-vector product; unused, they are
@@ -40,6 +41,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from fmtkit._lowp.core import Core
+
 TANGENT_PRIMITIVE = "fmtkit_fp8_tangent"
 """The name of the primitive that computes an FP8 / FP4 GEMM's forward-mode tangent (a jaxpr
 of ``jax.jvp`` through an FP8 model shows it where the tangent GEMMs run)."""
@@ -51,30 +54,6 @@ def _mapped(fn: Callable, nbatch: int) -> Callable:
     for _ in range(nbatch):
         fn = jax.vmap(fn)
     return fn
-
-
-_DIMS = (((1,), (1,)), ((), ()))  # a [F1, C] · b [F2, C]ᵀ
-
-
-def _f32_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a [F1, C] · b [F2, C]ᵀ`` in f32 (HIGHEST: every product and sum in f32)."""
-    return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), _DIMS,
-                               precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-
-def _dense_product(res: Any, a: jax.Array, b: jax.Array) -> jax.Array:
-    """The dense cores' forward product ``a [M, K] · b [N, K]ᵀ`` in f32 (``res`` unused)."""
-    del res
-    return _f32_matmul(a, b)
-
-
-def _dense_transposes(res: Any, ct: jax.Array, a: jax.Array, b: jax.Array
-                     ) -> tuple[jax.Array, jax.Array]:
-    """``_dense_product``'s transposes applied to ``ct [M, N]``: ``ct · b`` [M, K] (in ``a``)
-    and ``ctᵀ · a`` [N, K] (in ``b``), in f32."""
-    del res
-    return _f32_matmul(ct, b.T), _f32_matmul(ct.T, a.T)
 
 
 def _full_extras(args: tuple, n: int, extra_mapped: tuple[bool, ...]) -> list:
@@ -191,55 +170,35 @@ def _zero_tangent(r: jax.Array) -> jax.Array:
     return np.zeros(r.shape, jax.dtypes.float0)
 
 
-def fwd_and_bwd_core(fwd: Callable, bwd: Callable, operands: Callable, doc: str, *,
-                     product: Callable = _dense_product,
-                     transposes: Callable = _dense_transposes,
-                     needs: bool = False) -> Any:
-    """A core ``core(recipe, out_dtype, x, w, extra)`` differentiable both ways.
+def differentiable(core: Core, doc: str) -> Any:
+    """The core ``core(recipe, out_dtype, x, w, extra)`` of a record, differentiable both ways.
 
     Args:
-      fwd: ``fwd(recipe, out_dtype, x, w, extra) -> (y, residuals)``.
-      bwd: ``bwd(recipe, out_dtype, residuals, g) -> (dx, dw, dextra)``, the reverse-mode
-        rule (``needs``: ``bwd(recipe, out_dtype, residuals, g, need)``, ``need`` the tuple
-        of flags saying which of ``x``, ``w`` (and a floating ``extra``) reverse mode asks a
-        gradient for; the others may be None).
-      operands: ``operands(recipe, residuals, M, N) -> (Q(x), Q(w))``: the forward GEMM's
-        operands as it multiplied them (dequantized, f32; for the dense cores [M, K] and
-        [N, K]).
-      doc: the core's docstring.
-      product: ``product(residuals, a, b)``, the forward GEMM's product as a bilinear map in
-        f32 (default: the dense ``a · bᵀ``; the grouped GEMM: ``lax.ragged_dot`` with the
-        group sizes it saves).
-      transposes: ``transposes(residuals, ct, a, b) -> (ct_a, ct_b)``, ``product``'s
-        transposes in each operand applied to ``ct``, in f32.
-      needs: whether ``bwd`` takes the ``need`` flags.
-
-    ``extra`` is the dense cores' f32 amax history (its cotangent: the observed amaxes) or
-    an integer input (the grouped GEMM's group sizes), whose tangent is none (float0).
+      core: the core's functions (``fmtkit._lowp.core.Core``).
+      doc: the differentiable core's docstring.
 
     Returns:
       The core. Its forward-mode tangent is ``ẏ = product(ẋ, Q(w)) + product(Q(x), ẇ)``
       (dense: ``ẋ · Q(w)ᵀ + Q(x) · ẇᵀ``) in f32, rounded once to y's dtype; reverse mode
-      runs ``bwd``. Differentiating the gradient forward (``jax.jvp`` of ``jax.grad``:
-      Hessian-vector products) takes the tangent of ``bwd``'s ``dx``, ``dw`` as ``product``'s
-      transposes through the same quantized operands, in f32: dense, of ``dx = g · w``,
-      ``dw = gᵀ · x``, ``ġ · Q(w) + g · ẇ`` and ``ġᵀ · Q(x) + gᵀ · ẋ`` (the amax history's
-      tangent: zero). The tangent's own derivative (``jacfwd`` of ``jacfwd``, ``grad`` of
-      ``jvp``) is ``_tangent_jvp``'s.
+      runs ``core.backward``. Differentiating the gradient forward (``jax.jvp`` of
+      ``jax.grad``: Hessian-vector products) takes the tangent of the backward's ``dx``,
+      ``dw`` as ``product``'s transposes through the same quantized operands, in f32: dense,
+      of ``dx = g · w``, ``dw = gᵀ · x``, ``ġ · Q(w) + g · ẇ`` and ``ġᵀ · Q(x) + gᵀ · ẋ`` (the
+      amax history's tangent: zero). The tangent's own derivative (``jacfwd`` of ``jacfwd``,
+      ``grad`` of ``jvp``) is ``_tangent_jvp``'s.
     """
-    def run_bwd(recipe, out_dtype, need, res, g):
-        return bwd(recipe, out_dtype, res, g, need) if needs else bwd(recipe, out_dtype, res, g)
+    fwd, bwd, operands, product, transposes = core
 
     @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
     def backward(recipe, out_dtype, need, res, x, w, g):
         del x, w  # (their tangents are the backward's tangent's)
-        return run_bwd(recipe, out_dtype, need, res, g)
+        return bwd(recipe, out_dtype, res, g, need)
 
     @backward.defjvp
     def _backward_jvp(recipe, out_dtype, need, primals, tangents):
         res, _, _, g = primals
         _, x_dot, w_dot, g_dot = tangents
-        dx, dw, dextra = run_bwd(recipe, out_dtype, need, res, g)
+        dx, dw, dextra = bwd(recipe, out_dtype, res, g, need)
         xd, wd = operands(recipe, res, *g.shape)
         # (dense: [M, N] · [N, K] and [N, M] · [M, K], as a · bᵀ of [F, C] operands)
         ddx_q, ddw_q = transposes(res, g_dot, xd, wd)
@@ -276,13 +235,13 @@ def fwd_and_bwd_core(fwd: Callable, bwd: Callable, operands: Callable, doc: str,
                           jax.tree.map(_zero_tangent, res))
 
     @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-    def core(recipe, out_dtype, x, w, hist):
+    def run(recipe, out_dtype, x, w, hist):
         return fwd(recipe, out_dtype, x, w, hist)[0]
 
-    @core.defjvp
+    @run.defjvp
     def _jvp(recipe, out_dtype, primals, tangents):
         y, res = forward(recipe, out_dtype, *primals)
         return y, tangent(recipe, out_dtype, y, res, primals, tangents)
 
-    core.__doc__ = doc
-    return core
+    run.__doc__ = doc
+    return run
