@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 from jaxpr_utils import iter_eqns, operand_dtypes
 
-from fmtkit.policy import _interpreter, get_preset, with_policy
+from fmtkit.policy import get_preset, with_policy
+from fmtkit.policy._engine import interpreter as _interpreter
 
 BF16 = jnp.dtype("bfloat16")
 X = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 6, 3)), jnp.float32)

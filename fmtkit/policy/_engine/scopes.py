@@ -144,7 +144,7 @@ def is_tracing() -> bool:
 def note_nested_call() -> None:
     """Notes in the trace being recorded that a policied function is called inside it: its
     ops carry the op scopes of the ``recording`` active then, so the trace is not reused by
-    another recording (``_trace.trace``)."""
+    another recording (``trace.trace``)."""
     if _ACTIVE.registry is not None:
         _ACTIVE.registry.nested_calls = True
 
