@@ -30,6 +30,12 @@ class Switches:
     """How those jits are inlined: into the enclosing jaxpr as it is traced."""
     dedup_cotangent: bool = True
     """Round a cotangent once when several uses of a value would each round it."""
+    nested_policies: bool = True
+    """A policied call inside another policied model's trace keeps its own policy (off: the
+    outer policy decides its ops)."""
+    note_nested_calls: bool = True
+    """A trace notes the policied calls made inside it, so that a recording
+    (``inspect_policy``) does not reuse it."""
     trace_jvp_rules: bool = True
     """Trace a ``custom_jvp``'s rule around a matmul to interpret it (off: taken as one that
     cannot be traced: it runs as written, with a warning)."""
@@ -57,6 +63,9 @@ class Switches:
     narrow_mixed_backward: bool = True
     """A matmul with a wider result than its operands (the head's f32 logits) runs its
     backward GEMMs on the operands' dtype (off: a plain dot, JAX's own transpose)."""
+    fp8_conv_warning: str = "once"
+    """Convolutions an FP8 recipe covers (they run on the compute dtype) are warned about once
+    per interpreted call, naming every module (the other forms: "never", "per_conv")."""
     weight_on_either_side: bool = True
     """A parameter on a matmul's left (``weight @ x``) takes the FP8 recipe's weight slot."""
 

@@ -17,7 +17,7 @@ from jaxpr_utils import iter_eqns, matmul_flops, operand_dtypes
 
 from fmtkit._switches import flipped
 from fmtkit.policy import _ops, inspect_policy, with_policy
-from fmtkit.policy._engine import interpreter, scopes
+from fmtkit.policy._engine import interpreter
 
 BF16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
 E4M3, E5M2 = jnp.dtype("float8_e4m3fn"), jnp.dtype("float8_e5m2")
@@ -162,11 +162,11 @@ def test_nested_policied_function_keeps_its_own_policy():
     _assert_fp32_identity(nested_model, PARAMS, X)
 
 
-def test_nested_policied_function_negative_control(monkeypatch):
+def test_nested_policied_function_negative_control():
     """Mutation: the inner call not told it runs inside an outer trace: the outer policy
     then overrides it (every matmul bf16)."""
-    monkeypatch.setattr(scopes, "is_tracing", lambda: False)
-    closed = _grad_jaxpr(with_policy(nested_model, "bf16-mixed"), PARAMS, X)
+    with flipped(nested_policies=False):
+        closed = _grad_jaxpr(with_policy(nested_model, "bf16-mixed"), PARAMS, X)
     assert ("dot_general", F32, F32) not in _matmuls(closed)
 
 

@@ -461,7 +461,10 @@ class Interpreter:
         if (policy.fp8 is not None and not head
                 and eqn.primitive.name == "conv_general_dilated"):
             self._fp8_convs.setdefault(self.path(module), (cdt.name, policy.fp8.name))
-            if self._ran:  # met after the run (a custom_vjp backward rule): say so now
+            if SWITCHES.fp8_conv_warning == "per_conv":
+                self._warned -= {w for w in self._warned if w.startswith("conv:")}
+                self._warn_convs()
+            elif self._ran:  # met after the run (a custom_vjp backward rule): say so now
                 self._warn_convs()
         lhs, rhs = invals[0], invals[1]
         targets = []
@@ -685,7 +688,7 @@ class Interpreter:
         are ``dot_general`` only). Once per interpreted call (one per trace under ``jit``),
         not per convolution."""
         convs = {p: v for p, v in self._fp8_convs.items() if f"conv:{p}" not in self._warned}
-        if not convs:
+        if not convs or SWITCHES.fp8_conv_warning == "never":
             return
         self._warned.update(f"conv:{p}" for p in convs)
         dtypes = sorted({d for d, _ in convs.values()})
