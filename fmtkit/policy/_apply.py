@@ -210,8 +210,5 @@ def module_paths(model: Any, *example_inputs: Any, **kwargs: Any) -> dict[str, s
     kind = flax_kind(model)
     if kind == "function":
         raise TypeError("module_paths needs a Flax model; a plain function has no modules.")
-    if kind == "nnx" and (example_inputs or kwargs):
-        raise TypeError("module_paths of an NNX model takes no example inputs: its modules "
-                        "are known from the graph.")
     found = frontend(kind).collect_paths(model, *example_inputs, **kwargs)
     return {path: (names[0] if names else "?") for path, names in found.items()}

@@ -79,9 +79,10 @@ def is_wrapped(obj: Any) -> bool:
     return getattr(obj, "_fmtkit_rules", None) is not None
 
 
-def wrap(fn: Any, rules: Rules, *, strict: bool, cache_traces: bool = True,
+def wrap(model: Any, rules: Rules, *, strict: bool, cache_traces: bool = True,
          params_argnums: Any = AUTO) -> Any:
-    """``fn`` under ``rules`` (``with_policy`` of a plain function)."""
+    """The function ``model`` under ``rules`` (``with_policy`` of a plain function)."""
+    fn = model
     from fmtkit.policy._frontends import linen
 
     if is_wrapped(fn):

@@ -294,15 +294,16 @@ def _main_outputs(traced, mutable) -> list[bool | str] | None:
     return flags
 
 
-def collect_paths(model: nn.Module, *inputs, **kwargs) -> dict[str, tuple[str, ...]]:
-    """Paths and class names of the modules ``model`` calls on ``inputs`` (abstract init)."""
+def collect_paths(model: nn.Module, *example_inputs, **kwargs) -> dict[str, tuple[str, ...]]:
+    """Paths and class names of the modules ``model`` calls on ``example_inputs`` (abstract
+    init)."""
     inner = model.inner if isinstance(model, PolicyModel) else model
     registry = scopes.Registry()
 
     def init():
         keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
         with scopes.tracing(registry), scoped():
-            return inner.init(keys, *inputs, **kwargs)
+            return inner.init(keys, *example_inputs, **kwargs)
 
     jax.eval_shape(init)
     return registry.visited()

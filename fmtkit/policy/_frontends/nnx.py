@@ -127,7 +127,12 @@ def _scoped_modules(model: nnx.Module):
             module.__class__ = cls
 
 
-def collect_paths(model: nnx.Module) -> dict[str, tuple[str, ...]]:
+def collect_paths(model: nnx.Module, *example_inputs: Any, **kwargs: Any
+                  ) -> dict[str, tuple[str, ...]]:
+    """Paths and class names of every module of the graph (no inputs needed)."""
+    if example_inputs or kwargs:
+        raise TypeError("module_paths of an NNX model takes no example inputs: its modules "
+                        "are known from the graph.")
     out = {}
     for parts, module in nnx.iter_modules(model):
         out["/".join(str(p) for p in parts)] = type_names(type(module))
