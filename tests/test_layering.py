@@ -265,6 +265,9 @@ def test_the_policy_engine_never_imports_a_frontend(tmp_path):
     bad = [f"{m} imports {t}" for m in engine for t, _, _ in _imports(m, MODULES[m])
            if _unit(t) == "fmtkit.policy._frontends"]
     assert not bad, "\n".join(bad)
+    # The jaxpr helpers are a leaf: they import nothing of the policy package.
+    leaf = "fmtkit.policy._engine.jaxprs"
+    assert not [t for t, _, _ in _imports(leaf, MODULES[leaf]) if t.startswith("fmtkit.policy")]
     # A lazy import of a frontend from the engine is caught.
     path = tmp_path / "bad.py"
     path.write_text("def f():\n    from fmtkit.policy._frontends import nnx\n")

@@ -6,6 +6,7 @@
   model holds one (NNX models share ``NNX_EAGER_CALLS``).
 * ``jitted_primitive`` / ``jitted_cast``: the shared ``jit`` each rebuilt equation and each
   cast is bound through (``binding``).
+* ``holds_matmul``: whether a body has a matmul, per jaxpr (custom rules ask it per call).
 * ``PerCall``: what one interpretation traces once per equation (a custom rule's jaxpr, a
   ``custom_vjp`` taken apart), kept for the call only.
 
@@ -56,9 +57,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import numpy as np
 from jax import lax
 
+from fmtkit.policy import _ops
+from fmtkit.policy._engine.jaxprs import open_jaxpr
 from fmtkit.policy._gemm_hook import active_hook
 
 # Signatures kept per policied model: a model is called with a few shapes (train and eval
@@ -229,6 +233,17 @@ def jitted_cast(dtype: np.dtype, inline: jax.Inline) -> Callable:
         return lax.convert_element_type(x, dtype)
 
     return jax.jit(convert, inline=inline)
+
+
+@functools.lru_cache(maxsize=256)
+def holds_matmul(jaxpr) -> bool:
+    """Whether a jaxpr (or any body inside it) has a matmul."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _ops.MATMUL:
+            return True
+        if any(holds_matmul(open_jaxpr(sub)[0]) for sub in jex.jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 class PerCall:

@@ -1,8 +1,8 @@
 """Jaxpr and dtype helpers of the engine: a leaf (it imports no other module of the engine).
 
-``open_jaxpr`` (a body parameter as open jaxpr and consts), ``holds_matmul`` (whether a body
-has a matmul at any depth), ``scan_counts`` (a ``scan``'s operand groups), ``vjp_parts`` (a
-``custom_vjp_call`` taken apart) and ``floating_dtype``.
+``open_jaxpr`` (a body parameter as open jaxpr and consts), ``has_body``, ``scan_counts``
+(a ``scan``'s operand groups), ``vjp_parts`` (a ``custom_vjp_call`` taken apart) and
+``floating_dtype``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from typing import Any
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
-
-from fmtkit.policy import _ops
 
 F32 = np.dtype(np.float32)
 
@@ -32,17 +30,6 @@ def open_jaxpr(jaxpr) -> tuple[Any, Sequence[Any]]:
     if isinstance(jaxpr, jex.ClosedJaxpr):
         return jaxpr.jaxpr, jaxpr.consts
     return jaxpr, ()
-
-
-@functools.lru_cache(maxsize=256)
-def holds_matmul(jaxpr) -> bool:
-    """Whether a jaxpr (or any body inside it) has a matmul."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _ops.MATMUL:
-            return True
-        if any(holds_matmul(open_jaxpr(sub)[0]) for sub in jex.jaxprs_in_params(eqn.params)):
-            return True
-    return False
 
 
 def has_body(eqn) -> bool:

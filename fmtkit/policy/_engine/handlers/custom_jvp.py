@@ -11,7 +11,7 @@ import numpy as np
 
 from fmtkit._switches import SWITCHES
 from fmtkit.policy._engine.binding import bind, cast, floating_dtype, is_float_value
-from fmtkit.policy._engine.jaxprs import holds_matmul
+from fmtkit.policy._engine.caches import holds_matmul
 from fmtkit.policy._engine.walkers import Analyzer, Handler, Walker
 
 

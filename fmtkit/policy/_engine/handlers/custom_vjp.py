@@ -18,8 +18,9 @@ import jax.numpy as jnp
 
 from fmtkit._switches import SWITCHES
 from fmtkit.policy._engine.binding import bind, cast, floating_dtype, is_float_value
+from fmtkit.policy._engine.caches import holds_matmul
 from fmtkit.policy._engine.handlers.custom_jvp import warn_untraced
-from fmtkit.policy._engine.jaxprs import holds_matmul, open_jaxpr
+from fmtkit.policy._engine.jaxprs import open_jaxpr
 from fmtkit.policy._engine.walkers import Analyzer, Handler, Walker
 
 
