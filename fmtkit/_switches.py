@@ -30,6 +30,44 @@ class Switches:
     """How those jits are inlined: into the enclosing jaxpr as it is traced."""
     dedup_cotangent: bool = True
     """Round a cotangent once when several uses of a value would each round it."""
+    nested_policies: bool = True
+    """A policied call inside another policied model's trace keeps its own policy (off: the
+    outer policy decides its ops)."""
+    note_nested_calls: bool = True
+    """A trace notes the policied calls made inside it, so that a recording
+    (``inspect_policy``) does not reuse it."""
+    trace_jvp_rules: bool = True
+    """Trace a ``custom_jvp``'s rule around a matmul to interpret it (off: taken as one that
+    cannot be traced: it runs as written, with a warning)."""
+    interpret_vjp_backward: bool = True
+    """Interpret a ``custom_vjp``'s backward rule under the policy (off: it runs as written)."""
+    stop_gradient_ends_head: bool = True
+    """A value through ``stop_gradient`` derives from no output head (a frozen teacher's
+    logits)."""
+    onehot_lookups: bool = True
+    """A matmul with a one-hot operand is an embedding lookup, not a projection (never FP8)."""
+    honour_asked_precision: bool = True
+    """A matmul whose author asked for its precision runs on its traced dtypes, with a warning."""
+    keep_asked_wide_output: bool = True
+    """A matmul result wider than its operands that the author asked for is kept."""
+    dpa_f32_logits: bool = True
+    """``jax.nn.dot_product_attention``'s logits keep JAX's f32 results for narrow inputs."""
+    complex_as_traced: bool = True
+    """A complex matmul runs in its traced dtype (no complex bf16 or FP8)."""
+    fp32_identity: bool = True
+    """Rules that change nothing (``"fp32"``) bind every op as traced, without exit casts."""
+    rebind_traced_mesh: bool = True
+    """An equation traced under another abstract mesh (``auto_axes``) is bound under it."""
+    ragged_dot_form: bool = True
+    """``lax.ragged_dot``'s grouped GEMM is recognized (the FP8 recipes' grouped GEMM)."""
+    narrow_mixed_backward: bool = True
+    """A matmul with a wider result than its operands (the head's f32 logits) runs its
+    backward GEMMs on the operands' dtype (off: a plain dot, JAX's own transpose)."""
+    fp8_conv_warning: str = "once"
+    """Convolutions an FP8 recipe covers (they run on the compute dtype) are warned about once
+    per interpreted call, naming every module (the other forms: "never", "per_conv")."""
+    weight_on_either_side: bool = True
+    """A parameter on a matmul's left (``weight @ x``) takes the FP8 recipe's weight slot."""
 
     # FP8 GEMM.
     scan_block_dots: bool = True

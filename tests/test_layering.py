@@ -68,8 +68,15 @@ ALLOWED: dict[str, set[str]] = {
     "fmtkit.fp8": {*CORE, "fmtkit._lowp"},
     "fmtkit.fp4": {*CORE, "fmtkit._lowp"},
     "fmtkit.optim": {*CORE},
-    # Policies place FP8 recipes on modules: policy -> fp8, never the reverse.
-    "fmtkit.policy": {*CORE, "fmtkit.fp8", "fmtkit.fp4"},
+    # Policies place FP8 recipes on modules: policy -> fp8, never the reverse. The package's
+    # public modules (rules, plans, the op table, reports) sit on its two groups: the engine
+    # (trace, analysis, interpreter, handlers) and the frontends (linen, NNX, functions), which
+    # run on the engine; the engine never imports a frontend.
+    "fmtkit.policy": {*CORE, "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy._engine",
+                      "fmtkit.policy._frontends"},
+    "fmtkit.policy._engine": {*CORE, "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy"},
+    "fmtkit.policy._frontends": {*CORE, "fmtkit.fp8", "fmtkit.fp4", "fmtkit.policy",
+                                 "fmtkit.policy._engine"},
     "fmtkit.memory": {*CORE, "fmtkit.optim", "fmtkit.fp4"},
     # The qwix provider and QArray converters (optional dependency qwix): fp8 under qwix.
     "fmtkit.qwix": {*CORE, "fmtkit.fp8"},
@@ -255,6 +262,74 @@ def test_the_checker_sees_violations(tmp_path):
         assert _unit("fmtkit._lowp.recipes") not in ALLOWED[unit], unit
     assert "fmtkit.fp8" not in ALLOWED["fmtkit.fp4"] and "fmtkit.fp4" not in ALLOWED["fmtkit.fp8"]
     assert ALLOWED["fmtkit._lowp"] == set(CORE) and "fmtkit.policy" not in ALLOWED["fmtkit._lowp"]
+
+def test_the_policy_engine_never_imports_a_frontend(tmp_path):
+    assert "fmtkit.policy._frontends" not in ALLOWED["fmtkit.policy._engine"]
+    engine = [m for m in MODULES if _unit(m) == "fmtkit.policy._engine"]
+    frontends = [m for m in MODULES if _unit(m) == "fmtkit.policy._frontends"]
+    assert "fmtkit.policy._engine.interpreter" in engine and len(frontends) >= 3
+    bad = [f"{m} imports {t}" for m in engine for t, _, _ in _imports(m, MODULES[m])
+           if _unit(t) == "fmtkit.policy._frontends"]
+    assert not bad, "\n".join(bad)
+    # The jaxpr helpers are a leaf: they import nothing of the policy package.
+    leaf = "fmtkit.policy._engine.jaxprs"
+    assert not [t for t, _, _ in _imports(leaf, MODULES[leaf]) if t.startswith("fmtkit.policy")]
+    # A lazy import of a frontend from the engine is caught.
+    path = tmp_path / "bad.py"
+    path.write_text("def f():\n    from fmtkit.policy._frontends import nnx\n")
+    (target, _, _), = _imports("fmtkit.policy._engine.trace", path)
+    assert _unit(target) not in ALLOWED["fmtkit.policy._engine"]
+
+
+def _module_of(target: str) -> str | None:
+    """The module of ``MODULES`` an import names (a name imported from it: its module)."""
+    while target not in MODULES and "." in target:
+        target = target.rsplit(".", 1)[0]
+    return target if target in MODULES else None
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_policy_package_has_no_import_circle():
+    # Every import counts: module level, lazy, and under TYPE_CHECKING (type-only circles
+    # too). A package imports its own submodules, so only module -> module edges are kept.
+    policy = [m for m in MODULES if m.startswith("fmtkit.policy.")]
+    edges = {m: {t for t in (_module_of(t) for t, _, _ in _imports(m, MODULES[m]))
+                 if t in policy and t != m} for m in policy}
+    assert len(policy) > 15
+    assert not _cycles(edges), _cycles(edges)
+    # The check sees a circle.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 TESTS = ROOT / "tests"

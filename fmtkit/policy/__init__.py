@@ -3,7 +3,7 @@
 ``Policy`` holds a module's dtypes (params, compute, output, grad, reduce) and optionally an
 FP8 recipe; ``Rules`` map module paths (or class names) to Policies, first match wins, plus
 the output head's policy (found by role) and the model outputs' dtype; ``with_policy``
-applies them **per operation**, autocast-style (``_ops`` has the op table, ``_trace`` the
+applies them **per operation**, autocast-style (``_ops`` has the op table, ``_engine`` the
 mechanism: the traced jaxpr re-interpreted under the rules); ``module_paths`` lists the paths
 to write rules against; ``inspect_policy`` reads back, from the jaxpr of the gradient, what
 each op class of each module computed in, and lists every matmul and convolution with its
@@ -18,6 +18,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from fmtkit.policy._apply import module_paths, with_policy
+from fmtkit.policy._engine.scopes import mark_head
 from fmtkit.policy._gemm_hook import GemmSite, intercept_gemms
 from fmtkit.policy._inspect import MatmulOp, ModuleReport, PolicyReport, inspect_policy
 from fmtkit.policy._policy import (
@@ -28,10 +29,9 @@ from fmtkit.policy._policy import (
     get_preset,
     list_presets,
 )
-from fmtkit.policy._scopes import mark_head
 
 if TYPE_CHECKING:  # type checkers and the docs see it here; at run time it loads lazily
-    from fmtkit.policy._nnx import DelayedScalingVariable
+    from fmtkit.policy._frontends.nnx import DelayedScalingVariable
 from fmtkit.policy._stack import find_stack, keep_blocks
 
 __all__ = [
@@ -60,7 +60,7 @@ def __getattr__(name: str):
     """The NNX Variable of delayed FP8 states loads Flax only when asked for (lazy, like the
     adapters); ``Fp8State`` is its deprecated former name."""
     if name in ("DelayedScalingVariable", "Fp8State"):
-        from fmtkit.policy._nnx import DelayedScalingVariable
+        from fmtkit.policy._frontends.nnx import DelayedScalingVariable
 
         if name == "Fp8State":
             warnings.warn(

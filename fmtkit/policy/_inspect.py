@@ -22,13 +22,15 @@ import numpy as np
 from jax.interpreters import partial_eval as pe
 
 from fmtkit import fp4, fp8
-from fmtkit.policy import _ops, _scopes
+from fmtkit.policy import _ops
 from fmtkit.policy._apply import flax_kind
+from fmtkit.policy._engine import scopes
+from fmtkit.policy._frontends import functions
 from fmtkit.policy._policy import Policy, Rules, is_floating
 
 __all__ = ["MatmulOp", "ModuleReport", "PolicyReport", "inspect_policy"]
 
-_OP_RX = re.compile(re.escape(_scopes.OP_SCOPE) + r"(\d+)")
+_OP_RX = re.compile(re.escape(scopes.OP_SCOPE) + r"(\d+)")
 # An emulated FP8 GEMM whose dot reads its operands widened to bf16 (fmtkit.fp8.WIDENED_SCOPE)
 _WIDENED_RX = re.compile(re.escape(fp8.WIDENED_SCOPE) + r"-(\w+)-(\w+)")
 # An FP4 GEMM's scope names its operands' block shapes (fmtkit.fp4.GEMM_SCOPE).
@@ -388,9 +390,9 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
 
     in_arrays = [x for x, d in zip(in_leaves, dynamic) if d]
     if kind == "linen":
-        from fmtkit.policy import _linen
+        from fmtkit.policy._frontends import linen
 
-        wrapped = model if isinstance(model, _linen.PolicyModel) else _linen.PolicyModel(
+        wrapped = model if isinstance(model, linen.PolicyModel) else linen.PolicyModel(
             inner=model, rules=Rules())
         streams = dict(rngs) if rngs is not None else {"dropout": jax.random.key(1)}
         if variables is None:
@@ -406,7 +408,7 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
                 lambda arrs: wrapped.init(keys, *rebuild(arrs), **kwargs), in_arrays)
         params = variables["params"]
         rest = {k: v for k, v in variables.items() if k != "params"}
-        mutable = [k for k in rest if k != _linen.FP8_COLLECTION] or False
+        mutable = [k for k in rest if k != linen.FP8_COLLECTION] or False
 
         def f(params, rest, arrs):
             out = wrapped.apply({**rest, "params": params}, *rebuild(arrs), rngs=streams,
@@ -416,11 +418,12 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
     elif kind == "nnx":
         from flax import nnx
 
-        from fmtkit.policy import _nnx
+        from fmtkit.policy._frontends import nnx as nnx_frontend
 
         if variables is not None:
             raise TypeError("variables is for linen models; an NNX model holds its own.")
-        wrapped = model if _nnx.is_wrapped(model) else _nnx.wrap(model, Rules(), False)
+        wrapped = (model if nnx_frontend.is_wrapped(model)
+                   else nnx_frontend.wrap(model, Rules(), strict=False))
         is_node = nnx.graph.is_graph_node
         nodes = [x for x in inputs if is_node(x)]
         graphdef, params, rest = nnx.split((wrapped, *nodes), nnx.Param, ...)
@@ -448,7 +451,7 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
             # refuses (Variables mutated from another trace level).
             return nnx.value_and_grad(loss, has_aux=True)(merged, *merged_nodes)
 
-        with _scopes.recording() as rec:
+        with scopes.recording() as rec:
             closed, shapes = jax.make_jaxpr(nnx_f, return_shape=True)(params, rest, arrays)
         (loss_shape, out_shapes), grad_shapes = shapes
         table = _param_table(nnx.state(wrapped, nnx.Param), grad_shapes)
@@ -456,7 +459,7 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
     else:
         if variables is not None:
             raise TypeError("variables is for linen models.")
-        wrapped = model if getattr(model, "_fmtkit_rules", None) else with_policy(model, Rules())
+        wrapped = model if functions.is_wrapped(model) else with_policy(model, Rules())
         positions = _argnums(argnums, len(inputs))
         # Differentiated: the floating array leaves of the chosen positional inputs.
         leaf_pos = [i for i, x in enumerate(inputs) for _ in jax.tree.leaves(x)]
@@ -481,7 +484,7 @@ def inspect_policy(model: Any, *inputs: Any, variables: Any = None,
 
     traced = jax.value_and_grad(f, has_aux=True) if backward else (
         lambda *a: (f(*a), None))
-    with _scopes.recording() as rec:
+    with scopes.recording() as rec:
         closed, shapes = jax.make_jaxpr(traced, return_shape=True)(params, rest, in_arrays)
     (loss_shape, out_shapes), grad_shapes = shapes
     return _assemble(closed, rec, _param_table(params, grad_shapes), out_shapes, loss_shape)
@@ -505,7 +508,7 @@ def _argnums(argnums, n: int) -> frozenset[int]:
     return frozenset(i % n for i in nums)
 
 
-def _matmul_kind(eqn, rec: _scopes.OpRecord, backward: bool, stack: str) -> str:
+def _matmul_kind(eqn, rec: scopes.OpRecord, backward: bool, stack: str) -> str:
     """forward (a forward matmul that ``jax.checkpoint`` recomputes on the backward pass
     too: JAX names that recomputation ``_REMAT_SCOPE``); or, on the backward pass, what an
     FP8 / FP4 dot's backward scope says, else wgrad when the result has as many elements as a
@@ -533,7 +536,7 @@ def _live(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
     return jex.ClosedJaxpr(jaxpr, closed.consts)
 
 
-def _assemble(closed, rec: _scopes.Recorder, param_table, out_shapes, loss_shape
+def _assemble(closed, rec: scopes.Recorder, param_table, out_shapes, loss_shape
               ) -> PolicyReport:
     closed = _live(closed)  # the report counts what runs
     acc: dict[str, dict] = {}
@@ -624,7 +627,7 @@ def _matmul_dtypes(eqn) -> str:
     return f"{_dtype(eqn.invars[0])} x {_dtype(eqn.invars[1])} -> {_dtype(eqn.outvars[0])}"
 
 
-def _not_policied(op: _scopes.OpRecord | None) -> str:
+def _not_policied(op: scopes.OpRecord | None) -> str:
     """Why a matmul that is not an interpreted matmul op ran as traced."""
     if op is None:
         return "outside the policy"

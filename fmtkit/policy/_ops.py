@@ -97,9 +97,9 @@ COMBINER_OPS = frozenset({
     "reduce", "reduce_window", "select_and_scatter",
 })
 
-# Call primitives whose bodies the interpreter enters (``_interpreter`` handles the other
-# bodies: scan, remat, cond, while, shard_map, custom_jvp/vjp; any primitive with a body it
-# does not know runs as written, inputs cast back, with a warning).
+# Call primitives whose bodies the policy enters (``_engine.handlers`` has one handler per
+# primitive with a body: these, remat, scan, cond, while, shard_map, custom_jvp/vjp; any
+# other primitive with a body runs as written, inputs cast back, with a warning).
 INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 # jax.checkpoint / nn.remat / nnx.remat (the primitive is "remat2" in jax 0.11).
 REMAT = frozenset({"checkpoint", "remat2", "remat"})

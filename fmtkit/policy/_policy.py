@@ -1,6 +1,6 @@
 """``Policy`` (four dtypes), ``Rules`` (ordered path-regex -> Policy) and the named presets.
 
-Nothing here imports Flax: the adapters in ``_linen.py`` and ``_nnx.py`` read these objects.
+Nothing here imports Flax: the frontends in ``_frontends`` read these objects.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from jaxpr_utils import iter_eqns, operand_dtypes
 
 from fmtkit import fp8
 from fmtkit._lowp import grouped
-from fmtkit._switches import flipped
-from fmtkit.policy import _interpreter, inspect_policy, with_policy
+from fmtkit._switches import SWITCHES, flipped
+from fmtkit.policy import inspect_policy, with_policy
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -232,7 +232,7 @@ def test_moe_layer_fp32_is_bit_identical():
 def test_moe_layer_routing_negative_control(monkeypatch):
     """Mutation: the policy does not recognise lax.ragged_dot's form: the grouped GEMMs run
     on the compute dtype (with the fallback warning), and the walker sees no FP8."""
-    monkeypatch.setattr(_interpreter, "_is_ragged_dot", lambda rd: False)
+    monkeypatch.setattr(SWITCHES, "ragged_dot_form", False)
     policied = with_policy(moe_layer, "fp8-current")
     with pytest.warns(UserWarning, match="ragged_dot .* runs on bfloat16"):
         closed = jax.make_jaxpr(jax.grad(_loss(policied), argnums=(0, 1)))(MOE, TOKENS)

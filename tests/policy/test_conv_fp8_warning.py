@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 from jaxpr_utils import iter_eqns, operand_dtypes
 
-from fmtkit.policy import _interpreter, get_preset, with_policy
+from fmtkit._switches import flipped
+from fmtkit.policy import get_preset, with_policy
 
 BF16 = jnp.dtype("bfloat16")
 X = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 6, 3)), jnp.float32)
@@ -148,25 +149,8 @@ def test_the_documented_filter_silences_it():
 
 
 @pytest.mark.parametrize("mutation", ["silent", "per_call"])
-def test_negative_control(monkeypatch, mutation):
+def test_negative_control(mutation):
     """Without the warning, or with one per convolution call, the checks above fail."""
-    if mutation == "silent":
-        monkeypatch.setattr(_interpreter.Interpreter, "_warn_convs", lambda self: None)
-    else:
-        original = _interpreter.Interpreter._warn_convs
-
-        def per_call(self):
-            self._warned -= {w for w in self._warned if w.startswith("conv:")}
-            original(self)
-
-        def matmul(self, eqn, *args, **kwargs):
-            out = _original_matmul(self, eqn, *args, **kwargs)
-            if eqn.primitive.name == "conv_general_dilated":
-                self._ran = True
-                per_call(self)
-            return out
-
-        _original_matmul = _interpreter.Interpreter._matmul
-        monkeypatch.setattr(_interpreter.Interpreter, "_matmul", matmul)
-    with pytest.raises(AssertionError):
+    with (flipped(fp8_conv_warning="never" if mutation == "silent" else "per_conv"),
+          pytest.raises(AssertionError)):
         test_warning_once_per_trace_jitted_exactly()

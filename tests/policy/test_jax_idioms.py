@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from jaxpr_utils import iter_eqns, matmul_flops, operand_dtypes
 
-from fmtkit.policy import _interpreter, _scopes, inspect_policy, with_policy
+from fmtkit._switches import flipped
+from fmtkit.policy import _ops, inspect_policy, with_policy
+from fmtkit.policy._engine import interpreter
 
 BF16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
 E4M3, E5M2 = jnp.dtype("float8_e4m3fn"), jnp.dtype("float8_e5m2")
@@ -117,13 +119,10 @@ def test_custom_vjp_written_the_documented_way_runs_under_every_policy():
     assert _matmuls(closed) == [("dot_general", BF16, BF16)] * 3
 
 
-def test_custom_vjp_backward_rule_runs_on_the_compute_dtype_negative_control(monkeypatch):
+def test_custom_vjp_backward_rule_runs_on_the_compute_dtype_negative_control():
     """Mutation: the user's backward rule run as written (the previous handling)."""
-    def as_written(self, eqn, parts, res, cts, chain, idp, fp8_local):
-        return list(parts.bwd.call_wrapped(*res, *cts)[0])
-
-    monkeypatch.setattr(_interpreter.Interpreter, "_vjp_backward", as_written)
-    closed = _grad_jaxpr(with_policy(vjp_model, "bf16-mixed"), PARAMS, X)
+    with flipped(interpret_vjp_backward=False):
+        closed = _grad_jaxpr(with_policy(vjp_model, "bf16-mixed"), PARAMS, X)
     assert _matmuls(closed) != [("dot_general", BF16, BF16)] * 3
 
 
@@ -134,24 +133,11 @@ def test_custom_jvp_rule_matmuls_follow_the_policy():
     assert len(found) >= 3 and set(found) == {("dot_general", BF16, BF16)}, found
 
 
-def test_custom_jvp_rule_negative_control(monkeypatch):
+def test_custom_jvp_rule_negative_control():
     """Mutation: no traced rule, so the rule runs as written (f32 matmuls), with a warning
     naming the construct and the module."""
-    class Untraceable(dict):
-        def __contains__(self, key):
-            return True
-
-        def __getitem__(self, key):
-            return None, None
-
-    orig = _interpreter.Interpreter.__init__
-
-    def init(self, *args, **kwargs):
-        orig(self, *args, **kwargs)
-        self._rules_traced = Untraceable()
-
-    monkeypatch.setattr(_interpreter.Interpreter, "__init__", init)
-    with pytest.warns(UserWarning, match="custom_jvp around a matmul in module '<root>'"):
+    with (flipped(trace_jvp_rules=False),
+          pytest.warns(UserWarning, match="custom_jvp around a matmul in module '<root>'")):
         closed = _grad_jaxpr(with_policy(jvp_model, "bf16-mixed"), PARAMS, X)
     assert ("dot_general", F32, F32) in _matmuls(closed)
 
@@ -176,11 +162,11 @@ def test_nested_policied_function_keeps_its_own_policy():
     _assert_fp32_identity(nested_model, PARAMS, X)
 
 
-def test_nested_policied_function_negative_control(monkeypatch):
+def test_nested_policied_function_negative_control():
     """Mutation: the inner call not told it runs inside an outer trace: the outer policy
     then overrides it (every matmul bf16)."""
-    monkeypatch.setattr(_scopes, "is_tracing", lambda: False)
-    closed = _grad_jaxpr(with_policy(nested_model, "bf16-mixed"), PARAMS, X)
+    with flipped(nested_policies=False):
+        closed = _grad_jaxpr(with_policy(nested_model, "bf16-mixed"), PARAMS, X)
     assert ("dot_general", F32, F32) not in _matmuls(closed)
 
 
@@ -252,7 +238,7 @@ def test_wide_ops_get_their_traced_dtype(case):
 
 def test_wide_ops_negative_control(monkeypatch):
     """Mutation: the wide class emptied: rfft receives bf16, which JAX refuses."""
-    monkeypatch.setattr(_interpreter._ops, "WIDE_OPS", frozenset())
+    monkeypatch.setattr(_ops, "WIDE_OPS", frozenset())
     with pytest.raises(ValueError, match="bfloat16"):
         jax.make_jaxpr(with_policy(fft_model, "bf16-mixed"))(PARAMS, X)
 
@@ -278,11 +264,11 @@ def test_wider_preferred_element_type_is_kept():
     assert _dots(closed) == [(BF16, BF16, BF16, None), (BF16, BF16, F32, None)]
 
 
-def test_wider_preferred_element_type_negative_control(monkeypatch):
-    monkeypatch.setattr(_interpreter, "_asked_output", lambda eqn, traced, target: (None, None))
+def test_wider_preferred_element_type_negative_control():
     # (times the input, so the Gram matrix is not the output head, whose result is f32 by role)
-    closed = jax.make_jaxpr(with_policy(lambda p, x: wide_result_model(p, x) * x[:, :1],
-                                        "bf16-mixed"))(PARAMS, X)
+    with flipped(keep_asked_wide_output=False):
+        closed = jax.make_jaxpr(with_policy(lambda p, x: wide_result_model(p, x) * x[:, :1],
+                                            "bf16-mixed"))(PARAMS, X)
     assert _dots(closed)[1] == (BF16, BF16, BF16, None)
 
 
@@ -315,9 +301,9 @@ def test_requested_precision_warning_is_silenced_per_module():
         jax.make_jaxpr(with_policy(_highest_model, "bf16-mixed"))(PARAMS, X)
 
 
-def test_requested_precision_negative_control(monkeypatch):
-    monkeypatch.setattr(_interpreter, "_asked_precision", lambda eqn, cdt: None)
-    closed = _grad_jaxpr(with_policy(_highest_model, "bf16-mixed"), PARAMS, X)
+def test_requested_precision_negative_control():
+    with flipped(honour_asked_precision=False):
+        closed = _grad_jaxpr(with_policy(_highest_model, "bf16-mixed"), PARAMS, X)
     assert ("dot_general", F32, F32) not in _matmuls(closed)
 
 
@@ -363,21 +349,16 @@ def test_dot_product_attention_gradient(preset):
                for m in _matmuls(closed) for dt in m[1:]), _matmuls(closed)
 
 
-def test_dot_product_attention_gradient_negative_control(monkeypatch):
+def test_dot_product_attention_gradient_negative_control():
     """Mutation: the f32 logits bound as a plain dot (JAX's own transpose): it fails."""
-    def plain(eqn, lhs, rhs, out_dtype, forward=None, rest=()):
-        return _interpreter.bind(eqn, [lhs, rhs, *rest], preferred_element_type=out_dtype,
-                                 **(forward or {}))[0]
-
-    monkeypatch.setattr(_interpreter, "_mixed_matmul", plain)
     policied = with_policy(_projected_attention, "bf16-mixed")
-    with pytest.raises(Exception, match="promotion"):
+    with flipped(narrow_mixed_backward=False), pytest.raises(Exception, match="promotion"):
         jax.grad(lambda p: jnp.sum(policied(p, Q)))(PARAMS)
 
 
-def test_dot_product_attention_negative_control(monkeypatch):
-    monkeypatch.setattr(_interpreter, "_DPA_LOGITS", "not an einsum spec")
-    got = with_policy(_attention, "bf16-mixed")(PARAMS, Q)
+def test_dot_product_attention_negative_control():
+    with flipped(dpa_f32_logits=False):
+        got = with_policy(_attention, "bf16-mixed")(PARAMS, Q)
     want = _jax_bf16_attention(Q)
     assert not np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
@@ -404,12 +385,12 @@ def test_fp32_is_an_exact_identity_eager_and_jitted():
     _assert_fp32_identity(lambda v, x: model.apply(v, x), variables, X)
 
 
-def test_fp32_identity_negative_control(monkeypatch):
+def test_fp32_identity_negative_control():
     """Mutation: "fp32" interpreted like any other rules (the model's bf16 matmul widened)."""
-    monkeypatch.setattr(_interpreter, "is_identity", lambda rules: False)
     model = _OwnCasts()
     variables = model.init(jax.random.key(0), X)
-    got = jax.jit(with_policy(model, "fp32").apply)(variables, X)
+    with flipped(fp32_identity=False):
+        got = jax.jit(with_policy(model, "fp32").apply)(variables, X)
     assert not np.array_equal(np.asarray(got), np.asarray(jax.jit(model.apply)(variables, X)))
 
 
@@ -491,7 +472,7 @@ def test_ragged_dot_as_the_output_head(preset):
 
 def test_ragged_dot_negative_control(monkeypatch):
     """Mutation: ragged_dot_general not a matmul of the policy: it stays f32 and uncounted."""
-    monkeypatch.setattr(_interpreter._ops, "MATMUL", frozenset({"dot_general"}))
+    monkeypatch.setattr(_ops, "MATMUL", frozenset({"dot_general"}))
     closed = _grad_jaxpr(with_policy(moe_model, "bf16-mixed"), EXPERTS, X)
     assert _ragged(closed) != [(BF16, BF16)] * 2
 
@@ -608,12 +589,12 @@ def test_forward_mode_ad_negative_control(monkeypatch):
     def mixed_vjp(eqn, lhs, rhs, out_dtype, forward=None, rest=()):
         @jax.custom_vjp
         def matmul(a, b):
-            return _interpreter.bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
+            return interpreter.bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
 
         matmul.defvjp(lambda a, b: (matmul(a, b), (a, b)), lambda res, g: res)
         return matmul(lhs, rhs)
 
-    monkeypatch.setattr(_interpreter, "_mixed_matmul", mixed_vjp)
+    monkeypatch.setattr(interpreter, "_mixed_matmul", mixed_vjp)
     model = _Classifier()
     variables = model.init(jax.random.key(0), X)
     with pytest.raises(TypeError, match="forward-mode"):
@@ -700,12 +681,9 @@ def test_distillation_finds_the_student_head_in_either_order(loss):
     assert _head_results(closed) == {(8, 3): F32, (16, 3): BF16}
 
 
-def test_distillation_negative_control(monkeypatch):
+def test_distillation_negative_control():
     """Mutation: stop_gradient keeps the teacher's head: the KL term, first, wins."""
-    from fmtkit.policy import _analysis
-
-    monkeypatch.setattr(_analysis, "_NO_HEAD", frozenset())
-    with warnings.catch_warnings():
+    with flipped(stop_gradient_ends_head=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the two heads are then ambiguous
         closed = jax.make_jaxpr(with_policy(distill_kl_first, "bf16-mixed"))(
             DISTILL_PARAMS, X, LABELS)
@@ -846,11 +824,9 @@ def test_one_hot_embedding_lookup_stays_out_of_fp8():
                                   np.asarray(EMBED["emb"][IDS].astype(BF16), np.float32))
 
 
-def test_one_hot_embedding_negative_control(monkeypatch):
-    from fmtkit.policy import _analysis
-
-    monkeypatch.setattr(_analysis, "_is_onehot_cast", lambda eqn: False)
-    closed = jax.make_jaxpr(with_policy(onehot_model, "fp8-current"))(EMBED, IDS)
+def test_one_hot_embedding_negative_control():
+    with flipped(onehot_lookups=False):
+        closed = jax.make_jaxpr(with_policy(onehot_model, "fp8-current"))(EMBED, IDS)
     assert _lookup_dtypes(closed) != [(BF16, BF16)]
 
 
@@ -1006,9 +982,8 @@ def test_complex_matmuls_run_as_traced_with_a_warning(preset):
     assert [m for m in _matmuls(closed) if c64 in m] == [("dot_general", c64, c64)] * 2
 
 
-def test_complex_matmuls_negative_control(monkeypatch):
-    monkeypatch.setattr(_interpreter, "_is_complex", lambda dtype: False)
-    with pytest.raises(TypeError, match="complex64"):
+def test_complex_matmuls_negative_control():
+    with flipped(complex_as_traced=False), pytest.raises(TypeError, match="complex64"):
         _grad_jaxpr(with_policy(complex_model, "fp8-current"), COMPLEX, X)
 
 

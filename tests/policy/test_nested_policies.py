@@ -108,15 +108,15 @@ def test_inspect_policy_after_a_call_and_twice():
 
 
 @pytest.mark.slow
-def test_inspect_policy_after_a_call_negative_control(monkeypatch):
+def test_inspect_policy_after_a_call_negative_control():
     """Mutation: the trace not told a policied function ran inside it: the kept trace from a
     call (no op scopes) is reused, and the report loses the block's FP8 GEMMs."""
-    from fmtkit.policy import _scopes
+    from fmtkit._switches import flipped
 
-    monkeypatch.setattr(_scopes, "note_nested_call", lambda: None)
-    outer = with_policy(model, "bf16-mixed")
-    jax.block_until_ready(outer(PARAMS, X))
-    assert not inspect_policy(outer, PARAMS, X, argnums=0).fp8_fraction() == 1.0
+    with flipped(note_nested_calls=False):
+        outer = with_policy(model, "bf16-mixed")
+        jax.block_until_ready(outer(PARAMS, X))
+        assert not inspect_policy(outer, PARAMS, X, argnums=0).fp8_fraction() == 1.0
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 References are independent of the interpreter: the rounded cotangent is derived by hand
 (float64 NumPy, the bf16 rounding by ml_dtypes), and the dedup is compared bit for bit with
 the one-rounding-per-module behaviour it replaces (the private switch
-``_cotangent._DEDUP_COTANGENT``).
+``SWITCHES.dedup_cotangent``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import pytest
 from flax import nnx
 from jax import lax
 
-from fmtkit.policy import Policy, _binding, _cotangent, with_policy
+from fmtkit._switches import flipped
+from fmtkit.policy import Policy, with_policy
+from fmtkit.policy._engine import caches
 
 # Every module: f32 storage, compute and outputs, cotangents rounded to bf16 (the only
 # setting where a value leaving nested modules is wrapped, since o=f32 is wider than g).
@@ -87,19 +89,19 @@ def linen_case():
     return make_loss, params, x
 
 
-def test_nested_modules_round_a_value_once(linen_case, monkeypatch):
+def test_nested_modules_round_a_value_once(linen_case):
     make_loss, params, _ = linen_case
     # The Dense output leaves dense, inner, middle and the root: one rounding, not four.
     assert _roundings(jax.make_jaxpr(make_loss())(params)) == 1
-    monkeypatch.setattr(_cotangent, "_DEDUP_COTANGENT", False)
-    assert _roundings(jax.make_jaxpr(make_loss())(params)) == 4
+    with flipped(dedup_cotangent=False):
+        assert _roundings(jax.make_jaxpr(make_loss())(params)) == 4
 
 
-def test_dedup_gradients_bit_identical_and_match_hand_rounding(linen_case, monkeypatch):
+def test_dedup_gradients_bit_identical_and_match_hand_rounding(linen_case):
     make_loss, params, x = linen_case
     grads = jax.jit(jax.grad(make_loss()))(params)
-    monkeypatch.setattr(_cotangent, "_DEDUP_COTANGENT", False)
-    undeduped = jax.jit(jax.grad(make_loss()))(params)
+    with flipped(dedup_cotangent=False):
+        undeduped = jax.jit(jax.grad(make_loss()))(params)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(undeduped)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # By hand: y = x W + b; dL/dy = cos(y), rounded to bf16 once; dW = x^T dy, db = sum dy.
@@ -117,7 +119,7 @@ def test_dedup_gradients_bit_identical_and_match_hand_rounding(linen_case, monke
     assert np.max(np.abs(exact - xs.T @ dy)) > 1e-3
 
 
-def test_nnx_nested_dedup_bit_identical(monkeypatch):
+def test_nnx_nested_dedup_bit_identical():
     model = NnxOuter(nnx.Rngs(0))
     policied = with_policy(model, G_BF16)
     graphdef, params, rest = nnx.split(policied, nnx.Param, ...)
@@ -128,10 +130,10 @@ def test_nnx_nested_dedup_bit_identical(monkeypatch):
 
     assert _roundings(jax.make_jaxpr(make_loss())(params)) == 1
     grads = jax.jit(jax.grad(make_loss()))(params)
-    monkeypatch.setattr(_cotangent, "_DEDUP_COTANGENT", False)
-    # NNX scopes the sub-modules (dense, middle), not the root: two without the dedup.
-    assert _roundings(jax.make_jaxpr(make_loss())(params)) == 2
-    undeduped = jax.jit(jax.grad(make_loss()))(params)
+    with flipped(dedup_cotangent=False):
+        # NNX scopes the sub-modules (dense, middle), not the root: two without the dedup.
+        assert _roundings(jax.make_jaxpr(make_loss())(params)) == 2
+        undeduped = jax.jit(jax.grad(make_loss()))(params)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(undeduped)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -305,7 +307,7 @@ def _cases():
     return out
 
 
-def test_jitted_primitives_leave_the_program_unchanged(monkeypatch):
+def test_jitted_primitives_leave_the_program_unchanged():
     """Binding each rebuilt equation through a shared ``jit`` only changes how JAX
     linearizes it while tracing: the jaxpr of loss + gradient is the same text as with
     every equation bound directly (so the compiled program and its numbers are the same),
@@ -313,21 +315,14 @@ def test_jitted_primitives_leave_the_program_unchanged(monkeypatch):
     scan and custom_vjp bodies."""
     cases = _cases()
     with_jit = [_policied_grad_jaxpr(c) for c in cases]
-    assert _binding._jitted_primitive.cache_info().currsize > 0  # the path was taken
-    monkeypatch.setattr(_binding, "_JIT_PRIMITIVES", False)
-    direct = [_policied_grad_jaxpr(c) for c in cases]
+    assert caches.jitted_primitive.cache_info().currsize > 0  # the path was taken
+    with flipped(jit_primitives=False):
+        direct = [_policied_grad_jaxpr(c) for c in cases]
     for a, b in zip(with_jit, direct):
         assert a == b
     # Negative control: a jit that is not inlined while tracing shows in the jaxpr.
-    monkeypatch.setattr(_binding, "_JIT_PRIMITIVES", True)
-    monkeypatch.setattr(_binding, "_JIT_INLINE", jax.Inline.JAX_LATE)
-    _binding._jitted_primitive.cache_clear()
-    _binding._jitted_cast.cache_clear()
-    try:
+    with flipped(jit_inline=jax.Inline.JAX_LATE):
         assert _policied_grad_jaxpr(cases[0]) != direct[0]
-    finally:
-        _binding._jitted_primitive.cache_clear()
-        _binding._jitted_cast.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------

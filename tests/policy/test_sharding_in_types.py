@@ -73,13 +73,13 @@ def test_auto_axes_on_an_explicit_mesh(preset, placed):
 
 
 @pytest.mark.slow
-def test_auto_axes_negative_control(monkeypatch):
+def test_auto_axes_negative_control():
     """Mutation: the region's ops bound under the enclosing (Explicit) mesh: JAX refuses."""
-    from fmtkit.policy import _interpreter
+    from fmtkit._switches import flipped
 
-    monkeypatch.setattr(_interpreter, "_traced_mesh", lambda eqn: None)
     mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="should match the aval mesh"):
+    with (flipped(rebind_traced_mesh=False), jax.set_mesh(mesh),
+          pytest.raises(ValueError, match="should match the aval mesh")):
         _value_and_grad(with_policy(model, "fp32"))(PARAMS, X)
 
 

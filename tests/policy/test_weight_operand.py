@@ -17,7 +17,7 @@ import pytest
 from jaxpr_utils import iter_eqns
 
 from fmtkit import fp8, with_policy
-from fmtkit.policy import _interpreter
+from fmtkit._switches import flipped
 
 # The hidden GEMM: weight [N=256, K=384], activation [M=16, K=384]. N != K, so the weight's
 # 128x128 block grid ([K/128, N/128] = [3, 2]) and the activation's 1x128 tiles ([16, 3])
@@ -82,10 +82,9 @@ def test_blockwise_gives_the_weight_blocks_and_the_activation_tiles(model):
     _check_blockwise_roles(model)
 
 
-def test_blockwise_roles_negative_control(monkeypatch):
+def test_blockwise_roles_negative_control():
     # Without the swap, the left operand (the weight) would be quantized as the activation.
-    monkeypatch.setattr(_interpreter.Interpreter, "_weight_operand", lambda *a: 1)
-    with pytest.raises(AssertionError):
+    with flipped(weight_on_either_side=False), pytest.raises(AssertionError):
         _check_blockwise_roles(weight_left)
 
 

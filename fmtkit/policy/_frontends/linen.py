@@ -3,7 +3,7 @@
 ``init`` is the module's own ``init`` (parameters then stored in each module's
 ``param_dtype``, plus an ``"fp8_state"`` collection of amax histories when a delayed FP8 recipe
 applies); ``apply`` traces the module's own ``apply`` with ``nn.intercept_methods`` naming
-each module call's scope, and re-interprets the trace under the rules (``_trace``). The
+each module call's scope, and re-interprets the trace under the rules (``_engine.trace``). The
 interceptor is entered inside the traced function, so ``jax.jit(policied.apply)`` holds the
 policy (linen's interceptor stack is not part of jit's cache key).
 """
@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fmtkit.policy import _eager, _scopes, _trace, _trace_cache
+from fmtkit.policy._engine import caches, scopes, trace
 from fmtkit.policy._plan import Plan
 from fmtkit.policy._policy import Rules, cast_floating, is_identity
 
@@ -51,7 +51,7 @@ def _scope_interceptor(next_fun, args, kwargs, context):
     path, prefix = _full_path(module)
     _CALLS.stack.append((path, _root_of(module), prefix))
     try:
-        with _scopes.module_scope(path, type_names(type(module))):
+        with scopes.module_scope(path, type_names(type(module))):
             return next_fun(*args, **kwargs)
     finally:
         _CALLS.stack.pop()
@@ -124,7 +124,7 @@ class PolicyModel:
       inner: the unmodified model.
       rules: the policy rules.
       strict: raise (instead of warning) when a rule pattern matches no module.
-      cache_traces: keep the model's trace per input signature (``_trace_cache``): a second
+      cache_traces: keep the model's trace per input signature (``caches.TraceCache``): a second
         trace with the same signature (an eval step, a fresh ``jit``) does not run the
         model's Python again.
     """
@@ -133,16 +133,16 @@ class PolicyModel:
     rules: Rules
     strict: bool = False
     cache_traces: bool = True
-    _traces: _trace_cache.TraceCache = dataclasses.field(
-        default_factory=_trace_cache.TraceCache, init=False, repr=False, compare=False)
-    _eager_calls: _eager.EagerCache = dataclasses.field(default_factory=_eager.EagerCache,
+    _traces: caches.TraceCache = dataclasses.field(
+        default_factory=caches.TraceCache, init=False, repr=False, compare=False)
+    _eager_calls: caches.EagerCache = dataclasses.field(default_factory=caches.EagerCache,
                                                         init=False, repr=False,
                                                         compare=False)
 
     def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> dict:
         """``inner.init`` with parameters stored per rule and the FP8 state added."""
-        registry = _scopes.Registry()
-        with _scopes.tracing(registry), scoped():
+        registry = scopes.Registry()
+        with scopes.tracing(registry), scoped():
             variables = self.inner.init(rngs, *args, method=method, **kwargs)
         plan = Plan.of(self.rules, registry.visited())
         plan.report_unmatched(self.strict)
@@ -154,7 +154,7 @@ class PolicyModel:
             keys = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
             keys.setdefault("dropout", next(iter(keys.values())))
             traced = self._trace(variables, keys, args, kwargs, method, True)
-            slots = _trace.fp8_slots(traced, traced.plan(self.rules),
+            slots = trace.fp8_slots(traced, traced.plan(self.rules),
                                      _main_outputs(traced, True))
             if slots:
                 variables[FP8_COLLECTION] = {k: jnp.zeros(shape, jnp.float32)
@@ -176,7 +176,7 @@ class PolicyModel:
                 return self.inner.apply(v, *a, rngs=r, method=method, mutable=mutable, **k)
 
         mutable_key = tuple(mutable) if isinstance(mutable, list) else mutable
-        return _trace.trace(fn, (variables, rngs, args, kwargs), {}, is_param=_is_param,
+        return trace.trace(fn, (variables, rngs, args, kwargs), {}, is_param=_is_param,
                             cache=self._traces if self.cache_traces else None,
                             cache_key=(self.inner, method, mutable_key))
 
@@ -204,7 +204,7 @@ class PolicyModel:
 
         Called eagerly (outside ``jax.jit``/``jax.grad``), the policied apply is compiled once
         per input signature and reused: a second call neither re-traces nor
-        re-interprets the model (``_eager``).
+        re-interprets the model (``caches.EagerCache``).
         """
         def call(tree):
             v, r, a, k = tree
@@ -228,12 +228,12 @@ class PolicyModel:
                   in jax.tree_util.tree_leaves_with_path(variables.get("params", {}))]
         plan.check_param_dtypes(leaves, "variables['params']")
         # Applied inside another policied model's trace: a nested region, as a policied
-        # function is (``_apply.with_policy``): its rules decide its ops, no head by role.
-        nested = _scopes.is_tracing()
+        # function is (``functions.wrap``): its rules decide its ops, no head by role.
+        nested = scopes.is_tracing()
         if nested:
-            _scopes.note_nested_call()
-        with jax.named_scope(_scopes.NESTED_SCOPE) if nested else contextlib.nullcontext():
-            out, _ = _trace.run(traced, plan, main=_main_outputs(traced, mutable),
+            scopes.note_nested_call()
+        with jax.named_scope(scopes.NESTED_SCOPE) if nested else contextlib.nullcontext():
+            out, _ = trace.run(traced, plan, main=_main_outputs(traced, mutable),
                                 fp8_state=None if fp8_state is None else dict(fp8_state),
                                 nested=nested)
         return out
@@ -294,15 +294,29 @@ def _main_outputs(traced, mutable) -> list[bool | str] | None:
     return flags
 
 
-def collect_paths(model: nn.Module, *inputs, **kwargs) -> dict[str, tuple[str, ...]]:
-    """Paths and class names of the modules ``model`` calls on ``inputs`` (abstract init)."""
+def collect_paths(model: nn.Module, *example_inputs, **kwargs) -> dict[str, tuple[str, ...]]:
+    """Paths and class names of the modules ``model`` calls on ``example_inputs`` (abstract
+    init)."""
     inner = model.inner if isinstance(model, PolicyModel) else model
-    registry = _scopes.Registry()
+    registry = scopes.Registry()
 
     def init():
         keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-        with _scopes.tracing(registry), scoped():
-            return inner.init(keys, *inputs, **kwargs)
+        with scopes.tracing(registry), scoped():
+            return inner.init(keys, *example_inputs, **kwargs)
 
     jax.eval_shape(init)
     return registry.visited()
+
+
+def wrap(model: nn.Module, rules: Rules, *, strict: bool, cache_traces: bool = True,
+         params_argnums: Any = None) -> PolicyModel:
+    """``model`` under ``rules`` (``with_policy`` of a linen module)."""
+    if is_wrapped(model):
+        raise ValueError("This linen model already has a policy (it is a PolicyModel); "
+                         "apply with_policy once, to the unwrapped model, with all rules.")
+    return PolicyModel(inner=model, rules=rules, strict=strict, cache_traces=cache_traces)
+
+
+def is_wrapped(obj: Any) -> bool:
+    return isinstance(obj, PolicyModel)

@@ -2,7 +2,8 @@
 
 ``wrap(model, rules)`` returns ``nnx.clone(model, variables=False)`` (new Module objects, the
 same Variables: training the copy trains the original; the state layout is unchanged) whose
-root class is swapped for a subclass (``isinstance`` holds) carrying the rules. The user's
+root class is swapped for a subclass (``isinstance`` holds) whose methods run under the
+rules (each method closes over them: nothing is looked up on the class). The user's
 model is never changed: a Param its rule stores narrower (f32 under pure-bf16) is a converted
 copy held by the policied model only (tied Params stay tied), so trying a preset and going
 back leaves the original's weights bit-identical; a Param narrower than its rule's
@@ -12,7 +13,7 @@ public method of the root (``__call__``, ``attend``, ...):
 1. splits the model and any graph nodes among the arguments (an ``nnx.Rngs``) into
    parameters and other state;
 2. traces a pure function that merges them, swaps the merged copy's module classes for
-   subclasses whose methods enter the module's registry scope (``_scopes``), calls it, and
+   subclasses whose methods enter the module's registry scope (``scopes``), calls it, and
    returns the output and the new state (BatchNorm statistics, RNG counts, sown values);
 3. re-interprets that trace under the rules and writes the new state back (``nnx.update``).
 
@@ -27,7 +28,7 @@ the module whose method runs them: a temporary ``nnx.Linear``/``nnx.Conv`` built
 swapped). ``nnx.split``/``nnx.merge``, ``nnx.clone`` and ``nnx.call`` of one of the traced
 copy's modules keep its swapped class, so a weight-standardized ``self.conv`` runs at
 ``.../conv``. Either way rules (path and ``subtree:`` patterns) and ``inspect_policy`` reach
-them (linen's detached ``Module.apply`` is placed under its caller likewise, ``_linen``).
+them (linen's detached ``Module.apply`` is placed under its caller likewise, ``linen``).
 
 Delayed FP8 state: a ``DelayedScalingVariable`` ``fp8_state`` on the policied root holding
 one amax history per FP8 matmul (created zero at the first call). It works in the functional
@@ -41,6 +42,7 @@ graphdef holding the swapped root class fails (it is created at run time).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any
 
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fmtkit.policy import _eager, _scopes, _trace, _trace_cache
+from fmtkit.policy._engine import caches, scopes, trace
 from fmtkit.policy._plan import Plan
 from fmtkit.policy._policy import Rules, is_floating, is_identity
 
@@ -92,7 +94,7 @@ def _method_names(cls: type) -> tuple[str, ...]:
 def _scoped_method(fn, path: str, names: tuple[str, ...]):
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        with _scopes.module_scope(path, names):
+        with scopes.module_scope(path, names):
             return fn(self, *args, **kwargs)
 
     return method
@@ -125,7 +127,12 @@ def _scoped_modules(model: nnx.Module):
             module.__class__ = cls
 
 
-def collect_paths(model: nnx.Module) -> dict[str, tuple[str, ...]]:
+def collect_paths(model: nnx.Module, *example_inputs: Any, **kwargs: Any
+                  ) -> dict[str, tuple[str, ...]]:
+    """Paths and class names of every module of the graph (no inputs needed)."""
+    if example_inputs or kwargs:
+        raise TypeError("module_paths of an NNX model takes no example inputs: its modules "
+                        "are known from the graph.")
     out = {}
     for parts, module in nnx.iter_modules(model):
         out["/".join(str(p) for p in parts)] = type_names(type(module))
@@ -174,11 +181,22 @@ def _is_param(path, leaf) -> bool:
     return len(path) > 1 and getattr(path[1], "idx", None) == 0
 
 
-def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict,
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What ``with_policy`` was given for an NNX model: the rules and whether traces are
+    kept. The policied root's methods close over it and resolve it against the model's
+    modules at each call (``_policied_call``)."""
+
+    rules: Rules
+    cache_traces: bool = True
+
+
+def _policied_call(setup: Setup, model: nnx.Module, fn, args: tuple, kwargs: dict,
                    nested: bool = False) -> Any:
-    """``fn(model, *args, **kwargs)`` traced and re-interpreted under the model's rules;
-    ``nested``: called inside another policied model's trace (``_trace.run``)."""
-    plan = _plan(model, type(model)._fmtkit_rules)
+    """``fn(model, *args, **kwargs)`` traced and re-interpreted under ``setup``'s rules,
+    resolved against the model's modules (the plan the engine runs); ``nested``: called
+    inside another policied model's trace (``trace.run``)."""
+    plan = _plan(model, setup.rules)
     nodes_in = [x for x in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)
                 if nnx.graph.is_graph_node(x)]
     graphdef, params, rest = nnx.split((model, *nodes_in), nnx.Param, ...)
@@ -197,10 +215,10 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict,
         return out, new_state
 
     def run(tree):
-        traced = _trace.trace(pure, tree, {}, is_param=_is_param,
-                              cache=_TRACES if type(model)._fmtkit_cache_traces else None,
+        traced = trace.trace(pure, tree, {}, is_param=_is_param,
+                              cache=caches.NNX_TRACES if setup.cache_traces else None,
                               cache_key=(graphdef, fn), static_types=(_Slot,))
-        (out, new_state), _ = _trace.run(traced, plan, main=_main_outputs(traced),
+        (out, new_state), _ = trace.run(traced, plan, main=_main_outputs(traced),
                                          fp8_state=_fp8_state(model, traced, plan, nested),
                                          nested=nested)
         return out, new_state
@@ -213,12 +231,12 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict,
         return (out, [var.get_value() for _, var in changed]), [(p, type(v)) for p, v in changed]
 
     tree = (params, rest, a_tree, k_tree)
-    # Eager calls: compiled once per signature (fmtkit.policy._eager; the graphdef and the
+    # Eager calls: compiled once per signature (caches.EagerCache; the graphdef and the
     # method are part of the key). Not under a delayed FP8 recipe: its histories are read
     # from the model itself.
     delayed = plan.delayed or isinstance(vars(model).get("fp8_state"), DelayedScalingVariable)
     cached, result = ((False, None) if delayed or nested or is_identity(plan.rules) else
-                      _EAGER_CALLS(changes, tree, (graphdef, fn), static_types=(_Slot,),
+                      caches.NNX_EAGER_CALLS(changes, tree, (graphdef, fn), static_types=(_Slot,),
                                    aux=True))
     if not cached:
         (out, values), kinds = changes(tree)
@@ -227,15 +245,6 @@ def _policied_call(model: nnx.Module, fn, args: tuple, kwargs: dict,
     _write_back((model, *nodes_in), [(path, kind, value) for (path, kind), value
                                      in zip(kinds, values)])
     return out
-
-
-# Eager policied NNX calls, shared by every policied model: the key holds the graphdef (the
-# model's structure and class) and the signature of its state and arguments.
-_EAGER_CALLS = _eager.EagerCache()
-# Traces of policied NNX calls (``_trace_cache``), shared likewise: keyed by the graphdef (the
-# policied root class, so the rules and the switch, the structure and static attributes) and
-# the method, a few signatures per model.
-_TRACES = _trace_cache.TraceCache(maxsize=4 * _trace_cache.MAX_SIGNATURES)
 
 
 def _values(states) -> dict:
@@ -271,7 +280,7 @@ def _fp8_state(model: nnx.Module, traced, plan: Plan, nested: bool = False) -> d
         return None
     shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
     n_main = len(jax.tree.leaves(shapes[0]))
-    slots = _trace.fp8_slots(traced, plan, [i < n_main for i in range(len(traced.out_avals))],
+    slots = trace.fp8_slots(traced, plan, [i < n_main for i in range(len(traced.out_avals))],
                              nested=nested)
     if not slots:
         return None
@@ -318,43 +327,44 @@ class _Slot:
 _SLOT = _Slot()  # one instance: a static leaf of the eager cache's key
 
 
-def _policied_method(fn):
+def _policied_method(fn, setup: Setup):
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        if not _scopes.is_tracing():
-            return _policied_call(self, fn, args, kwargs)
+        if not scopes.is_tracing():
+            return _policied_call(setup, self, fn, args, kwargs)
         if vars(type(self)).get("_fmtkit_path") == "":  # the root of its own trace
             return fn(self, *args, **kwargs)
         # Called inside another policied model's trace (by a function, or as a sub-module):
-        # a nested region, as a policied function is (``_apply.with_policy``): its rules
+        # a nested region, as a policied function is (``functions.wrap``): its rules
         # decide its ops, no head by role.
-        _scopes.note_nested_call()
-        with jax.named_scope(_scopes.NESTED_SCOPE):
-            return _policied_call(self, fn, args, kwargs, nested=True)
+        scopes.note_nested_call()
+        with jax.named_scope(scopes.NESTED_SCOPE):
+            return _policied_call(setup, self, fn, args, kwargs, nested=True)
 
     return method
 
 
-_ROOT_CLASSES: dict[tuple[type, Rules], type] = {}
+# The policied root classes, one per (model class, setup): a policied model's graphdef
+# holds its class, so equal setups give equal graphdefs (the trace and eager caches' keys).
+_ROOT_CLASSES: dict[tuple[type, Setup], type] = {}
 
 
-def _policied_class(cls: type, rules: Rules, cache_traces: bool = True) -> type:
-    key = (cls, rules, cache_traces)
+def _policied_class(cls: type, setup: Setup) -> type:
+    key = (cls, setup)
     if key not in _ROOT_CLASSES:
-        namespace = {n: _policied_method(getattr(cls, n)) for n in _method_names(cls)}
+        namespace = {n: _policied_method(getattr(cls, n), setup) for n in _method_names(cls)}
         namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
-                         __doc__=cls.__doc__, _fmtkit_base=cls, _fmtkit_rules=rules,
-                         _fmtkit_cache_traces=cache_traces)
+                         __doc__=cls.__doc__, _fmtkit_base=cls)
         _ROOT_CLASSES[key] = type(cls.__name__, (cls,), namespace)
     return _ROOT_CLASSES[key]
 
 
 def is_wrapped(obj: Any) -> bool:
-    return isinstance(obj, nnx.Module) and "_fmtkit_rules" in vars(type(obj))
+    return isinstance(obj, nnx.Module) and type(obj) in _ROOT_CLASSES.values()
 
 
-def wrap(model: nnx.Module, rules: Rules, strict: bool, cache_traces: bool = True
-         ) -> nnx.Module:
+def wrap(model: nnx.Module, rules: Rules, *, strict: bool, cache_traces: bool = True,
+         params_argnums: Any = None) -> nnx.Module:
     """A copy of ``model``'s module graph whose root runs under ``rules``; it shares the
     model's Variables except the Params its rules store narrower (converted copies), so the
     user's model is never changed. Params narrower than their rule's ``param_dtype`` raise
@@ -367,5 +377,5 @@ def wrap(model: nnx.Module, rules: Rules, strict: bool, cache_traces: bool = Tru
     _check_params(nnx.split((model,), nnx.Param, ...)[1], plan)
     copy = nnx.clone(model, variables=False)
     _store_params(copy, plan)
-    copy.__class__ = _policied_class(type(model), rules, cache_traces)
+    copy.__class__ = _policied_class(type(model), Setup(rules, cache_traces))
     return copy

@@ -2,46 +2,34 @@
 
 The interpreter binds every equation of the trace again, on operands of the dtypes the rules
 give it (``bind``), and casts values between dtypes (``cast``). Both go through a
-``jax.jit`` per primitive and parameters (``_jitted_primitive``, ``_jitted_cast``), kept in
-an LRU cache, as ``jnp`` binds its own operators: under ``jax.grad`` a ``jit`` is
-linearized once per jaxpr and operand types, a bare bind on every call.
+``jax.jit`` per primitive and parameters (``caches.jitted_primitive``, ``caches.jitted_cast``),
+as ``jnp`` binds its own operators: under ``jax.grad`` a ``jit`` is linearized once per
+jaxpr and operand types, a bare bind on every call. (``SWITCHES.jit_primitives`` off binds
+directly, ``SWITCHES.jit_inline`` says how the jits are inlined.)
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.extend.core as jex
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-F32 = np.dtype(np.float32)
+from fmtkit._switches import SWITCHES
+from fmtkit.policy._engine import caches
+from fmtkit.policy._engine.jaxprs import F32, floating_dtype
 
-
-@functools.lru_cache(maxsize=256)
-def floating_dtype(dtype) -> bool:
-    """Whether ``dtype`` is a floating dtype (cached: a few dtypes, asked per operand)."""
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-# Private switch for tests and benchmarks: False binds every rebuilt equation directly (the
-# behaviour before the per-primitive ``jit``), to show the two give the same program.
-_JIT_PRIMITIVES = True
-# How those jits are inlined: JAX_EARLY, into the enclosing jaxpr as it is traced (private, so
-# a test can show that another mode changes the program).
-_JIT_INLINE = jax.Inline.JAX_EARLY
+__all__ = ["F32", "bind", "cast", "floating_dtype", "is_float_value", "wider"]
 
 
 def bind(eqn, invals: Sequence[Any], **overrides) -> list[Any]:
     params = eqn.primitive.get_bind_params(eqn.params)
     if overrides:
         params = {**params, **overrides}
-    call = _primitive_call(eqn.primitive, params) if _JIT_PRIMITIVES and not eqn.effects \
-        else None
+    call = (_primitive_call(eqn.primitive, params)
+            if SWITCHES.jit_primitives and not eqn.effects else None)
     out = (call(*invals) if call is not None else eqn.primitive.bind(*invals, **params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -61,29 +49,10 @@ def _primitive_call(primitive, params: dict) -> Callable | None:
                                   for v in params.values()):
         return None  # a body or a rule (custom_jvp_call, an opaque call): bound directly
     try:
-        return _jitted_primitive(primitive, tuple(sorted(params.items())))
+        return caches.jitted_primitive(primitive, tuple(sorted(params.items())),
+                                       SWITCHES.jit_inline)
     except TypeError:  # an unhashable parameter (a list)
         return None
-
-
-@functools.lru_cache(maxsize=4096)
-def _jitted_primitive(primitive, params: tuple) -> Callable:
-    kwargs = dict(params)
-
-    def call(*xs):
-        return primitive.bind(*xs, **kwargs)
-
-    call.__name__ = primitive.name
-    return jax.jit(call, inline=_JIT_INLINE)
-
-
-@functools.lru_cache(maxsize=64)
-def _jitted_cast(dtype: np.dtype) -> Callable:
-    """``convert_element_type`` to ``dtype`` as a shared ``jit`` (see ``_primitive_call``)."""
-    def convert(x):
-        return lax.convert_element_type(x, dtype)
-
-    return jax.jit(convert, inline=_JIT_INLINE)
 
 
 def is_float_value(x) -> bool:
@@ -96,7 +65,9 @@ def cast(x, dtype):
     dtype = np.dtype(dtype)
     if x.dtype == dtype:
         return x
-    return _jitted_cast(dtype)(x) if _JIT_PRIMITIVES else lax.convert_element_type(x, dtype)
+    if not SWITCHES.jit_primitives:
+        return lax.convert_element_type(x, dtype)
+    return caches.jitted_cast(dtype, SWITCHES.jit_inline)(x)
 
 
 def wider(a, b) -> np.dtype:
@@ -106,4 +77,3 @@ def wider(a, b) -> np.dtype:
     if a.itemsize != b.itemsize:
         return a if a.itemsize > b.itemsize else b
     return F32  # bf16 vs f16: neither holds the other
-

@@ -1,17 +1,17 @@
 """The interpreter: every equation of a trace bound again with the dtypes the rules give it.
 
-``Interpreter`` evaluates a traced jaxpr under the rules (op classes in ``_ops``): matmuls on
-the compute dtype (or the FP8 recipe), precision-sensitive ops in f32, the rest following
+``Interpreter`` evaluates a traced jaxpr under the rules (op classes in ``_ops``): matmuls
+on the compute dtype (or the FP8 recipe), precision-sensitive ops in f32, the rest following
 their inputs; module outputs are cast to the module's ``output_dtype`` and their cotangents
-rounded through ``grad_dtype`` (``_cotangent``). The interpretation is ordinary JAX code, so
+rounded through ``grad_dtype`` (``cotangent``). The interpretation is ordinary JAX code, so
 ``jit``, ``grad`` and ``vmap`` around it work and the backward pass is JAX's own transpose
-of the policied forward pass. Every primitive that holds a body is interpreted and rebuilt:
-``jit``, ``scan``, ``remat``, ``cond``/``switch``, ``while``, ``shard_map``
-(``_control_flow``), ``custom_jvp`` and ``custom_vjp`` (``_custom_rules``). Any other body
-(``pallas_call``, a primitive this package does not know) runs as traced, inputs cast back,
-with one warning per module and primitive. The ops of a policied function called
-inside the trace (``_scopes.NESTED_SCOPE``) are bound as traced: the inner policy wins.
-Equations are bound through ``_binding``'s shared jits.
+of the policied forward pass. Every primitive that holds a body is interpreted and rebuilt
+by its handler (``handlers.TABLE``: ``jit``, ``scan``, ``remat``, ``cond``/``switch``,
+``while``, ``shard_map``, ``custom_jvp``, ``custom_vjp``), which the interpreter passes
+itself to. Any other body (``pallas_call``, a primitive this package does not know) runs as
+traced, inputs cast back, with one warning per module and primitive. The ops of a policied
+function called inside the trace (``scopes.NESTED_SCOPE``) are bound as traced: the inner
+policy wins. Equations are bound through ``binding``'s shared jits.
 """
 
 from __future__ import annotations
@@ -32,22 +32,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
 from fmtkit import fp4, fp8
+from fmtkit._switches import SWITCHES
 from fmtkit.policy import _ops
-from fmtkit.policy._analysis import (
-    BODIES,
-    Analysis,
-    VjpParts,
-    scan_counts,
-)
-from fmtkit.policy._binding import F32, bind, cast, floating_dtype, is_float_value, wider
-from fmtkit.policy._control_flow import ControlFlow
-from fmtkit.policy._cotangent import round_on_exit
-from fmtkit.policy._custom_rules import CustomRules
-from fmtkit.policy._gemm_hook import CALLS as GEMM_CALLS
-from fmtkit.policy._gemm_hook import GemmSite, active_hook
-from fmtkit.policy._plan import Plan
-from fmtkit.policy._policy import Policy, ancestor_types, is_identity
-from fmtkit.policy._scopes import (
+from fmtkit.policy._engine import caches, jaxprs
+from fmtkit.policy._engine.analysis import Analysis
+from fmtkit.policy._engine.binding import F32, bind, cast, floating_dtype, is_float_value, wider
+from fmtkit.policy._engine.cotangent import round_on_exit
+from fmtkit.policy._engine.handlers import TABLE
+from fmtkit.policy._engine.jaxprs import VjpParts, has_body
+from fmtkit.policy._engine.scopes import (
     OP_SCOPE,
     ModuleInfo,
     OpRecord,
@@ -57,6 +50,10 @@ from fmtkit.policy._scopes import (
     recorded_op,
     scope_chain,
 )
+from fmtkit.policy._gemm_hook import CALLS as GEMM_CALLS
+from fmtkit.policy._gemm_hook import GemmSite, active_hook
+from fmtkit.policy._plan import Plan
+from fmtkit.policy._policy import Policy, ancestor_types, is_identity
 from fmtkit.scaling import DelayedScalingState
 
 # The prefix of the names ``checkpoint_name`` gives FP8 GEMM outputs (``_gemm_output``).
@@ -104,6 +101,9 @@ def _mixed_matmul(eqn, lhs, rhs, out_dtype, forward: dict | None = None, rest=()
     dot algorithm); ``rest``: the primitive's other operands (a ragged dot's group
     sizes), not differentiated."""
     narrow = lhs.dtype
+    if not SWITCHES.narrow_mixed_backward:
+        return bind(eqn, [lhs, rhs, *rest], preferred_element_type=out_dtype,
+                    **(forward or {}))[0]
 
     def low(a, b, rest):
         return bind(eqn, [a, b, *rest], preferred_element_type=narrow)[0]
@@ -144,7 +144,8 @@ def _asked_output(eqn, traced: list[np.dtype], target: np.dtype
     if (pet is not None and floating_dtype(pet) and all(floating_dtype(d) for d in traced)
             and np.dtype(pet).itemsize > max(d.itemsize for d in traced)):
         return np.dtype(pet), None
-    if _DPA_LOGITS in str(eqn.source_info.name_stack) and target.itemsize < 4:
+    if (SWITCHES.dpa_f32_logits and _DPA_LOGITS in str(eqn.source_info.name_stack)
+            and target.itemsize < 4):
         algorithm = eqn.params.get("precision")
         if algorithm is None:
             algorithm = _DPA_ALGORITHMS.get(target)
@@ -171,7 +172,7 @@ def _is_complex(dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.complexfloating))
 
 
-class Interpreter(ControlFlow, CustomRules):
+class Interpreter:
     """Evaluates a traced jaxpr under a plan's rules (see the module docstring)."""
 
     def __init__(self, plan: Plan, registry: Registry, *, fp8_state: dict | None = None,
@@ -196,24 +197,24 @@ class Interpreter(ControlFlow, CustomRules):
         # dtype, recipe name), warned about once at the end of ``run`` (``_warn_convs``).
         self._fp8_convs: dict[str, tuple[str, str]] = {}
         self._ran = False
-        self._vjp: dict[int, tuple[Any, VjpParts | None]] = {}
         self._before_cast: dict[tuple, np.dtype] = {}  # cast idpath -> dtype of its input
-        self._fwd_rule = 0  # depth of custom_vjp forward rules being evaluated
-        self._jvp_body = 0  # depth of custom_jvp primal bodies being evaluated
-        self._rules_traced: dict[tuple, Any] = {}  # (kind, id(eqn)) -> (eqn, traced rule)
+        self.fwd_rule = 0  # depth of custom_vjp forward rules being evaluated
+        self.jvp_body = 0  # depth of custom_jvp primal bodies being evaluated
+        # Custom rules traced and custom_vjp calls taken apart, once per equation.
+        self.per_call = caches.PerCall()
         self.analysis: Analysis | None = None
         # intercept_gemms: GEMM names per (module path, equation id path), their counts per
         # path, and the depth of scan/while bodies being interpreted.
         self._gemm_names: dict[tuple, str] = {}
         self._gemm_counts: dict[str, int] = {}
-        self._loop_depth = 0
+        self.loop_depth = 0
         # (iteration index, trip count) of the loop bodies being interpreted, outermost first
         # (None, None for a while loop); indices only while a hook is active.
-        self._loops: list[tuple[Any, int | None]] = []
+        self.loops: list[tuple[Any, int | None]] = []
         self._call = next(GEMM_CALLS)
         self._gemm_outputs: dict[str, Any] = {}  # name of an FP8 GEMM's output -> its eqn
         # Rules that change nothing ("fp32"): every op as traced, no exit casts.
-        self.identity = is_identity(plan.rules)
+        self.identity = SWITCHES.fp32_identity and is_identity(plan.rules)
 
     # -- rules ----------------------------------------------------------------------------
     def path(self, module: int | None) -> str:
@@ -240,6 +241,24 @@ class Interpreter(ControlFlow, CustomRules):
         self.analysis = Analysis(closed, param_inputs, head_outputs, self)
         return self.analysis
 
+    def vjp_parts(self, eqn) -> VjpParts | None:
+        """``jaxprs.vjp_parts`` once per equation (the analysis and the evaluation share it)."""
+        return self.per_call.get("vjp", eqn, lambda: jaxprs.vjp_parts(eqn))
+
+    def opaque(self, eqn, invals, chain):
+        """A primitive whose body the policy cannot interpret (``pallas_call``, an unknown
+        primitive): it runs as traced, inputs cast back, with one warning per module and
+        primitive; ``inspect_policy`` lists its matmuls as not policied."""
+        name = eqn.primitive.name
+        path = self.path(chain[-1] if chain else None)
+        self.warn(f"opaque:{path}:{name}",
+                  f"Primitive {name!r} in module {path or '<root>'!r} holds a body the policy "
+                  "does not interpret: it runs as traced (its matmuls in their traced dtypes, "
+                  "no FP8). inspect_policy lists its matmuls as not policied.")
+        if self.record is not None:
+            self.record.opaque.append((path, name))
+        return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
+
     # -- evaluation -----------------------------------------------------------------------
     def run(self, closed, args: Sequence[Any],
             leave: Sequence[bool | tuple[int, ...]] | None = None) -> list[Any]:
@@ -248,14 +267,14 @@ class Interpreter(ControlFlow, CustomRules):
         it is returned as computed; a scope chain, it is read there (as the module at the
         end of the chain sees it: the outputs of the modules it did not run are cast)."""
         assert self.analysis is not None, "analyze first"
-        out = self._walk(closed.jaxpr, closed.consts, list(args), [()] * len(args), (), (),
+        out = self.walk(closed.jaxpr, closed.consts, list(args), [()] * len(args), (), (),
                          self.fp8_state or {}, leave)
         self._ran = True
         self._warn_convs()
         self._warn_no_projection()
         return out
 
-    def _walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local,
+    def walk(self, jaxpr, consts, args, arg_chains, prefix, idprefix, fp8_local,
               leave=None):
         env: dict[Any, Any] = {}
         chains: dict[Any, tuple] = {}
@@ -284,7 +303,7 @@ class Interpreter(ControlFlow, CustomRules):
 
         for i, eqn in enumerate(jaxpr.eqns):
             chain = scope_chain(eqn, prefix)
-            mesh = _traced_mesh(eqn)
+            mesh = _traced_mesh(eqn) if SWITCHES.rebind_traced_mesh else None
             with (jax.sharding.use_abstract_mesh(mesh) if mesh is not None
                   else contextlib.nullcontext()):
                 invals = [read(v, chain) for v in eqn.invars]
@@ -331,26 +350,17 @@ class Interpreter(ControlFlow, CustomRules):
         scope = (self._record(eqn, chain, idp) if self.record is not None
                  else contextlib.nullcontext())
         with scope:
-            if name in _ops.INLINE_CALLS:
-                return self._jit(eqn, invals, chain, idp, fp8_local)
-            if name == "custom_jvp_call":
-                return self._custom_jvp(eqn, invals, chain, idp, fp8_local)
-            if name in _ops.REMAT:
-                return self._checkpoint(eqn, invals, chain, idp, fp8_local)
-            if name == "scan" and scan_counts(eqn) is not None:
-                return self._scan(eqn, invals, chain, idp, fp8_local)
-            body = BODIES.get(name)
-            if body is not None:
-                outs = getattr(self, body.removesuffix("_facts"))(eqn, invals, chain, idp,
-                                                                  fp8_local)
+            handler = TABLE.get(name)
+            if handler is not None:
+                outs = handler.interpret(self, eqn, invals, chain, idp, fp8_local)
                 if outs is not None:
                     return outs
             if (name in _ops.DTYPE_EXACT or name in _ops.WIDE_OPS or name in _ops.COMBINER_OPS
-                    or (self.identity and not list(jex.jaxprs_in_params(eqn.params)))):
+                    or (self.identity and not has_body(eqn))):
                 # bit patterns, FFT, linear algebra, callbacks, every op of "fp32": as traced
                 return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
-            if list(jex.jaxprs_in_params(eqn.params)):
-                return self._opaque(eqn, invals, chain)
+            if has_body(eqn):
+                return self.opaque(eqn, invals, chain)
             policy = self.policy_of(chain[-1] if chain else None)
             if name in _ops.MATMUL and policy is not None:
                 return [self._matmul(eqn, invals, chain, idp, idprefix, policy, fp8_local)]
@@ -424,22 +434,22 @@ class Interpreter(ControlFlow, CustomRules):
                                          for v in eqn.invars[:2])
         cdt = np.dtype(policy.compute_dtype)
         traced = [np.dtype(v.aval.dtype) for v in eqn.invars[:2]]
-        if any(_is_complex(d) for d in traced):
+        if SWITCHES.complex_as_traced and any(_is_complex(d) for d in traced):
             # No complex bf16 or FP8: the matmul runs as traced, and says so when the policy
             # would narrow it.
             path = self.path(module)
             if policy.fp8 is not None or cdt.itemsize < 4:
-                self._warn(f"complex:{path}", (
+                self.warn(f"complex:{path}", (
                     f"A complex matmul in module {path or '<root>'!r} runs in its traced "
                     f"dtype ({wider(*traced).name}): the policy's compute dtype "
                     f"({cdt.name}) and FP8 recipes apply to real matmuls only."))
             return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])[0]
-        asked = _asked_precision(eqn, cdt)
+        asked = _asked_precision(eqn, cdt) if SWITCHES.honour_asked_precision else None
         if asked is not None and (policy.fp8 is not None
                                   or any(d.itemsize > cdt.itemsize for d in traced)):
             # The author asked for this matmul's precision: honoured, on the traced dtypes.
             path = self.path(module)
-            self._warn(f"precision:{path}", (
+            self.warn(f"precision:{path}", (
                 f"A matmul in module {path or '<root>'!r} asks for {asked}: honoured, it runs "
                 f"on its traced operand dtypes ({traced[0].name}), not the policy's "
                 f"{cdt.name}{' or FP8' if policy.fp8 is not None else ''}. Drop the request "
@@ -451,7 +461,10 @@ class Interpreter(ControlFlow, CustomRules):
         if (policy.fp8 is not None and not head
                 and eqn.primitive.name == "conv_general_dilated"):
             self._fp8_convs.setdefault(self.path(module), (cdt.name, policy.fp8.name))
-            if self._ran:  # met after the run (a custom_vjp backward rule): say so now
+            if SWITCHES.fp8_conv_warning == "per_conv":
+                self._warned -= {w for w in self._warned if w.startswith("conv:")}
+                self._warn_convs()
+            elif self._ran:  # met after the run (a custom_vjp backward rule): say so now
                 self._warn_convs()
         lhs, rhs = invals[0], invals[1]
         targets = []
@@ -465,7 +478,8 @@ class Interpreter(ControlFlow, CustomRules):
         # A result wider than the operands that the author asked for (an einsum's
         # preferred_element_type=f32 on bf16 operands; the f32 logits of
         # jax.nn.dot_product_attention, which JAX computes so for bf16 inputs) is kept.
-        wide_out, algorithm = _asked_output(eqn, traced, target)
+        wide_out, algorithm = (_asked_output(eqn, traced, target)
+                               if SWITCHES.keep_asked_wide_output else (None, None))
         if wide_out is not None and wide_out.itemsize > out_dt.itemsize and not head:
             out_dt = wide_out
         else:
@@ -488,7 +502,7 @@ class Interpreter(ControlFlow, CustomRules):
         right one, as in ``x @ w``; also where both or neither are parameters)."""
         lhs, rhs = (not isinstance(v, jex.Literal) and self.analysis.is_param(idprefix, v)
                     for v in eqn.invars[:2])
-        return 0 if lhs and not rhs else 1
+        return 0 if lhs and not rhs and SWITCHES.weight_on_either_side else 1
 
     def _hooked(self, hook, eqn, lhs, rhs, rest, recipe, idp, module, info, head, policy,
                 cdt, target, out_dt, wide_out, algorithm, fp8_local, weight):
@@ -511,14 +525,14 @@ class Interpreter(ControlFlow, CustomRules):
             fp8=recipe if capable else None, fp8_capable=capable, head=head,
             dimension_numbers=eqn.params.get("dimension_numbers")
             if eqn.primitive.name == "dot_general" else None,
-            in_loop=self._loop_depth > 0, call=self._call,
-            loop_lengths=tuple(n for _, n in self._loops),
-            loop_index=tuple(i for i, _ in self._loops),
+            in_loop=self.loop_depth > 0, call=self._call,
+            loop_lengths=tuple(n for _, n in self.loops),
+            loop_index=tuple(i for i, _ in self.loops),
             fp8_history=fp8_local.get(self.analysis.sites.get(idp))
             if capable and recipe is not None and recipe.delayed
             and eqn.primitive.name == "dot_general" else None,
             weight_operand=weight,
-            in_custom_rule=self._fwd_rule > 0 or self._jvp_body > 0,
+            in_custom_rule=self.fwd_rule > 0 or self.jvp_body > 0,
             group_sizes=rest[0] if _ragged_dot_form(eqn) else None)
 
         def run(a, b, new_recipe=None):
@@ -593,13 +607,13 @@ class Interpreter(ControlFlow, CustomRules):
             why = ("fmtkit.fp8.ragged_dot takes lax.ragged_dot's form (lhs [M, K] sorted by "
                    "group, rhs [G, K, N])")
         if why is not None:
-            self._warn(f"no-fp8:{path}:{eqn.primitive.name}", (
+            self.warn(f"no-fp8:{path}:{eqn.primitive.name}", (
                 f"lax.ragged_dot (a grouped GEMM) in module {path or '<root>'!r} runs on "
                 f"{cdt.name}, not with the recipe {recipe.name}: {why}. inspect_policy "
                 "counts it as not FP8."))
             return None
         if recipe.delayed:  # (fmtkit.fp8.ragged_dot would warn on every trace)
-            self._warn(f"delayed:{path}:{eqn.primitive.name}", (
+            self.warn(f"delayed:{path}:{eqn.primitive.name}", (
                 f"lax.ragged_dot (a grouped GEMM) in module {path or '<root>'!r} runs with "
                 f"current scaling: the grouped FP8 GEMM keeps no amax history (the delayed "
                 f"recipe {recipe.name}'s formats, per-tensor scales from this step)."))
@@ -624,7 +638,7 @@ class Interpreter(ControlFlow, CustomRules):
             if key is None or key not in fp8_local:
                 reason = ("no amax history was passed for it (initialize the policied model "
                           "and pass its 'fp8_state')")
-                self._warn(path, f"FP8 recipe {recipe} skipped for a matmul in module "
+                self.warn(path, f"FP8 recipe {recipe} skipped for a matmul in module "
                                  f"{path or '<root>'!r}: {reason}; it runs in {cdt.name}.")
                 return None
             kwargs["fp8_state"] = DelayedScalingState(fp8_local[key])
@@ -674,7 +688,7 @@ class Interpreter(ControlFlow, CustomRules):
         are ``dot_general`` only). Once per interpreted call (one per trace under ``jit``),
         not per convolution."""
         convs = {p: v for p, v in self._fp8_convs.items() if f"conv:{p}" not in self._warned}
-        if not convs:
+        if not convs or SWITCHES.fp8_conv_warning == "never":
             return
         self._warned.update(f"conv:{p}" for p in convs)
         dtypes = sorted({d for d, _ in convs.values()})
@@ -706,7 +720,7 @@ class Interpreter(ControlFlow, CustomRules):
         recipes = sorted({p.fp8.name for p in (self.rules.default,
                                                 *(p for _, p in self.rules.rules))
                           if p is not None and p.fp8 is not None})
-        self._warn("no-projection", (
+        self.warn("no-projection", (
             f"with_policy: the FP8/FP4 recipe {' / '.join(recipes)} found no projection to "
             f"quantize: none of the {self._fp8_covered} matmul(s) it covers has a parameter "
             "operand, so all ran on the compute dtype (inspect_policy's fp8_fraction is "
@@ -717,7 +731,7 @@ class Interpreter(ControlFlow, CustomRules):
             "takes its parameters by keyword: wrap hf_model.module and apply it with "
             "{'params': hf_model.params}."))
 
-    def _warn(self, key: str, msg: str) -> None:
+    def warn(self, key: str, msg: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(msg, UserWarning, stacklevel=2)
@@ -749,7 +763,7 @@ def _traced_mesh(eqn):
 def _ragged_dot_form(eqn) -> bool:
     """Whether a ``ragged_dot_general`` is ``lax.ragged_dot``'s [M, K] x [G, K, N] GEMM (what
     ``fmtkit.fp8.ragged_dot`` computes)."""
-    return (eqn.primitive.name == "ragged_dot_general"
+    return (SWITCHES.ragged_dot_form and eqn.primitive.name == "ragged_dot_general"
             and _is_ragged_dot(eqn.params["ragged_dot_dimension_numbers"])
             and eqn.params.get("group_offset") is None
             and eqn.invars[0].aval.ndim == 2 and eqn.invars[1].aval.ndim == 3)

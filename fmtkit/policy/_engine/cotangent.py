@@ -12,12 +12,11 @@ import functools
 import jax
 import numpy as np
 
+from fmtkit._switches import SWITCHES
+
 GRAD_SCOPE = "fmtkit_grad_round_"
 _F32 = np.dtype(np.float32)
 
-# Private switch for tests: False wraps a value in one rounding per module it leaves (the
-# behaviour before the dedup), to show the dedup leaves gradients bit-identical.
-_DEDUP_COTANGENT = True
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -38,7 +37,6 @@ def _round_cotangent_jvp(dtype, primals, tangents):
         return x, t.astype(dtype).astype(t.dtype)
 
 
-
 def round_on_exit(x: jax.Array, grad_dtype: np.dtype, rounded: tuple | None
                   ) -> tuple[jax.Array, tuple | None]:
     """``x`` rounded through ``grad_dtype`` on the backward pass as it leaves one module.
@@ -52,7 +50,7 @@ def round_on_exit(x: jax.Array, grad_dtype: np.dtype, rounded: tuple | None
     """
     gdt = np.dtype(grad_dtype)
     if (gdt != _F32 and gdt != x.dtype
-            and not (_DEDUP_COTANGENT and rounded is not None
+            and not (SWITCHES.dedup_cotangent and rounded is not None
                      and rounded[0] is x and rounded[1] == gdt)):
         x = round_cotangent(x, grad_dtype)
         rounded = (x, gdt)

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fmtkit._switches import SWITCHES
 from fmtkit.policy._policy import Policy
 
 MODULE_SCOPE = "fmtkit_module_"
@@ -137,15 +138,16 @@ def active_recorder() -> Recorder | None:
 
 
 def is_tracing() -> bool:
-    """Whether a policied trace is being recorded on this thread."""
-    return _ACTIVE.registry is not None
+    """Whether a policied trace is being recorded on this thread: a policied call made now is
+    nested in it (and keeps its own policy)."""
+    return SWITCHES.nested_policies and _ACTIVE.registry is not None
 
 
 def note_nested_call() -> None:
     """Notes in the trace being recorded that a policied function is called inside it: its
     ops carry the op scopes of the ``recording`` active then, so the trace is not reused by
-    another recording (``_trace.trace``)."""
-    if _ACTIVE.registry is not None:
+    another recording (``trace.trace``)."""
+    if SWITCHES.note_nested_calls and _ACTIVE.registry is not None:
         _ACTIVE.registry.nested_calls = True
 
 

@@ -6,22 +6,22 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    Flax module call is wrapped in a named scope ``fmtkit_module_<i>`` (linen:
    ``nn.intercept_methods``; NNX: the traced copy's classes are swapped for subclasses whose
    methods enter the scope), and a ``Registry`` maps ``i`` to the module's path and class
-   names (``_scopes``). Every equation's name stack then says which modules wrote it,
+   names (``scopes``). Every equation's name stack then says which modules wrote it,
    innermost last, even inside ``jit``, ``scan`` and ``remat`` bodies. The trace is kept per
-   input signature (``_trace_cache``), so a second trace of the same call only re-interprets
+   input signature (``caches``), so a second trace of the same call only re-interprets
    it.
-2. **Analyze** (``_analysis``). One pass over the jaxpr finds, for every matmul, whether it
+2. **Analyze** (``analysis``). One pass over the jaxpr finds, for every matmul, whether it
    is a *projection* (an operand is a view of a parameter: what FP8 recipes target), whether
    it is the model's *output head* (found by its role, not its name), and the delayed-FP8
    amax-history slots it needs.
-3. **Interpret** (``_interpreter``). Every equation is bound again with the dtypes the rules
-   give it (op classes in ``_ops``): matmuls on the compute dtype (or the FP8 recipe),
-   precision-sensitive ops in f32, the rest following their inputs; module outputs are cast to
-   the module's ``output_dtype`` and their cotangents rounded through ``grad_dtype``
-   (``_cotangent``). Bodies (``jit``, ``scan``, ``cond``, ``custom_vjp``, ...) are
-   interpreted and rebuilt. Each rebuilt equation is bound through a ``jit`` shared by equal
-   equations (``_binding``), as ``jnp`` binds its operators: under ``jax.grad`` it is
-   linearized once, not per bind.
+3. **Interpret** (``interpreter``). Every equation is bound again with the dtypes the rules
+   give it (op classes in ``fmtkit.policy._ops``): matmuls on the compute dtype (or the FP8
+   recipe), precision-sensitive ops in f32, the rest following their inputs; module outputs
+   are cast to the module's ``output_dtype`` and their cotangents rounded through
+   ``grad_dtype`` (``cotangent``). Bodies (``jit``, ``scan``, ``cond``, ``custom_vjp``, ...)
+   are interpreted and rebuilt, each by its handler (``handlers``). Each rebuilt equation is
+   bound through a ``jit`` shared by equal equations (``binding``), as ``jnp`` binds its
+   operators: under ``jax.grad`` it is linearized once, not per bind.
 
 This module holds the entry points the frontends call: ``trace`` (step 1) and ``run`` (steps
 2 and 3), and ``fp8_slots`` (step 2 alone: the delayed-FP8 state a trace needs).
@@ -44,16 +44,13 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from fmtkit.policy import _trace_cache
-from fmtkit.policy._binding import cast, floating_dtype
-from fmtkit.policy._interpreter import Interpreter
+from fmtkit._switches import SWITCHES
+from fmtkit.policy._engine import caches
+from fmtkit.policy._engine.binding import cast, floating_dtype
+from fmtkit.policy._engine.interpreter import Interpreter
+from fmtkit.policy._engine.scopes import Recorder, Registry, active_recorder, tracing
 from fmtkit.policy._plan import Plan
 from fmtkit.policy._policy import Rules
-from fmtkit.policy._scopes import Recorder, Registry, active_recorder, tracing
-
-# Private switch for tests and benchmarks: False traces the model on every call even where its
-# policied model keeps traces (``_trace_cache``).
-_TRACE_CACHE = True
 
 
 def _is_dynamic(x) -> bool:
@@ -86,7 +83,7 @@ _SET_MESH_IN_TRACE = "`set_mesh` can only be used outside of `jax.jit`"
 
 def trace(fn: Callable, args: tuple, kwargs: dict, *,
           is_param: Callable[[tuple, Any], bool] = lambda path, x: True,
-          scopes: Callable | None = None, cache: _trace_cache.TraceCache | None = None,
+          scopes: Callable | None = None, cache: caches.TraceCache | None = None,
           cache_key: Any = None, static_types: tuple[type, ...] = ()) -> Traced:
     """Traces ``fn(*args, **kwargs)`` recording module scopes; array leaves are the inputs.
 
@@ -94,7 +91,7 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
       is_param: ``(key path in (args, kwargs), leaf) -> bool``: which inputs are parameters.
       scopes: a context-manager factory entered around the call inside the trace (the NNX
         adapter's class swap); linen's interceptor is installed by its adapter inside ``fn``.
-      cache: where to keep the trace per input signature (``_trace_cache``); None: always
+      cache: where to keep the trace per input signature (``caches``); None: always
         trace. ``cache_key`` identifies ``fn`` in it (``fn`` itself is often a new closure);
         ``static_types``: leaf types the key compares by value (an adapter's placeholders).
     """
@@ -103,8 +100,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
     dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
     dyn = [leaves[i] for i in dyn_idx]
     params = [bool(is_param(with_path[i][0], leaves[i])) for i in dyn_idx]
-    key = (None if cache is None or not _TRACE_CACHE
-           else _trace_cache.signature(leaves, dyn_idx, treedef, static_types))
+    key = (None if cache is None or not SWITCHES.trace_cache
+           else caches.signature(leaves, dyn_idx, treedef, static_types))
     # A trace with policied functions called inside it carries the op scopes of the recording
     # active when it was made (inspect_policy's): another recording traces it again.
     recording = active_recorder() is not None
