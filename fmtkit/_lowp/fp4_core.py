@@ -200,20 +200,9 @@ consumer's dtype, is applied by the caller). Forward-mode AD: see
 
 def quantization_stats(t: jax.typing.ArrayLike, recipe: str | Fp4Recipe = "nvfp4",
                        operand: Literal["x", "w", "grad"] = "x") -> dict[str, jax.Array]:
-    """What one GEMM operand loses to a recipe's FP4 quantization (telemetry, in-jit).
-
-    ``t`` is laid out ``[free, contraction]`` (x: [tokens, K]; w: [N, K], a Flax kernel
-    transposed; grad: [tokens, N]), zero-padded to its blocks, and quantized as the forward
-    (x, w) or dgrad (grad) GEMM does (stochastic rounding with a fixed key).
-
-    Returns:
-      ``fmtkit.stats.BLOCK_STATS`` (f32 scalars, defined in ``fmtkit.stats``): ``sqnr_db``,
-      ``saturation_block_share`` (blocks with an element beyond ±6 after scaling, clipped:
-      an E4M3 block scale rounded down, or MX's "floor" rule), ``underflow_block_share``
-      (nonzero blocks that dequantize to all zeros: an E4M3 scale of 0, or every element
-      under half of E2M1's smallest step), ``underflow_share`` (nonzero elements quantized
-      to 0).
-    """
+    """What one GEMM operand loses to a recipe's FP4 quantization: ``fmtkit.stats.BLOCK_STATS``
+    of ``t`` (``[free, contraction]``) quantized as its GEMM does. Public as
+    ``fmtkit.fp4.quantization_stats``, whose docstring says more."""
     recipe = get_recipe(recipe)
     if not isinstance(recipe, Fp4Recipe):
         raise TypeError(f"quantization_stats needs an FP4 recipe, got {recipe.name!r}.")
