@@ -32,6 +32,11 @@ class Switches:
     """Round a cotangent once when several uses of a value would each round it."""
 
     # FP8 GEMM.
+    reuse_quantized_operands: bool = True
+    """An operand whose tile is the same along both axes (per tensor, square blocks) is saved
+    quantized by the forward GEMM and transposed for the backward GEMMs, and a per-tensor
+    gradient quantized for dgrad is transposed for wgrad (off: each backward GEMM quantizes
+    it again from the saved input: the same values and scales, one more pass each)."""
     scan_block_dots: bool = True
     """Off GPUs, per-block partials of 128-wide (or wider) blocks are one 2-D dot per block in a
     ``lax.scan`` (bounded memory) rather than one batched dot."""

@@ -18,14 +18,18 @@ the cast: the scale comes from the history, not from that amax), and once more, 
 ``lax.cond``, only on the step that bootstraps an empty history.
 """
 
+import math
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from test_cublaslt import DN, _lowered_for_h200
 
 from fmtkit import DelayedScalingState, fp8
+from fmtkit._switches import flipped
 
 M, K, N = 256, 512, 384  # distinct sizes: each tensor is known by its element count
 ROLE = {M * K: "x", K * N: "w", M * N: "g"}
@@ -97,3 +101,92 @@ def test_the_count_sees_a_second_quantization():
     text = _lowered_for_h200(lambda a, b, w: dg(a, w, DN) + dg(b, w, DN), x2, x2, ARGS[1])
     got = quantization_passes(text)
     assert got["w"]["casts"] == 2 and got["x"]["casts"] == 2
+
+
+# The same count in the jaxpr of a train step (backend-independent: what every backend
+# compiles, before XLA's fusion), over a two-layer MLP x -> gelu(x·w1) = a -> a·w2, its loss
+# differentiated with respect to the weights and x (as a layer inside a stack is): each
+# tensor is known by its element count, the activation a and its gradient g1 share one.
+TM, TD, TH, TO = 256, 384, 512, 640
+T_ROLE = {TM * TD: "x", TD * TH: "w1", TM * TH: "a+g1", TH * TO: "w2", TM * TO: "g2"}
+
+
+def _train_minimum(recipe: str) -> dict[str, int]:
+    """Per tensor of the MLP, the minimum number of quantizations (``MINIMUM``'s per-role
+    counts: a is an activation like x, g1 and g2 gradients like g)."""
+    qx, qw, qg = MINIMUM[recipe]
+    return {"x": qx, "w1": qw, "a+g1": qx + qg, "w2": qw, "g2": qg}
+
+
+def jaxpr_quantizations(jaxpr, count=None, in_cond=False) -> dict[str, dict[str, int]]:
+    """Per tensor of ``T_ROLE``: its converts to an 8-bit float (casts) and its
+    ``reduce_max`` (amaxes; ``bootstrap_amaxes``: those under a ``cond``, a delayed recipe's
+    first step) in a jaxpr and every jaxpr its equations hold."""
+    if count is None:
+        count = {r: {"casts": 0, "amaxes": 0, "bootstrap_amaxes": 0} for r in T_ROLE.values()}
+    for eqn in jaxpr.eqns:
+        role = T_ROLE.get(math.prod(eqn.invars[0].aval.shape)) if eqn.invars else None
+        if (role and eqn.primitive.name == "convert_element_type"
+                and jnp.dtype(eqn.params["new_dtype"]).itemsize == 1):
+            count[role]["casts"] += 1
+        if role and eqn.primitive.name == "reduce_max":
+            count[role]["bootstrap_amaxes" if in_cond else "amaxes"] += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            jaxpr_quantizations(getattr(sub, "jaxpr", sub), count,
+                                in_cond or eqn.primitive.name == "cond")
+    return count
+
+
+def _mlp_step(recipe: str):
+    """``value_and_grad`` of the MLP's loss through ``fmtkit.fp8.dot_general_fn(recipe)``,
+    with respect to the weights, x and (delayed) the two layers' amax histories; and its
+    arguments."""
+    dg = fp8.dot_general_fn(recipe)
+    delayed = dg.recipe.delayed
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(w, x, hist):
+        kw = [{"fp8_state": DelayedScalingState(h)} if delayed else {} for h in hist]
+        a = jax.nn.gelu(dg(x, w[0], dn, **kw[0]))
+        return jnp.mean(jnp.square(dg(a, w[1], dn, **kw[1]).astype(jnp.float32)))
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    w = [(jax.random.normal(k1, (TD, TH)) / TD**0.5).astype(jnp.bfloat16),
+         (jax.random.normal(k2, (TH, TO)) / TH**0.5).astype(jnp.bfloat16)]
+    x = jax.random.normal(k3, (TM, TD), jnp.bfloat16)
+    hist = [fp8.init_state(dg.recipe).amax_history] * 2 if delayed else [None, None]
+    return jax.value_and_grad(loss, argnums=(0, 1, 2) if delayed else (0, 1)), (w, x, hist)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", list(MINIMUM))
+def test_train_step_quantizes_each_tensor_once_per_layout(recipe):
+    """In the jaxpr of a train step, each tensor is quantized the minimum number of times
+    (one amax per cast; a delayed recipe's amax is its history's observation, and one more
+    under ``cond`` for the bootstrap step)."""
+    step, args = _mlp_step(recipe)
+    got = jaxpr_quantizations(jax.make_jaxpr(step)(*args).jaxpr)
+    delayed = fp8.RECIPES[recipe].delayed
+    for role, want in _train_minimum(recipe).items():
+        assert got[role] == {"casts": want, "amaxes": want,
+                             "bootstrap_amaxes": want if delayed else 0}, (role, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+def test_reusing_the_quantized_operands_is_exact_and_counted(recipe):
+    """Negative control and exactness: quantizing x, w (and a per-tensor g) again for each
+    backward GEMM, as the plainer form does, is seen by the count (more casts than the
+    minimum) and gives bit-identical loss and gradients (the tile is the same along both
+    axes: the same values and scales)."""
+    step, args = _mlp_step(recipe)
+    shipped = jax.jit(step)(*args)
+    with flipped(reuse_quantized_operands=False):
+        plain = jax.jit(step)(*args)
+        got = jaxpr_quantizations(jax.make_jaxpr(step)(*args).jaxpr)
+    minimum = _train_minimum(recipe)
+    assert got["w1"]["casts"] == minimum["w1"] + 1 and got["w2"]["casts"] == minimum["w2"] + 1
+    assert got["x"]["casts"] > minimum["x"] or recipe == "blockwise"  # (1x128 x: not reused)
+    for a, b in zip(jax.tree.leaves(shipped), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))
