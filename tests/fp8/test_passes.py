@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from test_cublaslt import DN, _lowered_for_h200
 
-from fmtkit import DelayedScalingState, fp8
+from fmtkit import DelayedScalingState, fp8, with_policy
 from fmtkit._switches import flipped
 
 M, K, N = 256, 512, 384  # distinct sizes: each tensor is known by its element count
@@ -190,3 +190,36 @@ def test_reusing_the_quantized_operands_is_exact_and_counted(recipe):
     for a, b in zip(jax.tree.leaves(shipped), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
                                       np.asarray(b.astype(jnp.float32)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise", "mxfp8"])
+def test_preset_train_step_quantizes_each_tensor_once_per_layout(recipe):
+    """The same minimum under ``with_policy(fn, "fp8-NAME")`` on a plain function of three
+    dense layers (the third is the output head, which presets keep out of FP8: its input a2
+    is not quantized, its cotangent g2 is, by the second layer's backward)."""
+    tp = 128  # the head's width: T_ROLE's element counts stay distinct
+
+    def mlp(params, x):
+        a = jax.nn.gelu(x @ params["w1"])
+        a = jax.nn.gelu(a @ params["w2"])
+        return a @ params["w3"]
+
+    f = with_policy(mlp, f"fp8-{recipe}")
+    delayed = fp8.RECIPES[recipe].delayed
+    ks = jax.random.split(jax.random.key(1), 4)
+    params = {n: jax.random.normal(k, s) / s[0]**0.5 for n, k, s in
+              zip(("w1", "w2", "w3"), ks, ((TD, TH), (TH, TO), (TO, tp)))}
+    x = jax.random.normal(ks[3], (TM, TD))
+
+    def loss(p, x, state):
+        kw = {"fp8_state": state} if delayed else {}
+        return jnp.mean(jnp.square(f(p, x, **kw).astype(jnp.float32)))
+
+    state = f.init_fp8_state(params, x) if delayed else None
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2) if delayed else (0, 1))
+    got = jaxpr_quantizations(jax.make_jaxpr(step)(params, x, state).jaxpr)
+    # ("g2", [M, O], holds a2 too, the head's input: not quantized)
+    for r, n in _train_minimum(recipe).items():
+        assert got[r] == {"casts": n, "amaxes": n,
+                          "bootstrap_amaxes": n if delayed else 0}, (r, got)
