@@ -223,3 +223,94 @@ def test_preset_train_step_quantizes_each_tensor_once_per_layout(recipe):
     for r, n in _train_minimum(recipe).items():
         assert got[r] == {"casts": n, "amaxes": n,
                           "bootstrap_amaxes": n if delayed else 0}, (r, got)
+
+
+# What XLA makes of the jaxpr's count where one weight is read more than once in a step:
+# compiled for the CPU here (XLA:GPU runs the same CSE and loop-invariant code motion passes,
+# not checked here).
+def _hlo_computations(text: str) -> dict[str, list[str]]:
+    """The computations of a compiled HLO module, by name (the entry one: "ENTRY")."""
+    comps, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(ENTRY )?%([\w.\-]+) ", line)
+        if m:
+            name = "ENTRY" if m.group(1) else m.group(2)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    return comps
+
+
+def _reachable(comps: dict[str, list[str]], root: str) -> set[str]:
+    seen, todo = set(), [root]
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c]:
+            todo += re.findall(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)", line)
+    return seen
+
+
+def _abs_of_size(lines: list[str], size: int) -> int:
+    """How many ``abs`` (the first step of an amax) of ``size`` elements ``lines`` hold."""
+    return sum(1 for line in lines for dims in re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} abs\(",
+                                                          line)
+               if math.prod(int(d) for d in dims.split(",")) == size)
+
+
+def _weight_twice(recipe: str, same: bool):
+    dg = fp8.dot_general_fn(recipe)
+
+    def loss(w, v, x):
+        a = dg(x, w, DN_KN) + dg(2 * x, w if same else v, DN_KN)
+        return jnp.mean(jnp.square(a.astype(jnp.float32)))
+
+    w = jnp.ones((TD, TH), jnp.bfloat16)
+    return jax.value_and_grad(loss, argnums=(0, 1)), (w, 2 * w, jnp.ones((TM, TD), jnp.bfloat16))
+
+
+DN_KN = (((1,), (0,)), ((), ()))  # x [M, K] · w [K, N]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+def test_a_weight_read_by_two_dots_is_quantized_once_after_cse(recipe):
+    """The jaxpr quantizes the weight once per dot; the compiled step computes its amax once
+    (XLA's CSE merges the identical quantizations). Negative control: two different weights
+    of that shape have two amaxes."""
+    step, args = _weight_twice(recipe, same=True)
+    got = jaxpr_quantizations(jax.make_jaxpr(step)(*args).jaxpr)
+    assert got["w1"]["casts"] == 2 * MINIMUM[recipe][1]
+    compiled = jax.jit(step).lower(*args).compile().as_text()
+    assert _abs_of_size(compiled.splitlines(), TD * TH) == 1
+    step, args = _weight_twice(recipe, same=False)
+    compiled = jax.jit(step).lower(*args).compile().as_text()
+    assert _abs_of_size(compiled.splitlines(), TD * TH) == 2
+
+
+@pytest.mark.slow
+def test_a_weight_read_in_each_micro_batch_is_quantized_before_the_loop():
+    """Gradient accumulation in a ``lax.scan``: the weight's quantization is loop-invariant
+    and XLA computes it once, before the loop. Negative control: a weight that changes with
+    each micro-batch is quantized inside the loop, and counted there."""
+    dg = fp8.dot_general_fn("current")
+
+    def step(w, xs, invariant):
+        def body(acc, x):
+            def loss(w):
+                v = w if invariant else w * (1 + 0 * x[0, 0])
+                return jnp.mean(jnp.square(dg(x, v, DN_KN).astype(jnp.float32)))
+            return acc + jax.grad(loss)(w).astype(jnp.float32), None
+        return jax.lax.scan(body, jnp.zeros(w.shape), xs)[0]
+
+    w, xs = jnp.ones((TD, TH), jnp.bfloat16), jnp.ones((4, TM, TD), jnp.bfloat16)
+    for invariant in (True, False):
+        comps = _hlo_computations(jax.jit(step, static_argnums=2).lower(w, xs, invariant)
+                                  .compile().as_text())
+        bodies = [n for line in comps["ENTRY"] for n in re.findall(r"body=%([\w.\-]+)", line)]
+        assert len(bodies) == 1, bodies
+        in_loop = sum(_abs_of_size(comps[c], TD * TH) for c in _reachable(comps, bodies[0]))
+        total = sum(_abs_of_size(lines, TD * TH) for lines in comps.values())
+        assert (in_loop, total) == ((0, 1) if invariant else (1, 1)), (invariant, in_loop, total)
