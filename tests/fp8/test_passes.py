@@ -16,6 +16,10 @@ contract. So x [M, K], w [K, N] and the gradient g [M, N] are quantized:
 A delayed recipe also reads each tensor for the amax its history records (fused by XLA with
 the cast: the scale comes from the history, not from that amax), and once more, under a
 ``lax.cond``, only on the step that bootstraps an empty history.
+
+The same minimum is then counted in the jaxpr of a train step (backend-independent), through
+``dot_general_fn`` and under the ``fp8-*`` presets, and what XLA makes of a weight that a
+step reads more than once (compiled for the CPU).
 """
 
 import math
