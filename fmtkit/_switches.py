@@ -70,6 +70,11 @@ class Switches:
     """A parameter on a matmul's left (``weight @ x``) takes the FP8 recipe's weight slot."""
 
     # FP8 GEMM.
+    reuse_quantized_operands: bool = True
+    """An operand whose tile is the same along both axes (per tensor, square blocks) is saved
+    quantized by the forward GEMM and transposed for the backward GEMMs, and a per-tensor
+    gradient quantized for dgrad is transposed for wgrad (off: each backward GEMM quantizes
+    it again from the saved input: the same values and scales, one more pass each)."""
     scan_block_dots: bool = True
     """Off GPUs, per-block partials of 128-wide (or wider) blocks are one 2-D dot per block in a
     ``lax.scan`` (bounded memory) rather than one batched dot."""

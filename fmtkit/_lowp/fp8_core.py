@@ -38,6 +38,7 @@ from fmtkit._lowp.operands import (
     transpose_operand,
 )
 from fmtkit._lowp.recipes import Fp8Recipe, Tile, recipe_tiles
+from fmtkit._switches import SWITCHES
 from fmtkit.scaling import delayed_amax_of, dequantize
 
 
@@ -90,8 +91,9 @@ def _forward(recipe, out_dtype, x, w, hist):
     y = gemm(xq, wq, recipe, gemm_dtype(out_dtype))[:m, :n]
     # Residuals: the quantized operand where the backward GEMMs can reuse it, else the input.
     # (Empty arrays carry K and the input dtypes: residuals must be arrays.)
-    return y, (xq if tx.transposable else x, wq if tw.transposable else w, hist,
-               amax_x, amax_w, jnp.zeros((0, k), x.dtype), jnp.zeros((0,), w.dtype))
+    reuse = SWITCHES.reuse_quantized_operands
+    return y, (xq if reuse and tx.transposable else x, wq if reuse and tw.transposable else w,
+               hist, amax_x, amax_w, jnp.zeros((0, k), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _backward_operand(res: jax.Array | Operand, fmt: str, tile: Tile,
@@ -102,7 +104,7 @@ def _backward_operand(res: jax.Array | Operand, fmt: str, tile: Tile,
     saved input re-quantized along the new contraction (padded to ``c_to`` columns), in the
     layout it is stored in: ``stored_transposed`` (w, the transpose of a [K, N] kernel) is
     quantized from ``res.T``, otherwise (x [M, K]) ``res`` is quantized contraction-major."""
-    if tile.transposable:
+    if isinstance(res, Operand):  # (saved quantized: the tile is transposable)
         return transpose_operand(res, round_up(k, tile.f), c_to)
     amax = _tensor_amax(recipe, tile, hist_row, res, amax)
     if stored_transposed:
@@ -128,7 +130,7 @@ def _backward(recipe, out_dtype, res, g, need):
         dx = gemm(gq_n, wq_n, recipe, gemm_dtype(x_dtype))[:m, :k].astype(x_dtype)
     # wgrad: dw [N, K] = gᵀ [N, M] · x [M, K], contracting the tokens M.
     mp = padded_c(m, tg, tx)
-    if tg.transposable and tg.kind != "block":
+    if SWITCHES.reuse_quantized_operands and tg.transposable and tg.kind != "block":
         # per tensor / unscaled: the dgrad operand, transposed (square blocks would need the
         # same padding along M and N; re-quantizing g is as cheap as padding it again)
         gq_m = transpose_operand(gq_n, round_up(n, tg.f), mp)
