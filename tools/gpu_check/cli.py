@@ -16,9 +16,10 @@ from pathlib import Path
 import tools.gpu_check as gpu_check
 from tools.gpu_check.files import REPO, read_json, tar_logs, write_json
 from tools.gpu_check.kernel_tests import run_pytest
+from tools.gpu_check.profile import copy_traces
 from tools.gpu_check.report import empty_report, fill, summary_lines
 from tools.gpu_check.smi import Sampler, gpu_telemetry
-from tools.gpu_check.watcher import MIN_PHASE_S, PHASE_SHARE, run_phase
+from tools.gpu_check.watcher import MIN_PHASE_S, PHASE_CAP_S, PHASE_SHARE, run_phase
 from tools.gpu_check.worker import PHASES, run_worker
 
 __all__ = ["main"]
@@ -114,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             if phase == "bench":  # XLA's GEMM rewriter says which FP8 dots it rewrote, or why not
                 phase_env.update(TF_CPP_VMODULE="gemm_rewriter=1", TF_CPP_MIN_LOG_LEVEL="0")
             left = deadline_at - time.time()
-            phase_deadline = time.time() + max(MIN_PHASE_S, PHASE_SHARE[phase] * left)
+            phase_deadline = time.time() + min(
+                max(MIN_PHASE_S, PHASE_SHARE[phase] * left),
+                PHASE_CAP_S.get(phase, left) * (2 if args.cpu_rehearsal else 1))
             data = run_phase(phase, work, min(deadline_at, phase_deadline),
                               rehearsal=args.cpu_rehearsal, excluded=excluded, env=phase_env,
                               on_poll=refresh(phase))
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             phase_ok = all(r.get("ok", True) for r in items.values())
             report["phases"][phase] = {"ok": phase_ok, **data}
             fill(report, phase, items, work)
+            if phase == "profile":  # the raw traces, beside the report
+                report["profile_traces"] = copy_traces(work, out_dir)
             failed = failed or not phase_ok
             print(f"[{phase}] {'ok' if phase_ok else 'FAILED'}: "
                   f"{sum(bool(r.get('ok')) for r in items.values())}/{len(items)} items ok, "

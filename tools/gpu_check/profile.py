@@ -43,8 +43,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROFILE_SHAPES", "PROFILE_SPACE", "ROLES", "copy_traces", "profile_kernel",
-           "profile_items", "profiled", "reduce_trace", "synthetic_trace"]
+__all__ = ["MIN_PROFILE_SPACE", "PROFILE_SHAPES", "PROFILE_SPACE", "ROLES", "copy_traces",
+           "fit_profile", "profile_items", "profile_kernel", "profiled", "reduce_trace",
+           "synthetic_trace"]
 
 # (item, M, N, K, output dtype, B scaled per row): the forward GEMM at DeepSeek-V3's
 # 4096 x 7168 x 16384 and the weight-gradient form (f32 out) at 7168 x 2112 x 4096.
@@ -181,11 +182,11 @@ def synthetic_trace(path: Path) -> dict:
         # estimate of its own per-event cost (the least gap, less 1) is 0.
         ev = [(b | init, 0), (e | init, 100), (b | tile, 101)]
         if wg == 2:
-            return ev + [(e | tile, 5001)]
+            return [*ev, (e | tile, 5001)]
         for i in range(4):
             t0 = 301 + 1200 * i
             ev += [(b | k_step, t0), (e | k_step, t0 + 1000)]
-        return ev + [(e | tile, 5001)]
+        return [*ev, (e | tile, 5001)]
 
     buf = np.zeros((2, 3, spec.entries_per_warpgroup), np.uint32)
     for cta, wg in np.ndindex(2, 3):
@@ -264,8 +265,8 @@ def profile_kernel(name: str, m: int, n: int, k: int, out_dtype: str, b_rows: bo
     ok = all(calls.values()) and all(K_STEP in c for c in consumers)
     most = max(r["regions_per_trace_max"] for r in summary["roles"].values())
     return {"shape": [m, n, k], "out_dtype": out_dtype, "b_rows": b_rows,
-            "config": str(cfg), "profile_space": space, "k_blocks": k // 128, "truncated": most >= space,
-            "hooks": calls, "trace": trace_file.name,
+            "config": str(cfg), "profile_space": space, "k_blocks": k // 128,
+            "truncated": most >= space, "hooks": calls, "trace": trace_file.name,
             "synthetic_trace": rehearsal, **summary, "ok": bool(ok)}
 
 

@@ -32,7 +32,8 @@ def empty_report(command: str, rehearsal: bool, deadline: float) -> dict:
             "kernels": {}, "sass_error": None, "excluded_configs": [], "correctness": {},
             "bench": {},
             "per_tensor": None, "fp8_rewriter_log": [], "train": None, "train_llama": None,
-            "optimizer": None, "tune": {}, "pytest": None, "phases": {}}
+            "optimizer": None, "tune": {}, "profile": {}, "profile_traces": [],
+            "pytest": None, "phases": {}}
 
 
 def fill(report: dict, phase: str, items: dict, work: Path) -> None:
@@ -65,7 +66,7 @@ def fill(report: dict, phase: str, items: dict, work: Path) -> None:
         report["per_tensor"] = items.get("fp8-per-tensor")
         log = work / "bench.log"
         report["fp8_rewriter_log"] = rewriter_lines(log.read_text()) if log.exists() else []
-    elif phase in ("correctness", "tune"):
+    elif phase in ("correctness", "tune", "profile"):
         report[phase] = items
 
 

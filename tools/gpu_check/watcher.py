@@ -17,12 +17,12 @@ from pathlib import Path
 
 from tools.gpu_check.files import read_json, record, write_json
 
-__all__ = ["ITEM_TIMEOUT_S", "MAX_RESTARTS", "MIN_PHASE_S", "PHASE_SHARE", "POLL_S",
-           "STARTUP_TIMEOUT_S", "SUMMARY_EVERY_S", "run_phase", "supervise"]
+__all__ = ["ITEM_TIMEOUT_S", "MAX_RESTARTS", "MIN_PHASE_S", "PHASE_CAP_S", "PHASE_SHARE",
+           "POLL_S", "STARTUP_TIMEOUT_S", "SUMMARY_EVERY_S", "run_phase", "supervise"]
 
 # Per-item limits (seconds): a Mosaic GPU compile takes seconds; minutes mean a hang.
 ITEM_TIMEOUT_S = {"compile": 90.0, "correctness": 90.0, "bench": 100.0, "train": 300.0,
-                  "tune": 100.0}
+                  "tune": 100.0, "profile": 20.0}
 STARTUP_TIMEOUT_S = 120.0  # a worker that has not started its first item by then is stuck
 MIN_PHASE_S = 20.0  # starting a worker (imports, backend) costs ~5-10 s: not worth it below
 MAX_RESTARTS = 4  # per phase; each restart skips the item that hung or crashed
@@ -32,7 +32,10 @@ MAX_RESTARTS = 4  # per phase; each restart skips the item that hung or crashed
 # time to the next (on the H200 compile took ~35 s and bench ~45 s, so train, the Llama
 # stack's five variants first, gets ~240 s).
 PHASE_SHARE = {"compile": 0.2, "correctness": 0.25, "bench": 0.4, "train": 0.85,
-               "tune": 0.8}
+               "tune": 0.8, "profile": 0.3}
+# At most this long whatever the time left (twice as long in the CPU rehearsal): the
+# profile is one compile and one run per shape (~5 s each) after a worker's start.
+PHASE_CAP_S = {"profile": 30.0}
 POLL_S = 0.5
 SUMMARY_EVERY_S = 2.0
 

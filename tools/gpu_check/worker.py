@@ -19,12 +19,13 @@ from tools.gpu_check.files import record, write_json
 from tools.gpu_check.grouped import grouped_items
 from tools.gpu_check.optimizer import optax_chain
 from tools.gpu_check.per_tensor import PER_TENSOR_SHAPE, per_tensor_gemms
+from tools.gpu_check.profile import profile_items
 from tools.gpu_check.train import train_step
 from tools.gpu_check.tune import TUNE_ROUNDS, TUNE_SHAPES, tune_shape
 
 __all__ = ["PHASES", "phase_items", "run_worker"]
 
-PHASES = ("compile", "correctness", "bench", "train", "tune", "pytest")
+PHASES = ("compile", "correctness", "bench", "train", "tune", "profile", "pytest")
 """The phases, in the order they run (``pytest`` runs in the watcher, not in a worker)."""
 
 
@@ -89,6 +90,8 @@ def phase_items(phase: str, *, rehearsal: bool, work: Path, excluded: set[str]
         for m, n, k in (tiny,) if rehearsal else TUNE_SHAPES:
             items.append((f"{m}x{n}x{k}", lambda m=m, n=n, k=k: tune_shape(
                 m, n, k, impl=impl, configs=configs, rounds=rounds, rehearsal=rehearsal)))
+    elif phase == "profile":
+        items += profile_items(rehearsal=rehearsal, work=work)
     else:
         raise ValueError(f"phase must be one of {PHASES[:-1]}, got {phase!r}.")
     return items + grouped_items(phase, rehearsal=rehearsal, impl=impl)
