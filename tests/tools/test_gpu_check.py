@@ -178,16 +178,17 @@ def test_float64_errors_finds_the_block_with_a_wrong_scale():
 def test_gpu_check_rehearsal_on_cpu(tmp_path):
     """The whole watcher/worker path on CPU (GPU-interpret mode, tiny shapes), every phase
     but pytest: the summary has every field, GPU-only values are null (not invented), and
-    the folder holds the summary and the log tarball only."""
+    the folder holds the summary, the log tarball and the profile phase's traces only."""
     rc = main(["--cpu-rehearsal", str(tmp_path)])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rc == 0, json.dumps(report["phases"], indent=1)[:4000]
     assert report["status"] == "passed"
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["gpu_check.json",
-                                                          "gpu_check_logs.tar.gz"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(
+        ["gpu_check.json", "gpu_check_logs.tar.gz", *report["profile_traces"]])
+    assert len(report["profile_traces"]) == 2  # tests/tools/test_gpu_check_profile.py
     with tarfile.open(tmp_path / "gpu_check_logs.tar.gz") as tar:
         names = tar.getnames()
-    for phase in ("compile", "correctness", "bench", "train", "tune"):
+    for phase in ("compile", "correctness", "bench", "train", "tune", "profile"):
         assert f"gpu_check_logs/{phase}.log" in names
         assert report["phases"][phase]["ok"]
     env = report["env"]
