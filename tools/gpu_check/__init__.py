@@ -4,9 +4,10 @@
     python3 -m tools.gpu_check --cpu-rehearsal OUTDIR   # the same code on CPU
     make gpu-check                                      # OUTDIR runs/gpu-check
 
-It leaves two files in OUTDIR: ``gpu_check.json`` (the summary, rewritten as every item
-finishes) and ``gpu_check_logs.tar.gz`` (every worker's log, the per-phase results, ptxas's
-output and the telemetry samples; rebuilt after every phase). Phases, in order:
+It leaves in OUTDIR ``gpu_check.json`` (the summary, rewritten as every item finishes),
+``gpu_check_logs.tar.gz`` (every worker's log, the per-phase results, ptxas's output and
+the telemetry samples; rebuilt after every phase) and the profile phase's traces. Phases,
+in order:
 
 1. ``compile``: the device, driver and versions; then every shipped config in the
    forward form (bf16 out) and the weight-gradient form (B scaled per row, f32 out), each
@@ -36,7 +37,11 @@ output and the telemetry samples; rebuilt after every phase). Phases, in order:
    master weights and dynamic loss scaling around adamw) beside plain ``optax.adamw``,
    interleaved, with their ratio.
 5. ``tune``: every shipped config at 8192^3 and 4096x7168x2048 (data for ``choose_config``).
-6. ``pytest``: the compiled-mode kernel tests and the per-tensor cuBLASLt test, in the time
+6. ``profile`` (at most 30 s): the blockwise kernel once at 4096x7168x16384 (bf16 out) and
+   in the weight-gradient form at 7168x2112x4096 (f32 out) under Mosaic GPU's intra-kernel
+   profiler, reduced to per-warpgroup region times (``profile``); the raw traces are
+   written beside the summary (``gpu_check_profile_*.json``).
+7. ``pytest``: the compiled-mode kernel tests and the per-tensor cuBLASLt test, in the time
    left.
 
 Nothing can hang the window: every item runs in a worker subprocess (its own process
@@ -54,5 +59,6 @@ One module per part: ``cli`` (the command line and the run over the phases), ``w
 phase, run in order), ``smi`` (the nvidia-smi sampler), ``compilation`` (compile items and
 ptxas's report), ``correctness``, ``bench`` (and its interleaved timing), ``train`` (the
 training step, as a command), ``optimizer`` (the optax chain against plain adamw),
-``tune``, ``kernel_tests`` (the pytest phase), ``report`` (the summary and its files).
+``tune``, ``profile`` (the intra-kernel profile), ``kernel_tests`` (the pytest phase),
+``report`` (the summary and its files).
 """
