@@ -186,3 +186,5 @@ def test_profile_phase_rehearsal_on_cpu(tmp_path):
         assert r["roles"]["consumer0"]["regions"]["k_step"]["count"] == 8
         trace = json.loads((tmp_path / f"gpu_check_profile_{name}.json").read_text())
         assert profile.reduce_trace(trace)["roles"] == r["roles"]
+    lines = [ln for ln in report.summary_lines(rep) if ln.startswith("profile ")]
+    assert len(lines) == 2 and all("k_step median 1000 cycles" in ln for ln in lines)

@@ -97,6 +97,15 @@ def summary_lines(report: dict) -> list[str]:
         if train.get("steps_per_s"):
             lines.append(f"train steps/s ({train.get('model', 'transformer')}): " + "  ".join(
                 f"{k} {v:.2f}" for k, v in train["steps_per_s"].items() if v))
+    for name, r in (report.get("profile") or {}).items():
+        roles = r.get("roles") or {}
+        if roles:
+            step = roles.get("consumer0", {}).get("regions", {}).get("k_step") or {}
+            tile = roles.get("producer", {}).get("regions", {}).get("tile") or {}
+            lines.append(f"profile {name}: consumer0 k_step median {step.get('median_cycles')} "
+                         f"cycles, {step.get('share')} of its time; producer in tiles "
+                         f"{tile.get('share')} of its time"
+                         f"{' (truncated)' if r.get('truncated') else ''}")
     opt = report.get("optimizer") or {}
     if opt.get("ratio_median"):
         lines.append(f"optimizer step: the studies' optax chain / plain adamw "
