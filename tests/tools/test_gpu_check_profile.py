@@ -45,7 +45,7 @@ def test_reduce_trace_against_hand_computed_durations():
     c0, c1, p = (got["roles"][r] for r in ("consumer0", "consumer1", "producer"))
     # consumer0: tids 1 and 4, spans 2200 + 1100 = 3300
     assert (c0["traces"], c0["span_cycles_total"], c0["span_cycles_median"]) == (2, 3300, 1650)
-    assert c0["regions_per_trace_max"] == 4  # tid 1: Init, tile, two k_steps
+    assert c0["events_per_trace_max"] == 8  # tid 1: Init, tile, two k_steps
     assert c0["regions"]["k_step"] == {"count": 3, "total_cycles": 2200, "median_cycles": 700,
                                        "share": pytest.approx(2200 / 3300, abs=1e-6)}
     assert c0["regions"]["tile"] == {"count": 2, "total_cycles": 3000, "median_cycles": 1500,
@@ -188,3 +188,37 @@ def test_profile_phase_rehearsal_on_cpu(tmp_path):
         assert profile.reduce_trace(trace)["roles"] == r["roles"]
     lines = [ln for ln in report.summary_lines(rep) if ln.startswith("profile ")]
     assert len(lines) == 2 and all("k_step median 1000 cycles" in ln for ln in lines)
+
+
+def test_a_trace_cut_by_the_full_buffer_is_flagged(tmp_path):
+    """The installed writer on a buffer of 4 regions per warpgroup that the bounds check
+    filled (6 events: Init, tile begin, one k_step, the next k_step's begin): it closes the
+    open regions at the last event and ``was_cut`` says so; a whole trace of two regions
+    (negative control) is not flagged."""
+    import numpy as np
+    from jax.experimental.mosaic.gpu import profiler
+
+    def write(events):
+        spec = profiler.ProfilerSpec(4 * 4)  # as Mosaic builds it: profile_space * 2 * 2
+        ids = {n: spec.intern_name(n) for n in ("Init", "tile", "k_step")}
+        buf = np.zeros((1, 3, 16), np.uint32)
+        for wg in range(3):
+            tags = [ids[n] | (0 if ph == "B" else profiler.ProfilerSpec.EXIT)
+                    for n, ph, _ in events]
+            buf[0, wg, :3] = (1000, 0, 2 * len(events))
+            buf[0, wg, 3:3 + 2 * len(events)] = np.array(
+                [(tag, t) for tag, (_, _, t) in zip(tags, events)], np.uint32).ravel()
+        with open(tmp_path / "t.json", "w") as f:
+            spec.dump(buf.ravel(), f, grid=(1,), block=(384,))
+        return profile.reduce_trace(json.loads((tmp_path / "t.json").read_text()))
+
+    cut = write([("Init", "B", 0), ("Init", "E", 100), ("tile", "B", 101),
+                 ("k_step", "B", 201), ("k_step", "E", 1201), ("k_step", "B", 1401)])
+    r = cut["roles"]["consumer0"]
+    assert r["events_per_trace_max"] == 8  # 6 recorded + the writer's 2 ends
+    assert r["regions"]["k_step"]["count"] == 2  # the cut one ends where it was cut: 0 long
+    assert r["regions"]["tile"]["total_cycles"] == 1300  # 101 .. 1401
+    assert profile.was_cut(cut, 4)
+    whole = write([("Init", "B", 0), ("Init", "E", 100), ("tile", "B", 101),
+                   ("tile", "E", 1101)])
+    assert not profile.was_cut(whole, 4)

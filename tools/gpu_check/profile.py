@@ -45,7 +45,7 @@ from typing import Any
 
 __all__ = ["MIN_PROFILE_SPACE", "PROFILE_SHAPES", "PROFILE_SPACE", "ROLES", "copy_traces",
            "fit_profile", "profile_items", "profile_kernel", "profiled", "reduce_trace",
-           "synthetic_trace"]
+           "synthetic_trace", "was_cut"]
 
 # (item, M, N, K, output dtype, B scaled per row): the forward GEMM at DeepSeek-V3's
 # 4096 x 7168 x 16384 and the weight-gradient form (f32 out) at 7168 x 2112 x 4096.
@@ -65,7 +65,8 @@ def reduce_trace(trace: dict) -> dict:
     """The per-warpgroup summary of a Mosaic GPU profiler trace (module docstring).
 
     Per role (warpgroup index in the CTA, ``ROLES``): its traces, their spans (first to last
-    event, summed and median, in SM cycles) and per region name the count, the total and
+    event, summed and median, in SM cycles), the most events in one of them, and per region
+    name the count, the total and
     median duration in cycles, and ``share``: the total over the summed spans.
 
     Raises:
@@ -98,19 +99,28 @@ def reduce_trace(trace: dict) -> dict:
         if stack:
             raise ValueError(f"trace tid {tid}: regions {[n for n, _ in stack]} left open.")
         r["spans"].append((float(evs[-1]["ts"]) - float(evs[0]["ts"])) * _CYCLES_PER_TS)
-        r["most"] = max(r.get("most", 0), sum(ev["ph"] == "B" for ev in evs))
+        r["most"] = max(r.get("most", 0), len(evs))
     out = {}
     for role, r in sorted(roles.items()):
         span = sum(r["spans"])
         out[role] = {
             "traces": len(r["spans"]), "span_cycles_total": round(span),
             "span_cycles_median": round(statistics.median(r["spans"])),
-            "regions_per_trace_max": r["most"],
+            "events_per_trace_max": r["most"],
             "regions": {name: {"count": len(d), "total_cycles": round(sum(d)),
                                "median_cycles": round(statistics.median(d)),
                                "share": round(sum(d) / span, 6) if span else None}
                         for name, d in sorted(r["regions"].items())}}
     return {"unit": "SM clock cycles", "roles": out}
+
+
+def was_cut(summary: dict, space: int) -> bool:
+    """Whether a trace of ``reduce_trace``'s ``summary``, recorded with ``space`` regions per
+    warpgroup, may have been cut: a full buffer holds 2 * space - 2 events after its
+    3-entry header (the bounds check of ``OnDeviceProfiler.record``) and the writer only
+    adds events (the ends of regions a cut left open), so a trace with that many was cut
+    (or ended just there)."""
+    return max(r["events_per_trace_max"] for r in summary["roles"].values()) >= 2 * space - 2
 
 
 @contextlib.contextmanager
@@ -263,17 +273,16 @@ def profile_kernel(name: str, m: int, n: int, k: int, out_dtype: str, b_rows: bo
     summary = reduce_trace(trace)
     consumers = [summary["roles"].get(r, {}).get("regions", {}) for r in ROLES[:2]]
     ok = all(calls.values()) and all(K_STEP in c for c in consumers)
-    most = max(r["regions_per_trace_max"] for r in summary["roles"].values())
     return {"shape": [m, n, k], "out_dtype": out_dtype, "b_rows": b_rows,
             "config": str(cfg), "profile_space": space, "k_blocks": k // 128,
-            "truncated": most >= space, "hooks": calls, "trace": trace_file.name,
+            "truncated": was_cut(summary, space), "hooks": calls, "trace": trace_file.name,
             "synthetic_trace": rehearsal, **summary, "ok": bool(ok)}
 
 
 def profile_items(*, rehearsal: bool, work: Path) -> list:
     """The phase's (name, thunk) pairs: one profiled run per ``PROFILE_SHAPES`` entry."""
-    return [(name, lambda s=s: profile_kernel(*s, work=work, rehearsal=rehearsal))
-            for s in PROFILE_SHAPES for name in (s[0],)]
+    return [(s[0], lambda s=s: profile_kernel(*s, work=work, rehearsal=rehearsal))
+            for s in PROFILE_SHAPES]
 
 
 def copy_traces(work: Path, out_dir: Path) -> list[str]:
