@@ -6,8 +6,8 @@ profile_dir=DIR)``: every ``jax.named_scope`` in the kernel body becomes a regio
 entry and exit the first thread of each warpgroup stamps with the SM clock (``%clock``)
 into shared memory (``jax.experimental.mosaic.gpu.profiler.OnDeviceProfiler.record``; the
 launch itself adds an ``Init`` region); after the run a ``jax.debug.callback`` writes one
-Chrome trace per kernel call into DIR (``ProfilerSpec.dump``, called from
-``jax._src.pallas.mosaic_gpu.pallas_call_registration``). The kernel body has no named
+Chrome trace per kernel call into DIR (``ProfilerSpec.dump``, called by Pallas's Mosaic GPU
+``pallas_call`` lowering). The kernel body has no named
 scopes of its own, so ``profiled`` adds them from outside while the kernel is traced: it
 wraps the two public entry points the kernel calls, ``plgpu.kernel`` (to pass the
 profiler's compiler params) and ``plgpu.emit_pipeline_warp_specialized`` (a ``k_step``
