@@ -264,6 +264,15 @@ def with_scales(config: TuningConfig, scales: Literal["smem", "global"]) -> Tuni
 _TILE_COST = {"128x256": 0.93, "128x128": 1.0, "256x128": 1.13, "64x256": 1.26,
               "64x128": 1.43}
 _CALIBRATION_SHAPES = ((8192, 8192, 8192), (4096, 7168, 2048))
+# Register spills (loaded bytes, ptxas) of the weight-gradient form (B scaled per row, f32 out)
+# measured on an H200 (the GPU check's compile phase, jax 0.11.2; docs/results/gpu.md): the
+# outer product of the row and column scales takes 64 more registers a thread beside two
+# passes' sums, so the two-pass warpgroup tiles spill thousands of bytes.
+_WGRAD_SPILL_BYTES = {"128x128": 24, "256x128": 2872, "128x256": 3808, "64x256": 24,
+                      "64x128": 0}
+# A config spilling at most this in the weight-gradient form is a candidate for it: 24 bytes
+# is a register or two outside the K loop's steady state; the rejected ones spill > 2 KiB.
+_WGRAD_MAX_SPILL_BYTES = 32
 """The shapes ``_TILE_COST`` was measured at."""
 
 # Bandwidths of the traffic model (bytes per SM clock), the figures of DeepGEMM's Hopper
@@ -324,9 +333,10 @@ def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int =
     included: M and N are padded up to the tile) times the tile's measured residual
     (``_residual``: what the model does not see of this kernel); ties go to the earlier
     config in ``SHIPPED_CONFIGS``. Only the shipped tiles are candidates: widths of 128 or
-    256 columns, one CTA per cluster (the kernel has no 144-192 wide passes and no TMA
-    multicast). ``b_rows`` (B scaled per row, the weight gradient) does not change the
-    choice: every config walks K alike.
+    256 columns, one CTA per cluster (the 144-192 wide tiles have no measured residual yet
+    and the kernel has no TMA multicast). With ``b_rows`` (B scaled per row: the weight
+    gradient's form) only the tiles that do not spill in that form are
+    (``_WGRAD_SPILL_BYTES``, measured): 128x128, 64x256 and 64x128.
 
     Raises:
       ValueError: ``out_dtype`` is not bfloat16 or float32.
@@ -334,10 +344,11 @@ def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int =
     dt = np.dtype(out_dtype).name
     if dt not in ("bfloat16", "float32"):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {dt}.")
-    del b_rows
     out_bytes = np.dtype(out_dtype).itemsize
     best, best_cost = None, math.inf
     for name, cfg in SHIPPED_CONFIGS.items():
+        if b_rows and _WGRAD_SPILL_BYTES[name] > _WGRAD_MAX_SPILL_BYTES:
+            continue
         cost = tile_cycles(m, n, k, cfg.block_m, cfg.block_n, out_bytes=out_bytes,
                            num_sms=num_sms) * _residual(name)
         if cost < best_cost:
