@@ -102,7 +102,7 @@ def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stag
 
     ``k_blocks`` may be traced (the grouped weight gradient: each expert's token blocks);
     ``k_offset`` shifts the K blocks read (the expert's first block). ``scale_specs``: the
-    BlockSpecs of the scale inputs staged with the operands (``scale_specs``)."""
+    BlockSpecs of the scale inputs staged with the operands (see ``scale_specs``)."""
     fp8_transforms = _swizzled(_FP8)
     return plgpu.emit_pipeline_warp_specialized(
         body,
@@ -164,12 +164,12 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
     (persistent pipelines, see ``_matmul_kernel``).
 
     ``scale_tiles``: None reads the scales from global memory (``as_ref``, ``bs_ref``), one
-    K block ahead; else the (A, B)
-    scale views of this CTA tile that the pipeline stages into shared memory with the
-    operands (``scale_specs``: A's [K/128, block_m], B's [K/128, block_n] with ``b_rows``,
-    else the [K/128, 4] window of block scales from the 128-column block of the CTA tile's
-    first column). A pass that straddles 128-column blocks (the widths that are not
-    multiples of 128) gets a column-scale vector from the window, as ``b_rows`` does.
+    K block ahead; else the (A, B) scale views of this CTA tile that the pipeline stages
+    into shared memory with the operands (``scale_specs``: A's [K/128, block_m], B's
+    [K/128, block_n] with ``b_rows``, else the [K/128, 4] window of block scales from the
+    128-column block of the CTA tile's first column). A pass that straddles 128-column
+    blocks (the widths that are not multiples of 128) gets a column-scale vector from the
+    three blocks it can meet, as ``b_rows`` does.
     """
     pass_n = config.pass_n
     smem = scale_tiles is not None

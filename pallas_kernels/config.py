@@ -108,6 +108,11 @@ class TuningConfig:
                 f"each compute warpgroup must own 64, 128, 144, 160, 176, 192 or 256 columns "
                 f"(got {self.wg_n} from block_n={self.block_n}, "
                 f"wg_split={self.wg_split!r}).")
+        if self.wg_n in WIDE_PASSES and self.wg_split != "m":
+            raise ValueError(
+                f"a warpgroup tile {self.wg_n} columns wide needs wg_split='m' (the CTA "
+                f"tile's columns are the pass's: B's block scales are read for at most "
+                f"three 128-column blocks), got {self.wg_split!r}.")
         if self.wg_n in WIDE_PASSES and self.wg_m != 64:
             raise ValueError(
                 f"a warpgroup tile {self.wg_n} columns wide must have 64 rows (one pass; "

@@ -423,6 +423,7 @@ def test_bad_options(kwargs, exc, match):
     (dict(block_m=128, block_n=512, wg_split="m"), r"64, 128, 144, 160, 176, 192 or 256 col"),
     (dict(block_m=128, block_n=200, wg_split="m"), r"64, 128, 144, 160, 176, 192 or 256 col"),
     (dict(block_m=256, block_n=144, wg_split="m"), r"columns wide must have 64 rows"),
+    (dict(block_m=64, block_n=288, wg_split="n"), r"columns wide needs wg_split='m'"),
     (dict(block_m=128, block_n=128, wg_split="m", scales="tmem"), r"scales must be"),
     (dict(block_m=512, block_n=128, wg_split="m"), r"must own 64 or 128 rows"),
     (dict(block_m=256, block_n=256, wg_split="m"), r"more than two 64x128 passes"),
