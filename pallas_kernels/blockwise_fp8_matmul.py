@@ -16,20 +16,27 @@ at promotion):
 
 Kernel structure (``_matmul_kernel``): a persistent grid of one CTA per SM walks the output
 tiles (``plgpu.nd_loop`` + ``plgpu.planar_snake``); each CTA runs three warpgroups, one
-issuing TMA copies of the FP8 A and B tiles into a shared-memory ring
-(``plgpu.emit_pipeline_warp_specialized``), two computing. Per K block and per 64-row pass
-of its tile, a compute warpgroup
+issuing TMA copies into a shared-memory ring (``plgpu.emit_pipeline_warp_specialized``),
+two computing. A ring slot holds one K block: the FP8 A and B tiles and, with
+``config.scales == "smem"`` (opt-in), A's row scales and B's scales (its column scales, or
+a window of 4 block scales from the tile's first 128-column block: a TMA copy moves at
+least 16 bytes). Per K block and per 64-row pass of its tile, a compute warpgroup
 
 1. issues a ``plgpu.wgmma`` of FP8 operands (both K-major: FP8 ``wgmma`` cannot transpose)
    into a fresh f32 accumulator,
-2. loads the *next* K block's A row scales and B scale(s) from global memory while it
-   runs (plain loads, L2-resident, carried to the next step; nothing in shared memory, so
-   no proxy fence before the TMA warpgroup refills the slot),
+2. loads the scales while it runs: with ``scales="global"`` (the default) the *next* K
+   block's, from global memory (L2; carried to the next step); with ``scales="smem"`` this
+   K block's, from the slot (no global loads in the K loop),
 3. waits for the wgmma and, after its last pass, releases the slot
-   (``manual_consumed_barriers``), then
+   (``manual_consumed_barriers``: one arrival per input, after every read of the slot),
+   then
 4. forms this block's scale product (after the wait: not live beside the in-flight
    accumulator) and promotes ``sum += fresh * (a_scale ⊗ b_scale)`` into the
    register-resident sum.
+
+The scale rings of "smem" cost a stage in most tiles (``config.with_scales``). A pass is
+64 x ``pass_n``: up to 192 columns (the 128 x 144-192 tiles) whose B block scales may change
+inside the pass (a per-column scale vector then, as with per-row B scales).
 
 When the stages divide the K blocks (``config.pipeline_stages``), one pipeline runs through
 all of a CTA's tiles (``pipeline_state``), so the ring is not drained and refilled between
@@ -53,7 +60,9 @@ from pallas_kernels.config import (
     TuningConfig,
     choose_config,
     epilogue_n,
+    epilogue_swizzle,
     pipeline_stages,
+    scale_widths,
 )
 from pallas_kernels.quantize import quantize_1x128
 
@@ -69,10 +78,11 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 KERNEL_NAME = "blockwise_fp8_matmul"
 
 
-def _swizzled(dtype) -> tuple:
-    """128-byte swizzle with its (8, 128 bytes) tiling, as FP8 ``wgmma`` operands need."""
-    bits = jnp.dtype(dtype).itemsize * 8
-    return (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
+def _swizzled(dtype, swizzle: int = 128) -> tuple:
+    """A ``swizzle``-byte swizzle with its (8, ``swizzle`` bytes) tiling; FP8 ``wgmma``
+    operands need 128."""
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
 
 
 # --------------------------------------------------------------------------------------
@@ -86,12 +96,13 @@ _HAZARDS = ("release_before_wgmma", "release_before_wait", "read_after_release",
 
 
 def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stages: int,
-                  state=None, k_offset=0):
+                  state=None, k_offset=0, scale_specs=()):
     """The warp-specialized K pipeline of one output tile: a TMA warpgroup fills a ring of
-    ``stages`` (A, B) K-block slots, two compute warpgroups run ``body`` on each.
+    ``stages`` (A, B[, scales]) K-block slots, two compute warpgroups run ``body`` on each.
 
     ``k_blocks`` may be traced (the grouped weight gradient: each expert's token blocks);
-    ``k_offset`` shifts the K blocks read (the expert's first block)."""
+    ``k_offset`` shifts the K blocks read (the expert's first block). ``scale_specs``: the
+    BlockSpecs of the scale inputs staged with the operands (see ``scale_specs``)."""
     fp8_transforms = _swizzled(_FP8)
     return plgpu.emit_pipeline_warp_specialized(
         body,
@@ -102,6 +113,7 @@ def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stag
                             transforms=fp8_transforms),
             plgpu.BlockSpec((config.block_n, BLOCK_K), lambda k: (0, k + k_offset),
                             transforms=fp8_transforms),
+            *scale_specs,
         ],
         wg_axis="wg",
         num_compute_wgs=2,
@@ -114,19 +126,32 @@ def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stag
     )
 
 
-def pipeline_allocations(a_ref, b_ref, *, config: TuningConfig, k_blocks: int, stages: int):
+def scale_specs(config: TuningConfig, b_rows: bool, k_offset=0) -> tuple:
+    """BlockSpecs of the scales as pipeline inputs, one K block per stage (a TMA copy in
+    the stage of the operands): A's row scales, B's column scales (``b_rows``) or a window
+    of 4 of B's block scales (the blocks the tile's columns fall in; 4 f32 because a TMA
+    copy moves at least 16 bytes); widths from ``config.scale_widths``."""
+    a_width, b_width = scale_widths(config, b_rows)
+    return (plgpu.BlockSpec((None, a_width), lambda k: (k + k_offset, 0)),
+            plgpu.BlockSpec((None, b_width), lambda k: (k + k_offset, 0)))
+
+
+def pipeline_allocations(a_ref, b_ref, *, config: TuningConfig, k_blocks: int, stages: int,
+                         scale_refs=(), b_rows: bool = False):
     """The shared memory ``make_pipeline`` needs (allocated once per CTA, reused by every
-    tile's pipeline); ``a_ref``/``b_ref`` are 2-D ``[rows, K]`` views."""
+    tile's pipeline); ``a_ref``/``b_ref`` are 2-D ``[rows, K]`` views, ``scale_refs`` the
+    scale inputs' views (empty: scales from global memory)."""
     def ignore(*_, **__):
         return None
 
-    return make_pipeline(ignore, ignore, config=config, k_blocks=k_blocks,
-                         stages=stages).get_allocations(a_ref, b_ref)
+    specs = scale_specs(config, b_rows) if scale_refs else ()
+    return make_pipeline(ignore, ignore, config=config, k_blocks=k_blocks, stages=stages,
+                         scale_specs=specs).get_allocations(a_ref, b_ref, *scale_refs)
 
 
 def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfig, k_blocks,
                   b_rows: bool, stages: int, r0, c0, row0, col0, epilogue, state=None,
-                  k_offset=0, hazard: str | None = None):
+                  k_offset=0, hazard: str | None = None, scale_tiles=None):
     """The K loop and promotion of one CTA output tile, shared by every kernel here.
 
     ``a_tile`` [block_m, K] and ``b_tile`` [block_n, K] are the tile's e4m3 operand views
@@ -137,8 +162,20 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
     from ``k_offset`` are walked. ``epilogue(sums)`` receives the warpgroup's f32 sums, one
     (64, pass_n) array per ``config.passes`` entry. ``state``: the ``pipeline_state``
     (persistent pipelines, see ``_matmul_kernel``).
+
+    ``scale_tiles``: None reads the scales from global memory (``as_ref``, ``bs_ref``), one
+    K block ahead; else the (A, B) scale views of this CTA tile that the pipeline stages
+    into shared memory with the operands (``scale_specs``: A's [K/128, block_m], B's
+    [K/128, block_n] with ``b_rows``, else the [K/128, 4] window of block scales from the
+    128-column block of the CTA tile's first column). A pass that straddles 128-column
+    blocks (the widths that are not multiples of 128) gets a column-scale vector from the
+    three blocks it can meet, as ``b_rows`` does.
     """
     pass_n = config.pass_n
+    smem = scale_tiles is not None
+    # B block-scaled with passes that straddle 128-column blocks: per-column B scales.
+    straddle = not b_rows and config.block_n % BLOCK_K != 0
+    b_vectors = b_rows or straddle
     # Distinct column offsets of the passes: the row-scaled B's scale vector is loaded once
     # per column offset (256x128: both 64-row passes share it).
     pass_cols = tuple(sorted({pc for _, pc in config.passes}))
@@ -156,9 +193,42 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
             b_s = tuple(plgpu.load(bs_ref.at[kb, pl.ds(col0 + pc, pass_n)],
                                    layout=plgpu.Layout.WGMMA.reduce(0),
                                    optimized=False) for pc in pass_cols)
+        elif straddle:
+            ws = (col0 - c0) // BLOCK_K
+            blocks = tuple(bs_ref[kb, ws + j] for j in range(3))
+            b_s = tuple(straddling_b_scales(blocks, pc) for pc in pass_cols)
         else:
             b_s = tuple(bs_ref[kb, (col0 + pc) // BLOCK_K] for pc in pass_cols)
         return a_s, b_s
+
+    def read_staged_scales(as_smem, bs_smem):
+        """This K block's scales from its pipeline slot (shared memory): the same values
+        as ``load_scales``, at the CTA tile's offsets (``r0``, ``c0``)."""
+        a_s = tuple(plgpu.load(as_smem.at[pl.ds(r0 + pr, 64)],
+                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                    for pr, _ in config.passes)
+        if b_rows:
+            b_s = tuple(plgpu.load(bs_smem.at[pl.ds(c0 + pc, pass_n)],
+                                   layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                        for pc in pass_cols)
+        elif straddle:
+            blocks = (bs_smem[0], bs_smem[1], bs_smem[2])
+            b_s = tuple(straddling_b_scales(blocks, pc) for pc in pass_cols)
+        else:
+            b_s = tuple(bs_smem[(c0 + pc) // BLOCK_K] for pc in pass_cols)
+        return a_s, b_s
+
+    def straddling_b_scales(blocks, pc):
+        """The pass's (pass_n,) column scales from the block scales of the three 128-column
+        blocks from the CTA tile's first column: a pass of at most 192 columns meets at
+        most three."""
+        first = col0 + pc  # the pass's first column
+        window = (col0 - c0) // BLOCK_K * BLOCK_K  # first column of the window's block
+        to_next = window + BLOCK_K - first  # columns of the pass in the window's block
+        cols = plgpu.broadcasted_iota(jnp.int32, (pass_n,), 0,
+                                      layout=plgpu.Layout.WGMMA.reduce(0))
+        s0, s1, s2 = blocks
+        return jnp.where(cols < to_next, s0, jnp.where(cols < to_next + BLOCK_K, s1, s2))
 
     def scale_product(scales, p):
         """The (64, pass_n) scale of pass ``p``, formed after the wgmma wait (so it is not
@@ -166,7 +236,7 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
         a_s, b_s = scales
         _, pc = config.passes[p]
         b = b_s[pass_cols.index(pc)]
-        if b_rows:
+        if b_vectors:
             return (lax.broadcast_in_dim(a_s[p], (64, pass_n), [0])
                     * lax.broadcast_in_dim(b, (64, pass_n), [1]))
         return lax.broadcast_in_dim(a_s[p] * b, (64, pass_n), [0])
@@ -174,48 +244,62 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
     def compute_context(run_pipeline):
         sums = tuple(plgpu.layout_cast(jnp.zeros((64, pass_n), jnp.float32),
                                        plgpu.Layout.WGMMA) for _ in config.passes)
-        sums, _ = run_pipeline((sums, load_scales(0)))
+        sums, _ = run_pipeline((sums, () if smem else load_scales(0)))
         epilogue(sums)
 
-    def release(a_consumed, b_consumed):
-        plgpu.barrier_arrive(a_consumed)
-        plgpu.barrier_arrive(b_consumed)
-
-    def k_step(idxs, a_smem, b_smem, a_consumed, b_consumed, carry):
+    def k_step(idxs, *refs):
         (kb,) = idxs
-        sums, scales = carry
+        *refs, (sums, scales) = refs
+        n_in = len(refs) // 2
+        smem_refs, consumed = refs[:n_in], refs[n_in:]
+        a_smem, b_smem = smem_refs[:2]
+
+        def release():
+            for barrier in consumed:
+                plgpu.barrier_arrive(barrier)
+
         if hazard == "release_before_wgmma":
-            release(a_consumed, b_consumed)
+            release()
         nxt = None
         out = []
         for p, ((pr, pc), acc) in enumerate(zip(config.passes, sums)):
             last = p == len(sums) - 1
 
-            def product(acc_ref, pr=pr, pc=pc, last=last):
+            def product(acc_ref, pr=pr, pc=pc, p=p, last=last):
                 # B is [N, K] in memory; the transposed view is the K-major RHS.
                 plgpu.wgmma(acc_ref, a_smem.at[pl.ds(r0 + pr, 64)],
                             b_smem.at[pl.ds(c0 + pc, pass_n)].T)
                 if last and hazard == "release_before_wait":
-                    release(a_consumed, b_consumed)
-                # The next K block's scales, in flight while the wgmmas run (the last step
-                # reloads its own: the index stays in bounds).
-                nxt_ = load_scales(jnp.minimum(kb + 1, k_blocks - 1)) if last else None
-                return acc_ref[...], nxt_  # reading the accumulator waits for it
+                    release()
+                if smem:
+                    # This K block's scales, read from its slot while the wgmmas run
+                    # (before the slot's release below).
+                    got = read_staged_scales(*smem_refs[2:]) if p == 0 else None
+                else:
+                    # The next K block's scales, in flight while the wgmmas run (the last
+                    # step reloads its own: the index stays in bounds).
+                    got = load_scales(jnp.minimum(kb + 1, k_blocks - 1)) if last else None
+                return acc_ref[...], got  # reading the accumulator waits for it
 
             fresh, got = pl.run_scoped(product, plgpu.ACC((64, pass_n), jnp.float32))
+            if smem and p == 0:
+                scales = got
             if last:
-                nxt = got
+                nxt = () if smem else got
                 # Every wgmma of this K block has completed: release the slot.
                 if hazard not in ("release_before_wgmma", "release_before_wait"):
-                    release(a_consumed, b_consumed)
+                    release()
                 if hazard == "read_after_release":
                     # A plain read of the released slot (the TMA may be refilling it).
                     fresh = fresh + a_smem[0:64, 0:pass_n].astype(jnp.float32) * 0.0
             out.append(acc + fresh * scale_product(scales, p))
         return tuple(out), nxt
 
+    inputs = (a_tile, b_tile, *(scale_tiles or ()))
+    specs = scale_specs(config, b_rows, k_offset) if smem else ()
     make_pipeline(k_step, compute_context, config=config, k_blocks=k_blocks, stages=stages,
-                  state=state, k_offset=k_offset)(a_tile, b_tile, allocations=allocs)
+                  state=state, k_offset=k_offset, scale_specs=specs)(
+                      *inputs, allocations=allocs)
 
 
 def run_tiles_persistent(run, first, last, persistent: bool) -> None:
@@ -290,12 +374,14 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
       has returned, and reading a ``plgpu.ACC`` accumulator is a ``wgmma.wait_group 0``:
       every ``wgmma`` of this K block, the only readers of s, has completed. The
       ``mbarrier.arrive`` has release semantics, the TMA's wait acquire, so the async
-      proxy's overwrite is ordered after the tensor core's reads. Nothing else reads the
-      ring (the scales come from global memory), so no proxy fence is needed.
+      proxy's overwrite is ordered after the tensor core's reads. The staged scales are
+      read (plain shared-memory loads) in the first pass's window, before the arrival in
+      program order, which its release semantics also orders before the overwrite.
+      Nothing writes the ring but the TMA, so no proxy fence is needed.
     * *Produced* barriers (the pipeline's): a compute warpgroup reads slot s only after
       the TMA transaction bytes of both tiles have landed (``emit_pipeline`` waits).
-    * Scales: plain global loads of read-only inputs, no hazard. They are issued one K
-      block ahead (carried) so their latency hides behind a whole step.
+    * Scales, ``scales="global"``: plain global loads of read-only inputs, no hazard,
+      issued one K block ahead (carried) so their latency hides behind a whole step.
     * Output staging: each warpgroup owns two 8 KiB slots of ``out_smem``, used in turn
       over all of the CTA's output chunks (across tiles). Before writing slot j it waits
       until at most one of its own TMA stores is still reading shared memory
@@ -318,13 +404,26 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
     out_dtype = out_ref.dtype
     epi_n = epilogue_n(config, out_dtype)
     per_tile = chunks_per_tile(config, out_dtype)
+    smem_scales = config.scales == "smem"
+
+    def scale_tiles(mi, ni):
+        """The (A, B) scale views of output tile (mi, ni) the pipeline stages."""
+        if not smem_scales:
+            return None
+        a_width, b_width = scale_widths(config, b_rows)
+        b_start = ni * bn if b_rows else ni * bn // BLOCK_K
+        return (as_ref.at[:, pl.ds(mi * bm, a_width)],
+                bs_ref.at[:, pl.ds(b_start, b_width)])
 
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline_allocations(a_ref, b_ref, config=config, k_blocks=k_blocks,
-                                    stages=stages),
+                                    stages=stages, scale_refs=scale_tiles(0, 0) or (),
+                                    b_rows=b_rows),
         # [warpgroup, slot]: two 8 KiB slots per warpgroup (double-buffered stores).
-        out_smem=plgpu.SMEM((2, 2, 64, epi_n), out_dtype, transforms=_swizzled(out_dtype)),
+        out_smem=plgpu.SMEM((2, 2, 64, epi_n), out_dtype,
+                            transforms=_swizzled(out_dtype,
+                                                 epilogue_swizzle(config, out_dtype))),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
@@ -352,7 +451,7 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
                               as_ref, bs_ref, allocs=allocs, config=config,
                               k_blocks=k_blocks, b_rows=b_rows, stages=stages, r0=r0, c0=c0,
                               row0=row0, col0=col0, epilogue=epilogue, state=state,
-                              hazard=hazard)
+                              hazard=hazard, scale_tiles=scale_tiles(mi, ni))
 
             run_tiles_persistent(run, info.local_index == 0,
                                  info.local_index == info.num_local_steps - 1, persistent)
@@ -368,6 +467,16 @@ def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Imp
         raise ValueError(f"hazard must be one of {_HAZARDS} or None, got {hazard!r}.")
     m, k = a.shape
     n = b.shape[0] if n_out is None else n_out
+    if config.scales == "global" and not b_rows and config.block_n % BLOCK_K:
+        bs_t = _pad_columns(bs_t, bs_t.shape[1] + 2)  # the three blocks a pass may meet
+    if config.scales == "smem":
+        # Every tile's scale slots (``scale_widths``: past the tile for narrow tiles, and
+        # B's window) stay in bounds, and the rows are a multiple of 16 bytes apart (a TMA
+        # source's strides must be).
+        a_width, b_width = scale_widths(config, b_rows)
+        b_tile = config.block_n if b_rows else 1
+        as_t = _pad_columns(as_t, as_t.shape[1] + a_width - config.block_m)
+        bs_t = _pad_columns(bs_t, bs_t.shape[1] + b_width - b_tile)
     m_tiles, n_tiles, k_blocks = m // config.block_m, pl.cdiv(n, config.block_n), k // BLOCK_K
     stages, persistent = pipeline_stages(config, k_blocks)
     grid = min(_backend.num_sms(impl), m_tiles * n_tiles)
@@ -384,6 +493,11 @@ def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Imp
         kernel_name=kernel_name(config, out_dtype, b_rows),
     )
     return kernel(a, as_t, b, bs_t)
+
+
+def _pad_columns(x, width: int):
+    """``x`` [rows, cols] padded with ones to ``width`` columns rounded up to 4 (16 bytes)."""
+    return jnp.pad(x, ((0, 0), (0, -(-width // 4) * 4 - x.shape[1])), constant_values=1.0)
 
 
 def kernel_name(config: TuningConfig, out_dtype, b_rows: bool) -> str:

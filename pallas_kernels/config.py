@@ -6,7 +6,8 @@ tiles. K is always walked in 128-wide blocks: the scale granularity of DeepSeek-
 and the K of one 128-byte-swizzled FP8 ``wgmma`` group.
 
 Each compute warpgroup owns a ``wg_m x wg_n`` tile that it covers in one or two *passes*
-of ``64 x pass_n`` (one ``wgmma`` of M = 64 each, ``pass_n = min(wg_n, 128)``): per K block
+of ``64 x pass_n`` (one ``wgmma`` of M = 64 each; ``pass_n`` is the warpgroup's width up
+to 192, else 128): per K block
 a pass runs its ``wgmma`` into a fresh f32 accumulator and promotes it, scaled, into the
 pass's running f32 sum. Registers bound this (checked in ``TuningConfig.__post_init__``):
 the running sums take ``wg_m * wg_n / 128`` f32 registers per thread and the fresh
@@ -18,12 +19,12 @@ L2/HBM than 128x128 (1.5x the bytes per K block for 2x the FLOPs).
 
 Shared memory (``smem_bytes`` models Mosaic GPU's allocation exactly;
 ``tests/pallas_kernels/test_cross_lowering.py`` lowers every shipped config and checks
-the model against Mosaic's own count): the ring of FP8 A and B tiles (the scales are read
-from global memory by the compute warpgroups, so they need no ring and no proxy fence), two
-8 KiB output staging slots per compute warpgroup, and the barriers. Stages are the most
-that fit the H200's 227 KiB per block; ``pipeline_stages`` then takes the largest count
-that divides the number of K blocks, so that one pipeline runs across all the output tiles
-of a CTA (``plgpu.emit_pipeline_warp_specialized``'s ``pipeline_state`` needs it).
+the model against Mosaic's own count): the ring of FP8 A and B tiles and, with the scales
+staged (``scales="smem"``, opt-in), their f32 scales per stage; two 8 KiB output
+staging slots per compute warpgroup; and the barriers. Stages are the most that fit the
+H200's 227 KiB per block; ``pipeline_stages`` then takes the largest count that divides the
+number of K blocks, so that one pipeline runs across all the output tiles of a CTA
+(``plgpu.emit_pipeline_warp_specialized``'s ``pipeline_state`` needs it).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SHIPPED_CONFIGS", "TuningConfig", "choose_config", "epilogue_n", "max_stages",
-           "pipeline_stages", "smem_bytes", "tile_cycles"]
+__all__ = ["SHIPPED_CONFIGS", "TuningConfig", "choose_config", "epilogue_n",
+           "epilogue_swizzle", "max_stages", "pipeline_stages", "scale_widths",
+           "smem_bytes", "tile_cycles", "with_scales"]
 
 BLOCK_K = 128  # DeepSeek-V3 (arXiv 2412.19437) §3.3.2: scales per 128 K, promotion N_C = 128.
 SMEM_BYTES_H200 = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200 (227 KiB).
@@ -45,6 +47,14 @@ _SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns every shared-memory allocation to 1 
 _BARRIER_BYTES = 8  # one mbarrier
 # Output staged per warpgroup: two 8 KiB slots (double-buffered TMA stores) of 64 rows.
 _EPILOGUE_BYTES = 16384
+# Warpgroup widths of one 64-row pass that are not powers of two (DeepGEMM's BLOCK_N in steps
+# of 16 above 128, up to 192: 64 x 192 takes 96 f32 registers a thread of running sums and
+# 96 of fresh accumulator). FP8 wgmma needs N a multiple of 8 and at most 256
+# (jax/experimental/mosaic/gpu/wgmma.py).
+WIDE_PASSES = (144, 160, 176, 192)
+# B's block scales staged per K block: 4 f32 (a TMA copy moves at least 16 bytes) from the
+# 128-column block of the tile's first column, enough for a tile 256 columns wide.
+B_SCALE_WINDOW = 4
 # Fewest stages worth keeping a pipeline running across output tiles with: enough K blocks
 # in flight to cover a TMA load's latency (~1 µs) at ~0.3 µs of wgmma per K block.
 _MIN_PERSISTENT_STAGES = 4
@@ -56,7 +66,8 @@ class TuningConfig:
 
     Attributes:
       block_m: rows of the CTA output tile (64, 128 or 256).
-      block_n: columns of the CTA output tile (128 or 256).
+      block_n: columns of the CTA output tile: 128 or 256, or (with ``block_m = 128``
+        split "m": one 64-row pass per warpgroup) 144, 160, 176 or 192.
       wg_split: how the two compute warpgroups split the CTA tile: "m" (two row slabs)
         or "n" (two column halves).
       max_concurrent_steps: pipeline stages (K blocks in flight in shared memory), before
@@ -65,6 +76,14 @@ class TuningConfig:
         "m" walks bands of ``grid_tile_width`` tile-rows (A rows stay in L2), "n" bands of
         tile-columns.
       grid_tile_width: width of those bands, in tiles.
+      scales: how the dense kernel's K loop gets the scales. "global" (default): plain
+        loads from global memory (L2), one K block ahead; "smem": by TMA in the pipeline
+        stage of the operands (A's row scales, and B's column scales or the window of B's
+        block scales the tile's columns fall in), read from shared memory, which costs a
+        stage in most tiles (``with_scales``). "smem" is not the default yet: it has not
+        been timed on a GPU, and in GPU-interpret mode on CPU it deadlocks with the tiles
+        split along N (64x128, 64x256; see docs/guides/kernels.md). The grouped kernels
+        always read the scales from global memory.
     """
 
     block_m: int
@@ -73,6 +92,7 @@ class TuningConfig:
     max_concurrent_steps: int
     grid_minor_dim: Literal["m", "n"] = "m"
     grid_tile_width: int = 8
+    scales: Literal["smem", "global"] = "global"
 
     def __post_init__(self):
         if self.wg_split not in ("m", "n"):
@@ -83,10 +103,22 @@ class TuningConfig:
             raise ValueError(
                 f"each compute warpgroup must own 64 or 128 rows (got {self.wg_m} from "
                 f"block_m={self.block_m}, wg_split={self.wg_split!r}).")
-        if self.wg_n not in (64, 128, 256):
+        if self.wg_n not in (64, 128, 256, *WIDE_PASSES):
             raise ValueError(
-                f"each compute warpgroup must own 64, 128 or 256 columns (got {self.wg_n} "
-                f"from block_n={self.block_n}, wg_split={self.wg_split!r}).")
+                f"each compute warpgroup must own 64, 128, 144, 160, 176, 192 or 256 columns "
+                f"(got {self.wg_n} from block_n={self.block_n}, "
+                f"wg_split={self.wg_split!r}).")
+        if self.wg_n in WIDE_PASSES and self.wg_split != "m":
+            raise ValueError(
+                f"a warpgroup tile {self.wg_n} columns wide needs wg_split='m' (the CTA "
+                f"tile's columns are the pass's: B's block scales are read for at most "
+                f"three 128-column blocks), got {self.wg_split!r}.")
+        if self.wg_n in WIDE_PASSES and self.wg_m != 64:
+            raise ValueError(
+                f"a warpgroup tile {self.wg_n} columns wide must have 64 rows (one pass; "
+                f"got {self.wg_m}): two passes of 64x{self.wg_n} take "
+                f"{self.wg_m * self.wg_n // 128 + self.wg_n // 2} f32 registers per thread of "
+                f"sums and fresh accumulator, above 192.")
         if self.wg_m * self.wg_n > 2 * 64 * 128:
             raise ValueError(
                 f"a {self.wg_m}x{self.wg_n} warpgroup tile needs more than two 64x128 "
@@ -95,6 +127,8 @@ class TuningConfig:
         if not 1 <= self.max_concurrent_steps <= 16:
             raise ValueError(
                 f"max_concurrent_steps must be in [1, 16], got {self.max_concurrent_steps}.")
+        if self.scales not in ("smem", "global"):
+            raise ValueError(f"scales must be 'smem' or 'global', got {self.scales!r}.")
         if self.grid_tile_width < 1:
             raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}.")
 
@@ -108,8 +142,9 @@ class TuningConfig:
 
     @property
     def pass_n(self) -> int:
-        """Columns of one pass (one ``wgmma`` of 64 rows)."""
-        return min(self.wg_n, 128)
+        """Columns of one pass (one ``wgmma`` of 64 rows): the warpgroup's width up to
+        192, else 128."""
+        return self.wg_n if self.wg_n <= 192 else 128
 
     @property
     def passes(self) -> tuple[tuple[int, int], ...]:
@@ -119,7 +154,7 @@ class TuningConfig:
 
     def __str__(self) -> str:
         return (f"bm{self.block_m}_bn{self.block_n}_split{self.wg_split}"
-                f"_s{self.max_concurrent_steps}")
+                f"_s{self.max_concurrent_steps}{'_smem_scales' if self.scales == 'smem' else ''}")
 
 
 def _align(nbytes: int) -> int:
@@ -127,26 +162,60 @@ def _align(nbytes: int) -> int:
 
 
 def epilogue_n(config: TuningConfig, out_dtype) -> int:
-    """Columns of one output staging slot: 8 KiB of 64 rows (half the warpgroup's
-    staging), at most one pass wide and at least 128 bytes (the 128-byte swizzle's row)."""
+    """Columns of one output staging slot: the widest multiple of 16 columns that divides
+    the pass and takes at most 8 KiB of 64 rows (half the warpgroup's staging): 64 bf16 or
+    32 f32 columns for the passes of 64 or 128 columns, fewer for the wide passes (bf16:
+    144 -> 48, 160 -> 32, 176 -> 16, 192 -> 64)."""
     item = np.dtype(out_dtype).itemsize
-    return min(config.pass_n, max(_EPILOGUE_BYTES // 2 // (64 * item), 128 // item))
+    cap = _EPILOGUE_BYTES // 2 // (64 * item)
+    return max(w for w in range(16, min(cap, config.pass_n) + 1, 16) if config.pass_n % w == 0)
 
 
-def smem_bytes(config: TuningConfig, out_dtype, stages: int | None = None) -> int:
+def epilogue_swizzle(config: TuningConfig, out_dtype) -> int:
+    """The shared-memory swizzle (bytes) of the output staging slots: the widest of 128, 64
+    and 32 bytes whose row of elements divides ``epilogue_n`` (128 for every width but the
+    wide passes')."""
+    item = np.dtype(out_dtype).itemsize
+    epi = epilogue_n(config, out_dtype)
+    return next(sw for sw in (128, 64, 32) if epi % (sw // item) == 0)
+
+
+def smem_bytes(config: TuningConfig, out_dtype, stages: int | None = None,
+               b_rows: bool = False) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it, in bytes: the pipeline ring
-    (FP8 A and B tiles, each aligned to 1 KiB), the two warpgroups' two output staging slots,
-    and per stage a produced barrier and a consumed barrier per operand."""
+    (FP8 A and B tiles, and with ``config.scales == "smem"`` A's f32 row scales and B's
+    column scales (``b_rows``) or window of ``B_SCALE_WINDOW`` block scales; each ring
+    aligned to 1 KiB), the two warpgroups' two output staging slots, and per stage a
+    produced barrier and a consumed barrier per input."""
     s = config.max_concurrent_steps if stages is None else stages
     ring = _align(s * config.block_m * BLOCK_K) + _align(s * config.block_n * BLOCK_K)
+    inputs = 2
+    if config.scales == "smem":
+        a_width, b_width = scale_widths(config, b_rows)
+        ring += _align(s * a_width * 4) + _align(s * b_width * 4)
+        inputs = 4
     out = _align(2 * 2 * 64 * epilogue_n(config, out_dtype) * np.dtype(out_dtype).itemsize)
-    return ring + out + 3 * s * _BARRIER_BYTES
+    return ring + out + (1 + inputs) * s * _BARRIER_BYTES
 
 
-def max_stages(config: TuningConfig, out_dtype, limit: int = SMEM_BYTES_H200) -> int:
+def scale_widths(config: TuningConfig, b_rows: bool) -> tuple[int, int]:
+    """f32 scales per pipeline slot, (A's, B's), with ``scales="smem"``: A's ``block_m``
+    row scales and B's ``block_n`` column scales (``b_rows``) each rounded up to a multiple
+    of 64 and at least 128 (the entries past the tile are never read), or
+    ``B_SCALE_WINDOW`` block scales. The rounding keeps every slot of a ring 256-byte
+    aligned, above the 128 bytes a Hopper TMA destination needs. (It does not cure the
+    GPU-interpret deadlock of some tiles in this form, described on ``TuningConfig``.)"""
+    def rounded(n):
+        return max(-(-n // 64) * 64, 128)
+
+    return rounded(config.block_m), rounded(config.block_n) if b_rows else B_SCALE_WINDOW
+
+
+def max_stages(config: TuningConfig, out_dtype, limit: int = SMEM_BYTES_H200,
+               b_rows: bool = False) -> int:
     """The most stages of ``config``'s tiles that fit in ``limit`` bytes."""
     s = 1
-    while s < 16 and smem_bytes(config, out_dtype, s + 1) <= limit:
+    while s < 16 and smem_bytes(config, out_dtype, s + 1, b_rows) <= limit:
         s += 1
     return s
 
@@ -169,8 +238,8 @@ def pipeline_stages(config: TuningConfig, k_blocks: int) -> tuple[int, bool]:
     return cap, False
 
 
-# Shipped configs: the most stages that fit (both output dtypes stage 16 KiB per warpgroup, so the
-# count does not depend on it; ``test_cross_lowering`` checks that one more does not
+# Shipped configs: the most stages that fit (both output dtypes stage 16 KiB per warpgroup, so
+# the count does not depend on it; ``test_cross_lowering`` checks that one more does not
 # fit). Names are the CTA tile.
 SHIPPED_CONFIGS: dict[str, TuningConfig] = {
     "128x128": TuningConfig(128, 128, "m", 6),
@@ -179,6 +248,16 @@ SHIPPED_CONFIGS: dict[str, TuningConfig] = {
     "64x256": TuningConfig(64, 256, "n", 4, grid_tile_width=16),
     "64x128": TuningConfig(64, 128, "n", 8, grid_tile_width=16),
 }
+
+def with_scales(config: TuningConfig, scales: Literal["smem", "global"]) -> TuningConfig:
+    """``config`` with the scales read as ``scales`` says and the most stages that then fit
+    with either output dtype and either B scale layout (the scale rings of "smem" cost a
+    stage in all shipped tiles but 64x256)."""
+    c = dataclasses.replace(config, scales=scales)
+    return dataclasses.replace(c, max_concurrent_steps=min(
+        max_stages(c, dt, b_rows=br) for dt in (jnp.bfloat16, jnp.float32)
+        for br in (False, True)))
+
 
 # Relative cost of one output element per K block, by tile shape, measured on an H200 (the tune
 # phase of tools.gpu_check, bf16 output, jax 0.11.2; docs/results/gpu.md): the throughput of
@@ -189,6 +268,15 @@ SHIPPED_CONFIGS: dict[str, TuningConfig] = {
 _TILE_COST = {"128x256": 0.93, "128x128": 1.0, "256x128": 1.13, "64x256": 1.26,
               "64x128": 1.43}
 _CALIBRATION_SHAPES = ((8192, 8192, 8192), (4096, 7168, 2048))
+# Register spills (loaded bytes, ptxas) of the weight-gradient form (B scaled per row, f32 out)
+# measured on an H200 (the GPU check's compile phase, jax 0.11.2; docs/results/gpu.md): the
+# outer product of the row and column scales takes 64 more registers a thread beside two
+# passes' sums, so the two-pass warpgroup tiles spill thousands of bytes.
+_WGRAD_SPILL_BYTES = {"128x128": 24, "256x128": 2872, "128x256": 3808, "64x256": 24,
+                      "64x128": 0}
+# A config spilling at most this in the weight-gradient form is a candidate for it: 24 bytes
+# is a register or two outside the K loop's steady state; the rejected ones spill > 2 KiB.
+_WGRAD_MAX_SPILL_BYTES = 32
 """The shapes ``_TILE_COST`` was measured at."""
 
 # Bandwidths of the traffic model (bytes per SM clock), the figures of DeepGEMM's Hopper
@@ -249,9 +337,10 @@ def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int =
     included: M and N are padded up to the tile) times the tile's measured residual
     (``_residual``: what the model does not see of this kernel); ties go to the earlier
     config in ``SHIPPED_CONFIGS``. Only the shipped tiles are candidates: widths of 128 or
-    256 columns, one CTA per cluster (the kernel has no 144-192 wide passes and no TMA
-    multicast). ``b_rows`` (B scaled per row, the weight gradient) does not change the
-    choice: scales come from global memory and every config walks K alike.
+    256 columns, one CTA per cluster (the 144-192 wide tiles have no measured residual yet
+    and the kernel has no TMA multicast). With ``b_rows`` (B scaled per row: the weight
+    gradient's form) only the tiles that do not spill in that form are
+    (``_WGRAD_SPILL_BYTES``, measured): 128x128, 64x256 and 64x128.
 
     Raises:
       ValueError: ``out_dtype`` is not bfloat16 or float32.
@@ -259,10 +348,11 @@ def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int =
     dt = np.dtype(out_dtype).name
     if dt not in ("bfloat16", "float32"):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {dt}.")
-    del b_rows
     out_bytes = np.dtype(out_dtype).itemsize
     best, best_cost = None, math.inf
     for name, cfg in SHIPPED_CONFIGS.items():
+        if b_rows and _WGRAD_SPILL_BYTES[name] > _WGRAD_MAX_SPILL_BYTES:
+            continue
         cost = tile_cycles(m, n, k, cfg.block_m, cfg.block_n, out_bytes=out_bytes,
                            num_sms=num_sms) * _residual(name)
         if cost < best_cost:

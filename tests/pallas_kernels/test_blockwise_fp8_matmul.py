@@ -20,7 +20,7 @@ from pallas_kernels import (
 )
 from pallas_kernels._backend import is_hopper, plgpu
 from pallas_kernels.blockwise_fp8_matmul import KERNEL_NAME, kernel_name
-from pallas_kernels.config import SHIPPED_CONFIGS, TuningConfig, choose_config
+from pallas_kernels.config import SHIPPED_CONFIGS, TuningConfig, choose_config, with_scales
 
 # Kernel vs reference, f32 output: both sum exact FP8 products in f32 in the same K-block
 # order; only the summation order inside a 128-wide block differs (a few f32 ulps). On the
@@ -123,6 +123,42 @@ def _check_kernel(mode, m, n, k, config, out_dtype, b_rows):
     # Against the f32 product of the unquantized inputs (float64 on the host).
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     assert _deepgemm_diff(out, exact) < DEEPGEMM_DIFF
+
+
+# Ragged shapes for the scales staged in shared memory (``scales="smem"``) against the
+# default form, and for the 64xN warpgroup tiles of widths that are not powers of two (B's
+# block scales then change inside a pass): M not a multiple of the tile, N tails of 16
+# columns past a 128 block (TMA clips them), K = 128 (one K block), K blocks that the stages
+# do not divide, several tiles a program (the pipeline handed from tile to tile). The
+# "smem" form runs here only where GPU-interpret mode has run it reliably (128x128): with
+# other tiles it deadlocks there, often but not always (docs/guides/kernels.md).
+RAGGED_CASES = [
+    # m, n, k, config, out dtype, B tiles, scale forms
+    (192, 272, 128, "128x128", jnp.float32, "128x128", ("global", "smem")),  # K = 128
+    (384, 256, 1280, "128x128", jnp.bfloat16, "128x128", ("global", "smem")),  # ring wraps
+    (128, 304, 256, TuningConfig(128, 144, "m", 5), jnp.bfloat16, "128x128", ("global",)),
+    (128, 400, 128, TuningConfig(128, 176, "m", 5), jnp.float32, "128x128", ("global",)),
+    (192, 336, 384, TuningConfig(128, 160, "m", 5), jnp.float32, "1x128", ("global",)),
+    (128, 208, 896, TuningConfig(128, 192, "m", 4), jnp.bfloat16, "128x128", ("global",)),
+]
+
+
+def _ragged_id(c):
+    cfg = c[3] if isinstance(c[3], str) else f"{c[3].block_m}x{c[3].block_n}"
+    return f"{c[0]}x{c[1]}x{c[2]}-{cfg}-{np.dtype(c[4]).name}-b{c[5]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m,n,k,cfg,out_dtype,b_tiles,forms", RAGGED_CASES,
+                         ids=[_ragged_id(c) for c in RAGGED_CASES])
+def test_ragged_shapes_wide_tiles_and_staged_scales(m, n, k, cfg, out_dtype, b_tiles, forms):
+    """Each case in its scale forms: equal to the reference (and within DeepGEMM's bound
+    of the float64 product, ``_check_kernel``). The wide tiles' 144 = 16 + 128, 160 = 32 +
+    128, ... columns put a B block boundary inside every other pass."""
+    config = SHIPPED_CONFIGS[cfg] if isinstance(cfg, str) else cfg
+    for scales in forms:
+        _check_kernel("interpret", m, n, k, with_scales(config, scales), out_dtype,
+                      b_tiles == "1x128")
 
 
 # Compiled only: on a GPU with 132 SMs, several tiles per CTA needs more than 132 tiles.
@@ -384,7 +420,11 @@ def test_bad_options(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(block_m=128, block_n=512, wg_split="m"), r"64, 128 or 256 columns"),
+    (dict(block_m=128, block_n=512, wg_split="m"), r"64, 128, 144, 160, 176, 192 or 256 col"),
+    (dict(block_m=128, block_n=200, wg_split="m"), r"64, 128, 144, 160, 176, 192 or 256 col"),
+    (dict(block_m=256, block_n=144, wg_split="m"), r"columns wide must have 64 rows"),
+    (dict(block_m=64, block_n=288, wg_split="n"), r"columns wide needs wg_split='m'"),
+    (dict(block_m=128, block_n=128, wg_split="m", scales="tmem"), r"scales must be"),
     (dict(block_m=512, block_n=128, wg_split="m"), r"must own 64 or 128 rows"),
     (dict(block_m=256, block_n=256, wg_split="m"), r"more than two 64x128 passes"),
     (dict(block_m=128, block_n=128, wg_split="x"), r"wg_split must be"),
@@ -441,3 +481,29 @@ def test_pipeline_stages(stages, k_blocks, want):
     from pallas_kernels.config import pipeline_stages
 
     assert pipeline_stages(TuningConfig(128, 128, "m", stages), k_blocks) == want
+
+
+@pytest.mark.parametrize("block_n,out_dtype,want", [
+    (128, jnp.bfloat16, (64, 128)), (128, jnp.float32, (32, 128)),  # 64 bf16 = 128 bytes
+    (144, jnp.bfloat16, (48, 32)), (144, jnp.float32, (16, 64)),  # 144 = 3 x 48 = 9 x 16
+    (160, jnp.bfloat16, (32, 64)), (176, jnp.bfloat16, (16, 32)),  # 176 = 11 x 16
+    (192, jnp.bfloat16, (64, 128)), (192, jnp.float32, (32, 128)),
+])
+def test_epilogue_slots_divide_the_pass(block_n, out_dtype, want):
+    """Output staging slot (columns, swizzle bytes), worked by hand: the widest multiple of
+    16 columns that divides the pass within 8 KiB of 64 rows, and the widest swizzle whose
+    row of elements divides it."""
+    from pallas_kernels.config import epilogue_n, epilogue_swizzle
+
+    config = TuningConfig(128, block_n, "m", 4)
+    assert (epilogue_n(config, out_dtype), epilogue_swizzle(config, out_dtype)) == want
+
+
+@pytest.mark.parametrize("block_m,block_n,split,b_rows,want", [
+    (128, 128, "m", False, (128, 4)), (64, 128, "n", False, (128, 4)),
+    (128, 144, "m", True, (128, 192)), (256, 128, "m", True, (256, 128)),
+])
+def test_scale_slot_widths(block_m, block_n, split, b_rows, want):
+    from pallas_kernels.config import scale_widths
+
+    assert scale_widths(TuningConfig(block_m, block_n, split, 4), b_rows) == want

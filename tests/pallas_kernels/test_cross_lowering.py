@@ -18,10 +18,12 @@ from pallas_kernels.config import (
     BLOCK_K,
     SHIPPED_CONFIGS,
     SMEM_BYTES_H200,
+    WIDE_PASSES,
     TuningConfig,
     max_stages,
     pipeline_stages,
     smem_bytes,
+    with_scales,
 )
 
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
@@ -197,3 +199,115 @@ def test_n_tail_pads_only_the_scales(b_rows):
     assert not [e for e in eqns if e.primitive.name in ("slice", "dynamic_slice")]
     (kernel,) = [e for e in eqns if e.primitive.name in ("mpmd_map", "pallas_call")]
     assert kernel.outvars[0].aval.shape == (4096, 2112)
+
+
+def _mosaic_modules(text_fn, *args):
+    """The Mosaic GPU modules of a lowering for the H200, deserialized (the custom call
+    carries them as versioned MLIR bytecode; Mosaic GPU's own ``mosaic_gpu-serde`` pass
+    turns them back into its dialects)."""
+    from jax.extend.mlir import ir, passmanager
+
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        module = jax.jit(text_fn).trace(*args).lower(
+            lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    ctx = module.context
+    ctx.allow_unregistered_dialects = True
+    out = []
+    for op in _walk(module.operation):
+        if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes:
+            blob = op.attributes["mhlo.backend_config"]["module"].value_bytes
+            with ctx:
+                mod = ir.Module.parse(blob)
+                passmanager.PassManager.parse(
+                    "builtin.module(mosaic_gpu-serde{serialize=false})").run(mod.operation)
+            out.append(mod)
+    return out
+
+
+def _walk(op):
+    yield op
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield from _walk(inner.operation)
+
+
+def _k_loop_f32_loads(mod):
+    """(shared, global) counts of f32 loads inside the K loops of a Mosaic GPU module: the
+    ``scf.for`` loops that carry f32 vectors (the running sums of the promotion)."""
+    shared = global_ = 0
+    for op in _walk(mod.operation):
+        if op.name != "scf.for" or not any("xf32>" in str(r.type) for r in op.results):
+            continue
+        for inner in _walk(op):
+            if inner.name not in ("llvm.load", "memref.load", "vector.load"):
+                continue
+            if "f32" not in str(inner.results[0].type):
+                continue
+            src = str(inner.operands[0].type)
+            if "ptr<3>" in src or "workgroup" in src:
+                shared += 1
+            else:
+                global_ += 1
+    return shared, global_
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("b_rows", [False, True], ids=["b-blocks", "b-rows"])
+@pytest.mark.parametrize("name", ["128x256", "64x128"])
+def test_k_loop_reads_scales_from_shared_memory_only(name, b_rows):
+    """The lowered Mosaic GPU module for the H200: inside the K loop every f32 load (the
+    scales: nothing else f32 is loaded there) reads shared memory; the earlier form
+    (``scales="global"``, the negative control) loads them from global memory there."""
+    shape = (4096, 2048, 2048)
+    found = {}
+    for scales in ("smem", "global"):
+        config = with_scales(SHIPPED_CONFIGS[name], scales)
+        (mod,) = _mosaic_modules(
+            functools.partial(blockwise_fp8_matmul, out_dtype=jnp.float32, impl="kernel",
+                              config=config), *_matmul_args(*shape, b_rows=b_rows))
+        found[scales] = _k_loop_f32_loads(mod)
+    assert found["smem"][0] > 0 and found["smem"][1] == 0
+    assert found["global"][1] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SHIPPED_CONFIGS))
+def test_staged_scales_one_more_stage_overflows_as_modelled(name):
+    """The shipped tiles with the scales staged (``with_scales(.., "smem")``): the stages
+    fit, and one more is refused by Mosaic GPU with exactly the bytes ``smem_bytes``
+    predicts (the scale rings included)."""
+    config = with_scales(SHIPPED_CONFIGS[name], "smem")
+    for b_rows in (False, True):
+        assert smem_bytes(config, jnp.float32, b_rows=b_rows) <= SMEM_BYTES_H200
+    bigger = TuningConfig(config.block_m, config.block_n, config.wg_split,
+                          config.max_concurrent_steps + 1, scales="smem")
+    want = smem_bytes(bigger, jnp.bfloat16)
+    assert want > SMEM_BYTES_H200
+    k = bigger.max_concurrent_steps * BLOCK_K
+    with pytest.raises(ValueError, match=f"smem_bytes={want} > max_smem_bytes"):
+        _lower_for_h200(functools.partial(blockwise_fp8_matmul, out_dtype=jnp.bfloat16,
+                                          impl="kernel", config=bigger),
+                        *_matmul_args(4096, 2048, k))
+
+
+WIDE_CASES = [(w, scales, dtype, b_rows) for w in WIDE_PASSES for scales in ("global", "smem")
+              for dtype in (jnp.bfloat16, jnp.float32) for b_rows in (False, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width,scales,dtype,b_rows", WIDE_CASES, ids=[
+    f"128x{c[0]}-{c[1]}-{np.dtype(c[2]).name}-{'b-rows' if c[3] else 'b-blocks'}"
+    for c in WIDE_CASES])
+def test_wide_tiles_lower_for_h200(width, scales, dtype, b_rows):
+    """128xN CTA tiles of one 64xN pass per warpgroup, N = 144-192 (FP8 wgmma N, the
+    epilogue's narrower staging slots and swizzles, B's block scales changing inside a
+    pass) at N = 2112 with K = 7168: Mosaic GPU accepts them with the most stages
+    ``with_scales`` finds, within the H200's shared memory."""
+    config = with_scales(TuningConfig(128, width, "m", 1), scales)
+    assert smem_bytes(config, dtype, b_rows=b_rows) <= SMEM_BYTES_H200
+    text = _lower_for_h200(
+        functools.partial(blockwise_fp8_matmul, out_dtype=dtype, impl="kernel",
+                          config=config), *_matmul_args(4096, 2112, 7168, b_rows=b_rows))
+    assert "mosaic_gpu" in text

@@ -100,3 +100,17 @@ def test_deepgemms_own_choices_are_out_of_the_kernels_reach(shape):
     bm, bn, cluster = _best(*shape, _deepgemm_candidates())
     shipped = {(c.block_m, c.block_n) for c in SHIPPED_CONFIGS.values()}
     assert cluster != (1, 1) or (bm, bn) not in shipped or (bm, bn) == (256, 128)
+
+
+def test_weight_gradient_form_takes_only_tiles_that_do_not_spill():
+    """B scaled per row (the weight gradient, f32 out): the two-pass warpgroup tiles
+    (128x256, 256x128) spill thousands of bytes in that form (measured, ptxas), so the
+    heuristic takes them only for the forward. At DeepSeek-V3's wgrad shape of the N = 2112
+    projection (7168 x 2112 outputs over 4096 tokens) the forward's choice is 128x256 (the
+    control: the filter changes the choice), the weight gradient's 128x128."""
+    no_spill = {SHIPPED_CONFIGS[n] for n in ("128x128", "64x256", "64x128")}
+    assert choose_config(7168, 2112, 4096, "float32") == SHIPPED_CONFIGS["128x256"]
+    assert choose_config(7168, 2112, 4096, "float32", b_rows=True) == (
+        SHIPPED_CONFIGS["128x128"])
+    for shape in SHAPES:
+        assert choose_config(*shape, "float32", b_rows=True) in no_spill

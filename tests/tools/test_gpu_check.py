@@ -244,8 +244,13 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
         assert opt["hlo_fusions"][name] > 0
     chain, plain = opt["impls"]["studies_chain"], opt["impls"]["optax_adamw"]
     assert opt["ratio_median"] == pytest.approx(chain["median_s"] / plain["median_s"])
-    [tune] = report["tune"].values()
+    [tune] = [r for s, r in report["tune"].items() if not s.startswith("forms")]
     assert len(tune["configs"]) == 2
+    # the opt-in kernel forms against the default, interleaved, with their agreement
+    [forms] = [r for s, r in report["tune"].items() if s.startswith("forms")]
+    assert forms["ok"] and set(forms["variants"]) == {"default", "smem_scales", "128x144"}
+    for v in forms["variants"].values():
+        assert v["tflops_median"] > 0 and v["rel_fro_vs_default"] < 2.0**-8  # bf16 out
 
 
 @no_gpu

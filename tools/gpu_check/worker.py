@@ -21,7 +21,14 @@ from tools.gpu_check.optimizer import optax_chain
 from tools.gpu_check.per_tensor import PER_TENSOR_SHAPE, per_tensor_gemms
 from tools.gpu_check.profile import profile_items
 from tools.gpu_check.train import train_step
-from tools.gpu_check.tune import TUNE_ROUNDS, TUNE_SHAPES, tune_shape
+from tools.gpu_check.tune import (
+    FORM_ROUNDS,
+    FORM_SHAPES,
+    TUNE_ROUNDS,
+    TUNE_SHAPES,
+    compare_forms,
+    tune_shape,
+)
 
 __all__ = ["PHASES", "phase_items", "run_worker"]
 
@@ -90,6 +97,22 @@ def phase_items(phase: str, *, rehearsal: bool, work: Path, excluded: set[str]
         for m, n, k in (tiny,) if rehearsal else TUNE_SHAPES:
             items.append((f"{m}x{n}x{k}", lambda m=m, n=n, k=k: tune_shape(
                 m, n, k, impl=impl, configs=configs, rounds=rounds, rehearsal=rehearsal)))
+        if rehearsal:  # one shape, tiles split along M (interpret mode: see kernels.md)
+            from pallas_kernels.config import TuningConfig, with_scales
+
+            base = SHIPPED_CONFIGS["128x128"]
+            variants = {"default": base, "smem_scales": with_scales(base, "smem"),
+                        "128x144": with_scales(TuningConfig(128, 144, "m", 1), "global")}
+            items.append(("forms-128x304x256", lambda: compare_forms(
+                128, 304, 256, out_dtype="bfloat16", b_rows=False, impl=impl, base=base,
+                rounds=1, rehearsal=True, variants=variants)))
+        else:
+            for m, n, k, dt, b_rows in FORM_SHAPES:
+                items.append((f"forms-{m}x{n}x{k}-{dt}{'-brows' if b_rows else ''}",
+                              lambda m=m, n=n, k=k, dt=dt, b_rows=b_rows: compare_forms(
+                                  m, n, k, out_dtype=dt, b_rows=b_rows, impl=impl,
+                                  base=chosen(m, n, k), rounds=FORM_ROUNDS,
+                                  rehearsal=False)))
     elif phase == "profile":
         items += profile_items(rehearsal=rehearsal, work=work)
     else:
