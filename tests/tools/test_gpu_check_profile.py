@@ -142,7 +142,8 @@ def test_profiler_buffer_fits_beside_the_kernel_as_mosaic_counts(shape, tmp_path
     """The kernel with the profiler on lowers for the H200 with ``fit_profile``'s regions
     (Mosaic GPU's shared-memory check passes; lowering then stops at the profiler's dump
     callback, which XLA:CPU cannot emit for a CUDA module), and one region more per
-    warpgroup overflows: the fit is exact. About 4 s a shape."""
+    warpgroup overflows where the shared memory bounds it: the fit is exact. About 4 s a
+    shape."""
     from pallas_kernels.config import choose_config
 
     cfg, space = profile.fit_profile(*shape[1:])
@@ -153,7 +154,10 @@ def test_profiler_buffer_fits_beside_the_kernel_as_mosaic_counts(shape, tmp_path
     assert "different from the lowering platform cuda" in ok, ok
     assert calls["kernels"] == 1 and calls["pipelines"] > 0 and calls["k_steps"] > 0
     over, _ = _lower_profiled(*shape, space + 1, tmp_path)
-    assert "exceeds available shared memory" in over, over
+    if space < profile.PROFILE_SPACE:  # bounded by the shared memory: one more overflows
+        assert "exceeds available shared memory" in over, over
+    else:  # bounded by the cap (a tile with room to spare): one more still fits
+        assert "different from the lowering platform cuda" in over, over
 
 
 @pytest.mark.slow
