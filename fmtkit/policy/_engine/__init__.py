@@ -1,6 +1,7 @@
 """The policy engine: a traced model re-interpreted under a resolved plan.
 
-``trace`` traces a model and runs the trace (the entry points the frontends call);
+``trace`` traces a model and ``runner`` runs the trace under the plan a frontend hands it
+(the entry points the frontends call);
 ``scopes`` names the modules that wrote each equation; ``analysis`` finds projections, the
 output head and delayed-FP8 slots; ``interpreter`` binds every equation again under the plan,
 and ``handlers`` holds one ``walkers.Handler`` per primitive with a body (its facts and its
