@@ -108,6 +108,9 @@ def _mixed_matmul(eqn, lhs, rhs, out_dtype, forward: dict | None = None, rest=()
     def low(a, b, rest):
         return bind(eqn, [a, b, *rest], preferred_element_type=narrow)[0]
 
+    if not SWITCHES.mixed_matmul_jvp:
+        return _mixed_matmul_vjp(eqn, lhs, rhs, out_dtype, forward, rest, low)
+
     @jax.custom_jvp
     def matmul(a, b, *rest):
         return bind(eqn, [a, b, *rest], preferred_element_type=out_dtype,
@@ -123,6 +126,26 @@ def _mixed_matmul(eqn, lhs, rhs, out_dtype, forward: dict | None = None, rest=()
         return out, cast(functools.reduce(lambda x, y: x + y, terms), out_dtype)
 
     matmul.defjvp(matmul_jvp, symbolic_zeros=True)
+    return matmul(lhs, rhs, *rest)
+
+
+def _mixed_matmul_vjp(eqn, lhs, rhs, out_dtype, forward, rest, low):
+    """``_mixed_matmul``'s former form (``SWITCHES.mixed_matmul_jvp`` off): a ``custom_vjp``
+    with the same narrow backward GEMMs, which forward-mode AD cannot go through."""
+    @jax.custom_vjp
+    def matmul(a, b, *rest):
+        return bind(eqn, [a, b, *rest], preferred_element_type=out_dtype,
+                    **(forward or {}))[0]
+
+    def matmul_fwd(a, b, *rest):
+        return matmul(a, b, *rest), (a, b, rest)
+
+    def matmul_bwd(res, g):
+        a, b, rest = res
+        _, pull = jax.vjp(lambda x, y: low(x, y, rest), a, b)
+        return (*pull(cast(g, a.dtype)), *(None for _ in rest))
+
+    matmul.defvjp(matmul_fwd, matmul_bwd)
     return matmul(lhs, rhs, *rest)
 
 
@@ -355,14 +378,15 @@ class Interpreter:
                 outs = handler.interpret(self, eqn, invals, chain, idp, fp8_local)
                 if outs is not None:
                     return outs
-            if (name in _ops.DTYPE_EXACT or name in _ops.WIDE_OPS or name in _ops.COMBINER_OPS
+            if (name in _ops.DTYPE_EXACT or name in _ops.COMBINER_OPS
+                    or (SWITCHES.wide_ops_as_traced and name in _ops.WIDE_OPS)
                     or (self.identity and not has_body(eqn))):
                 # bit patterns, FFT, linear algebra, callbacks, every op of "fp32": as traced
                 return bind(eqn, [cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
             if has_body(eqn):
                 return self.opaque(eqn, invals, chain)
             policy = self.policy_of(chain[-1] if chain else None)
-            if name in _ops.MATMUL and policy is not None:
+            if _ops.is_matmul(name) and policy is not None:
                 return [self._matmul(eqn, invals, chain, idp, idprefix, policy, fp8_local)]
             if name in _ops.F32_OPS and policy is not None:
                 return bind(eqn, [cast(x, F32) if is_float_value(x)

@@ -91,11 +91,13 @@ def _method_names(cls: type) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _scoped_method(fn, path: str, names: tuple[str, ...]):
-    @functools.wraps(fn)
+def _scoped_method(cls: type, name: str, path: str, names: tuple[str, ...]):
+    """``cls``'s method ``name`` in the module's scope; the method is looked up at each call,
+    as a subclass's inherited method is (one redefined on ``cls`` later is the one run)."""
+    @functools.wraps(getattr(cls, name))
     def method(self, *args, **kwargs):
         with scopes.module_scope(path, names):
-            return fn(self, *args, **kwargs)
+            return getattr(cls, name)(self, *args, **kwargs)
 
     return method
 
@@ -106,7 +108,7 @@ def _scoped_class(cls: type, path: str) -> type:
     # its own root: scope the class its parent's trace swapped, not that scoped class.
     cls = vars(cls).get("_fmtkit_unscoped", cls)
     names = type_names(cls)
-    namespace = {n: _scoped_method(getattr(cls, n), path, names) for n in _method_names(cls)}
+    namespace = {n: _scoped_method(cls, n, path, names) for n in _method_names(cls)}
     namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
                      _fmtkit_base=cls, _fmtkit_unscoped=cls, _fmtkit_path=path)
     return type(cls.__name__, (cls,), namespace)
