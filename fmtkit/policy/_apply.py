@@ -21,10 +21,10 @@ The path of the rules, forward, from ``with_policy(model, rules)`` to the interp
 
 From the frontend on, the frontend is returned to twice (after the trace and after the
 resolution) and no other file is entered twice: the engine never resolves rules, and the
-frontends call into the plan only through ``resolve_rules`` (``tests/policy/
-test_plan_path.py``). Two side paths: linen ``init`` and the NNX wrapper read the plan to
-store parameters (``Plan.policy``), and the first call under a delayed FP8 recipe asks
-``runner.fp8_slots`` for the shapes of the amax histories it creates.
+frontends call into the plan only through ``resolve_rules``
+(``tests/policy/test_plan_path.py``). Two side paths: linen ``init`` and the NNX wrapper
+read the plan to store parameters (``Plan.policy``), and the first call under a delayed FP8
+recipe asks ``runner.fp8_slots`` for the shapes of the amax histories it creates.
 """
 
 from __future__ import annotations
