@@ -207,6 +207,9 @@ class Matmuls:
         self._gemm_outputs: dict[str, Any] = {}  # name of an FP8 GEMM's output -> its eqn
 
     def interpret(self, eqn, invals, chain, idp, idprefix, policy, fp8_local):
+        """The matmul ``eqn`` on ``invals`` under ``policy`` (its module's), as the module
+        docstring says; the interpreter's arguments for the equation (``chain``: its module
+        scopes, ``idp``: its id path, ``fp8_local``: the delayed-FP8 histories in reach)."""
         info = self.interp.analysis.dots.get(idp)
         module = chain[-1] if chain else None
         head = info is not None and info.head and self.interp.head_applies(module)
