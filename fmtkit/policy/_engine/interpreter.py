@@ -2,8 +2,9 @@
 
 ``Interpreter`` walks a traced jaxpr under the rules (op classes in ``_ops``): matmuls
 on the compute dtype or the FP8 recipe (``matmul.Matmuls``, one per interpreted call),
-precision-sensitive ops in f32, the rest following their inputs; module outputs are cast to the module's ``output_dtype`` and their cotangents
-rounded through ``grad_dtype`` (``cotangent``). The interpretation is ordinary JAX code, so
+precision-sensitive ops in f32, the rest following their inputs; module outputs are cast
+to the module's ``output_dtype`` and their cotangents rounded through ``grad_dtype``
+(``cotangent``). The interpretation is ordinary JAX code, so
 ``jit``, ``grad`` and ``vmap`` around it work and the backward pass is JAX's own transpose
 of the policied forward pass. Every primitive that holds a body is interpreted and rebuilt
 by its handler (``handlers.TABLE``: ``jit``, ``scan``, ``remat``, ``cond``/``switch``,
