@@ -68,6 +68,18 @@ class Switches:
     per interpreted call, naming every module (the other forms: "never", "per_conv")."""
     weight_on_either_side: bool = True
     """A parameter on a matmul's left (``weight @ x``) takes the FP8 recipe's weight slot."""
+    wide_ops_as_traced: bool = True
+    """FFT, linear algebra and host callbacks (``_ops.WIDE_OPS``) run on their traced dtypes
+    (off: they follow their inputs, as any op does)."""
+    ragged_dot_matmul: bool = True
+    """``lax.ragged_dot`` is a matmul of the policy: on the compute dtype, counted (off: it
+    follows its inputs, as an op the policy does not know as a matmul)."""
+    mixed_matmul_jvp: bool = True
+    """The head's mixed matmul (narrow operands, wider result) is a ``custom_jvp``, so
+    forward-mode AD goes through it (off: a ``custom_vjp``, its former form)."""
+    remat_forward_kind: bool = True
+    """``inspect_policy`` labels a forward matmul that ``jax.checkpoint`` recomputes on the
+    backward pass "forward" (off: by its place on the backward pass, dgrad or wgrad)."""
 
     # FP8 GEMM.
     reuse_quantized_operands: bool = True

@@ -1,4 +1,31 @@
-"""``with_policy`` and ``module_paths``: dispatch to the linen, NNX or function adapter."""
+"""``with_policy`` and ``module_paths``: dispatch to the linen, NNX or function adapter.
+
+The path of the rules, forward, from ``with_policy(model, rules)`` to the interpreter's walk
+(each stop a module of this package; each returns its result to the frontend that called it):
+
+1. ``_apply.with_policy``: the rules parsed (``_policy.as_rules``), the model's kind found,
+   its frontend's ``wrap`` called (``_frontends.linen``, ``_frontends.nnx`` or
+   ``_frontends.functions``). NNX resolves the rules against its graph here already
+   (step 3, for the report of unmatched patterns and the Params it stores narrower).
+2. The frontend, at each call of the policied model: traces the model
+   (``_engine.trace.trace``, returning a ``Traced``: the jaxpr and the modules it called).
+   NNX knows its modules from its graph and resolves first (step 3), then traces.
+3. ``_plan.resolve_rules``: the rules resolved against those modules into a ``Plan`` (kept
+   per rules and modules), the patterns that matched nothing reported, the parameters
+   checked against their modules' ``param_dtype``; it returns the plan to the frontend.
+4. ``_engine.runner.run(traced, plan)``: the frontend hands the trace and the plan forward;
+   the runner analyzes the trace and builds the ``_engine.interpreter.Interpreter`` with the
+   plan, whose walk (``Interpreter.run``) binds every equation again, reading each module's
+   policy from the plan; matmuls go to ``_engine.matmul``, bodies to their handlers
+   (``_engine.handlers``).
+
+From the frontend on, the frontend is returned to twice (after the trace and after the
+resolution) and no other file is entered twice: the engine never resolves rules, and the
+frontends call into the plan only through ``resolve_rules``
+(``tests/policy/test_plan_path.py``). Two side paths: linen ``init`` and the NNX wrapper
+read the plan to store parameters (``Plan.policy``), and the first call under a delayed FP8
+recipe asks ``runner.fp8_slots`` for the shapes of the amax histories it creates.
+"""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import numpy as np
 from jax.interpreters import partial_eval as pe
 
 from fmtkit import fp4, fp8
+from fmtkit._switches import SWITCHES
 from fmtkit.policy import _ops
 from fmtkit.policy._apply import flax_kind
 from fmtkit.policy._engine import scopes
@@ -513,7 +514,7 @@ def _matmul_kind(eqn, rec: scopes.OpRecord, backward: bool, stack: str) -> str:
     too: JAX names that recomputation ``_REMAT_SCOPE``); or, on the backward pass, what an
     FP8 / FP4 dot's backward scope says, else wgrad when the result has as many elements as a
     parameter operand (the weight's gradient, in whatever layout), else dgrad."""
-    if not backward or _REMAT_SCOPE in stack:
+    if not backward or (SWITCHES.remat_forward_kind and _REMAT_SCOPE in stack):
         return "forward"
     if fp8.WGRAD_SCOPE in stack:
         return "wgrad"

@@ -43,6 +43,8 @@ is applied as written, and a matmul operand the author upcast to f32 is not cast
 
 from __future__ import annotations
 
+from fmtkit._switches import SWITCHES
+
 MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 # Every primitive with matmul FLOPs, which ``inspect_policy`` counts: the policy's matmuls and
 # ``scaled_dot`` (a block-scaled GEMM on operands the author already quantized; it runs as
@@ -105,9 +107,14 @@ INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 REMAT = frozenset({"checkpoint", "remat2", "remat"})
 
 
+def is_matmul(name: str) -> bool:
+    """Whether the primitive ``name`` is a matmul of the policy (``MATMUL``)."""
+    return name in MATMUL and (SWITCHES.ragged_dot_matmul or name != "ragged_dot_general")
+
+
 def op_class(name: str) -> str:
     """``"matmul"``, ``"f32"``, ``"wide"`` or ``"follow"`` for a primitive name."""
-    if name in MATMUL:
+    if is_matmul(name):
         return "matmul"
     if name in WIDE_OPS:
         return "wide"

@@ -1,13 +1,15 @@
 """``Plan``: the rules resolved once against one model's module paths.
 
 A frontend learns a model's modules once (NNX: from its graph; linen and functions: from the
-modules a trace called, kept with the trace) and resolves the rules against them once: each
-path's Policy, the rule that gave it, and the patterns that matched nothing. Everything that
-asks "which policy does this module have" reads the plan: the frontends (the report of
-unmatched patterns, the parameter dtype check, where linen ``init`` and the NNX wrapper store
-parameters), the interpreter (each module's policy, the head's), and ``inspect_policy``
-(the policy and rule it reports per module). Plans are kept per (rules, modules), so a second
-call of the same model, or a second trace with the same modules, resolves nothing again.
+modules a trace called, kept with the trace) and resolves the rules against them once, with
+``resolve_rules``: each path's Policy, the rule that gave it, and the patterns that matched nothing
+(reported there), the parameters checked against their modules' ``param_dtype`` there too.
+The frontend then hands the plan forward to the engine with each run; nothing looks it up
+again. Everything that asks "which policy does this module have" reads the plan: the
+frontends (where linen ``init`` and the NNX wrapper store parameters), the interpreter (each
+module's policy, the head's), and ``inspect_policy`` (the policy and rule it reports per
+module). Plans are kept per (rules, modules), so a second call of the same model, or a
+second trace with the same modules, resolves nothing again.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ class Plan:
                 return "/".join(names[:n])
         return ""
 
-    def report_unmatched(self, strict: bool) -> None:
+    def report_unmatched(self, strict: bool, stacklevel: int = 4) -> None:
         """Warns (or raises with ``strict``) about the patterns that matched no module.
 
         The presets' own patterns (norms, router: ``OPTIONAL_PATTERNS``) are never reported:
@@ -120,7 +122,7 @@ class Plan:
                f"class names, matched by 'type:' patterns) are:\n{listing}")
         if strict:
             raise ValueError(msg)
-        warnings.warn(msg, UserWarning, stacklevel=4)
+        warnings.warn(msg, UserWarning, stacklevel=stacklevel)
 
     def check_param_dtypes(self, params: Iterable[tuple[Sequence[Any], Any]], what: str
                            ) -> None:
@@ -163,6 +165,36 @@ class Plan:
             "jax.tree.map(lambda x: x.astype(jnp.float32), params)), or choose a policy that "
             "stores them as they are (p=bf16, e.g. 'pure-bf16', with "
             "fmtkit.optim.master_weights for an f32 master copy in the optimizer).")
+
+
+def resolve_rules(rules: Rules, modules: Mapping[str, Sequence[str]], *, strict: bool | None = None,
+            params: Iterable[tuple[Sequence[Any], Any]] | None = None, what: str = "") -> Plan:
+    """The one step between a frontend and the engine: ``rules`` resolved against a model's
+    modules into the ``Plan`` the frontend hands to the engine, checked on the way.
+
+    Args:
+      rules: the rules.
+      modules: ``{path: class names}`` of the model's modules (``Plan.of``).
+      strict: report the patterns that match no module (``Plan.report_unmatched``): warn
+        (False) or raise (True); None: not reported (the frontend reported them when it
+        wrapped the model).
+      params: ``(key names, leaf)`` per parameter leaf, checked against their modules'
+        ``param_dtype`` (``Plan.check_param_dtypes``); None: not checked.
+      what: how the error names the parameters.
+
+    Returns:
+      The plan (kept per rules and modules: a second resolution of the same pair is a look-up).
+
+    Raises:
+      ValueError: a pattern matches no module under ``strict=True``; a parameter is narrower
+        than its module's ``param_dtype``.
+    """
+    plan = Plan.of(rules, modules)
+    if strict is not None:
+        plan.report_unmatched(strict, stacklevel=5)
+    if params is not None:
+        plan.check_param_dtypes(params, what)
+    return plan
 
 
 @functools.lru_cache(maxsize=_MAX_PLANS)

@@ -3,7 +3,8 @@
 Each construct is a short program as a user would write it. Matmul dtypes are read from the
 jaxpr of the gradient with ``jaxpr_utils`` (a walker that knows nothing of the policy);
 ``fp32`` is compared bit for bit with the unwrapped program; each handling has a negative
-control, a mutation of it (the new rule patched away) under which the same check fails.
+control, a mutation of it (the new rule switched off: ``fmtkit._switches``) under which the
+same check fails.
 """
 
 import warnings
@@ -16,8 +17,7 @@ import pytest
 from jaxpr_utils import iter_eqns, matmul_flops, operand_dtypes
 
 from fmtkit._switches import flipped
-from fmtkit.policy import _ops, inspect_policy, with_policy
-from fmtkit.policy._engine import interpreter
+from fmtkit.policy import inspect_policy, with_policy
 
 BF16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
 E4M3, E5M2 = jnp.dtype("float8_e4m3fn"), jnp.dtype("float8_e5m2")
@@ -236,10 +236,9 @@ def test_wide_ops_get_their_traced_dtype(case):
     assert out.dtype == F32 and bool(jnp.all(jnp.isfinite(out)))
 
 
-def test_wide_ops_negative_control(monkeypatch):
-    """Mutation: the wide class emptied: rfft receives bf16, which JAX refuses."""
-    monkeypatch.setattr(_ops, "WIDE_OPS", frozenset())
-    with pytest.raises(ValueError, match="bfloat16"):
+def test_wide_ops_negative_control():
+    """Mutation: the wide class follows its inputs: rfft receives bf16, which JAX refuses."""
+    with flipped(wide_ops_as_traced=False), pytest.raises(ValueError, match="bfloat16"):
         jax.make_jaxpr(with_policy(fft_model, "bf16-mixed"))(PARAMS, X)
 
 
@@ -470,10 +469,10 @@ def test_ragged_dot_as_the_output_head(preset):
                                atol=0.02)
 
 
-def test_ragged_dot_negative_control(monkeypatch):
+def test_ragged_dot_negative_control():
     """Mutation: ragged_dot_general not a matmul of the policy: it stays f32 and uncounted."""
-    monkeypatch.setattr(_ops, "MATMUL", frozenset({"dot_general"}))
-    closed = _grad_jaxpr(with_policy(moe_model, "bf16-mixed"), EXPERTS, X)
+    with flipped(ragged_dot_matmul=False):
+        closed = _grad_jaxpr(with_policy(moe_model, "bf16-mixed"), EXPERTS, X)
     assert _ragged(closed) != [(BF16, BF16)] * 2
 
 
@@ -584,20 +583,11 @@ def test_forward_mode_ad_through_a_policied_model_with_an_output_layer():
     assert found == {("dot_general", BF16, BF16)}, found
 
 
-def test_forward_mode_ad_negative_control(monkeypatch):
+def test_forward_mode_ad_negative_control():
     """Mutation: the head's matmul a custom_vjp again (the previous handling)."""
-    def mixed_vjp(eqn, lhs, rhs, out_dtype, forward=None, rest=()):
-        @jax.custom_vjp
-        def matmul(a, b):
-            return interpreter.bind(eqn, [a, b], preferred_element_type=out_dtype)[0]
-
-        matmul.defvjp(lambda a, b: (matmul(a, b), (a, b)), lambda res, g: res)
-        return matmul(lhs, rhs)
-
-    monkeypatch.setattr(interpreter, "_mixed_matmul", mixed_vjp)
     model = _Classifier()
     variables = model.init(jax.random.key(0), X)
-    with pytest.raises(TypeError, match="forward-mode"):
+    with flipped(mixed_matmul_jvp=False), pytest.raises(TypeError, match="forward-mode"):
         _forward_mode(with_policy(model, "bf16-mixed"), variables)
 
 
@@ -765,13 +755,11 @@ def test_rematerialized_forward_matmuls_are_labelled_forward():
     assert block == ["forward", "forward", "wgrad"], block
 
 
-def test_rematerialized_forward_negative_control(monkeypatch):
-    from fmtkit.policy import _inspect
-
-    monkeypatch.setattr(_inspect, "_REMAT_SCOPE", "not a scope")
+def test_rematerialized_forward_negative_control():
     model = _Remat()
     variables = model.init(jax.random.key(0), X)
-    report = inspect_policy(with_policy(model, "bf16-mixed"), X, variables=variables)
+    with flipped(remat_forward_kind=False):
+        report = inspect_policy(with_policy(model, "bf16-mixed"), X, variables=variables)
     assert sorted(m.kind for m in report.matmul_ops if m.path == "block/dense") != [
         "forward", "forward", "wgrad"]
 

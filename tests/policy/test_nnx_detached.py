@@ -21,10 +21,9 @@ import pytest
 from flax import nnx
 from jaxpr_utils import iter_eqns, operand_dtypes
 
-from fmtkit._switches import SWITCHES
+from fmtkit._switches import flipped
 from fmtkit.policy import get_preset, inspect_policy, with_policy
 from fmtkit.policy._engine import scopes
-from fmtkit.policy._frontends import nnx as nnx_frontend
 
 BF16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
 RNG = np.random.default_rng(0)
@@ -257,16 +256,11 @@ def _own_root_scope(fn):
 @pytest.mark.parametrize("idiom", ["temporary_linear", "tied_attend", "ws_conv_split_merge"])
 def test_negative_control(monkeypatch, idiom):
     """With each layer's call filed under a root path of its own, the checks above fail."""
-    monkeypatch.setattr(SWITCHES, "trace_cache", False)
     for cls, name in ((nnx.Linear, "__call__"), (nnx.Conv, "__call__"),
                       (nnx.Embed, "attend")):
         monkeypatch.setattr(cls, name, _own_root_scope(getattr(cls, name)))
-    nnx_frontend._scoped_class.cache_clear()  # scoped subclasses wrap the (patched) methods
-    try:
+    with flipped(trace_cache=False):
         with pytest.raises(AssertionError):
             test_a_subtree_rule_reaches_the_detached_matmuls(idiom)
         with pytest.raises(AssertionError):
             test_inspect_policy_files_them_under_that_path(idiom)
-    finally:
-        monkeypatch.undo()
-        nnx_frontend._scoped_class.cache_clear()

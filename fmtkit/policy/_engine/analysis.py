@@ -222,7 +222,7 @@ class Analysis:
             if outs is not None:
                 return outs
             return [Facts(dep=dep, const=const, data=data)] * n_out  # opaque
-        if name in _ops.MATMUL:
+        if _ops.is_matmul(name):
             (_lc, _rc), (lb, _) = (eqn.params["dimension_numbers"] if name == "dot_general"
                                  else (((), ()), ((), ())))
             module = chain[-1] if chain else None

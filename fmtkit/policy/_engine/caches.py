@@ -239,7 +239,7 @@ def jitted_cast(dtype: np.dtype, inline: jax.Inline) -> Callable:
 def holds_matmul(jaxpr) -> bool:
     """Whether a jaxpr (or any body inside it) has a matmul."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _ops.MATMUL:
+        if _ops.is_matmul(eqn.primitive.name):
             return True
         if any(holds_matmul(open_jaxpr(sub)[0]) for sub in jex.jaxprs_in_params(eqn.params)):
             return True

@@ -23,8 +23,9 @@ How ``with_policy`` works, for a linen model, an NNX model and a plain function 
    bound through a ``jit`` shared by equal equations (``binding``), as ``jnp`` binds its
    operators: under ``jax.grad`` it is linearized once, not per bind.
 
-This module holds the entry points the frontends call: ``trace`` (step 1) and ``run`` (steps
-2 and 3), and ``fp8_slots`` (step 2 alone: the delayed-FP8 state a trace needs).
+This module holds step 1, ``trace``, which a frontend calls first; the frontend then resolves
+the rules against the modules the trace called (``fmtkit.policy._plan.resolve_rules``) and hands
+the trace and that plan forward to ``runner`` (steps 2 and 3).
 
 Why re-interpretation rather than intercepting ``Primitive.bind`` as the model runs (qwix's
 way): changing a dtype while user code still runs breaks its Python-level dtype logic
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,11 +47,8 @@ import numpy as np
 
 from fmtkit._switches import SWITCHES
 from fmtkit.policy._engine import caches
-from fmtkit.policy._engine.binding import cast, floating_dtype
-from fmtkit.policy._engine.interpreter import Interpreter
-from fmtkit.policy._engine.scopes import Recorder, Registry, active_recorder, tracing
-from fmtkit.policy._plan import Plan
-from fmtkit.policy._policy import Rules
+from fmtkit.policy._engine.binding import floating_dtype
+from fmtkit.policy._engine.scopes import Registry, active_recorder, tracing
 
 
 def _is_dynamic(x) -> bool:
@@ -70,11 +68,11 @@ class Traced:
     out_tree: Any
     out_avals: list[Any]
 
-    def plan(self, rules: Rules) -> Plan:
-        """``rules`` resolved against the modules this trace called, or the root ``""``
-        alone when it called none (a plain function); kept per rules and modules, so a trace
-        from the cache resolves nothing again."""
-        return Plan.of(rules, self.registry.visited() or {"": ()})
+    @property
+    def modules(self) -> dict[str, tuple[str, ...]]:
+        """``{path: class names}`` of the modules this trace called, or the root ``""`` alone
+        when it called none (a plain function): what a frontend resolves the rules against."""
+        return self.registry.visited() or {"": ()}
 
 
 # The start of the error JAX (0.11) raises for ``jax.set_mesh`` entered inside a trace.
@@ -146,58 +144,3 @@ def trace(fn: Callable, args: tuple, kwargs: dict, *,
             and not (recording and registry.nested_calls)):
         cache.put(key, (closed, registry, out_tree, avals))
     return Traced(closed, registry, dyn, params, out_tree, avals)
-
-
-def fp8_slots(traced: Traced, plan: Plan, main: Sequence[bool | str] | None = None,
-              nested: bool = False) -> dict[str, tuple[int, ...]]:
-    """Shapes of the delayed-FP8 amax histories the plan needs for this trace, by slot name
-    (``"<module path>:dot<i>"``; shape ``[*layers, *batch, 3, history]``: a leading axis per
-    enclosing ``scan`` and per batch dimension of the dot); ``main`` and ``nested`` as in
-    ``run``."""
-    main = [True] * len(traced.out_avals) if main is None else main
-    interp = Interpreter(plan, traced.registry)
-    return interp.analyze(traced.closed, traced.params,
-                          [not nested and m is True and floating_dtype(a.dtype)
-                           for m, a in zip(main, traced.out_avals)]).site_shapes
-
-
-def run(traced: Traced, plan: Plan, *, main: Sequence[bool | str] | None = None,
-        fp8_state: dict | None = None, record: Recorder | None = None,
-        nested: bool = False, warn_no_projection: bool = True
-        ) -> tuple[Any, Interpreter]:
-    """Interprets a trace under a plan (``Traced.plan``); returns (output tree, the
-    interpreter).
-
-    ``main``: per output leaf, True for a model output (cast to ``Rules.output_dtype``,
-    searched for the head), False for state handed back (kept in its traced dtype: BatchNorm
-    statistics, RNG state), a module path for a value that module sowed (as that module sees
-    it: a sub-module's output reaches it cast to the sub-module's output dtype, as the ops
-    it runs read it).
-
-    ``nested``: a policied function called inside another policied model's trace. Its
-    outputs are not the model's, so no matmul is the head by role (only by ``mark_head``);
-    its ops are recorded (``inspect_policy``) under the enclosing model's modules.
-    ``warn_no_projection``: False where the caller has already said why the rules' FP8
-    recipe finds no projection.
-    """
-    main = [True] * len(traced.out_avals) if main is None else list(main)
-    interp = Interpreter(plan, traced.registry, fp8_state=fp8_state,
-                         record=record if record is not None else active_recorder(),
-                         nested=nested, warn_no_projection=warn_no_projection)
-    interp.analyze(traced.closed, traced.params,
-                   [not nested and m is True and floating_dtype(a.dtype)
-                    for m, a in zip(main, traced.out_avals)])
-    # State is not a module output (no output cast applies); a sown value is read where
-    # its module sowed it.
-    outs = interp.run(traced.closed, traced.dyn,
-                      [traced.registry.chain(m) if isinstance(m, str) else m for m in main])
-    odt = plan.rules.output_dtype
-    final = []
-    for x, aval, is_main in zip(outs, traced.out_avals, main):
-        if is_main is True:
-            final.append(cast(x, odt) if odt is not None else x)
-        elif isinstance(is_main, str):
-            final.append(x)
-        else:
-            final.append(cast(x, aval.dtype))
-    return jax.tree.unflatten(traced.out_tree, final), interp

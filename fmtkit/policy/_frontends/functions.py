@@ -16,7 +16,8 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from fmtkit.policy._engine import caches, scopes, trace
+from fmtkit.policy._engine import caches, runner, scopes, trace
+from fmtkit.policy._plan import resolve_rules
 from fmtkit.policy._policy import Rules, has_delayed_fp8, is_identity
 
 AUTO = "auto"
@@ -126,10 +127,9 @@ def wrap(model: Any, rules: Rules, *, strict: bool, cache_traces: bool = True,
                 "and the policy's FP8 recipe runs on none of them. If the argument holds "
                 "parameters (f(params)), pass params_argnums=0; to silence this for data, "
                 "params_argnums=().", UserWarning, stacklevel=3)
-        plan = traced.plan(rules)
-        plan.report_unmatched(strict)
-        plan.check_param_dtypes(_param_leaves(args, argnums),
-                                f"the parameter argument(s) {list(argnums)}")
+        plan = resolve_rules(rules, traced.modules, strict=strict,
+                             params=_param_leaves(args, argnums),
+                             what=f"the parameter argument(s) {list(argnums)}")
         return traced, plan
 
     @functools.wraps(fn)
@@ -153,9 +153,9 @@ def wrap(model: Any, rules: Rules, *, strict: bool, cache_traces: bool = True,
             # (one positional argument under "auto": traced_call has said why no matmul has
             # a parameter operand)
             said = argnums_spec == AUTO and not _param_args(argnums_spec, a)
-            out, _ = trace.run(*traced_call(a, k),
-                                fp8_state=dict(state) if state is not None else None,
-                                nested=nested, warn_no_projection=not said)
+            out, _ = runner.run(*traced_call(a, k),
+                                 fp8_state=dict(state) if state is not None else None,
+                                 nested=nested, warn_no_projection=not said)
             return out
 
         if scopes.is_tracing():
@@ -180,8 +180,8 @@ def wrap(model: Any, rules: Rules, *, strict: bool, cache_traces: bool = True,
         f32[*layers, 3, history]}`` (empty without a delayed recipe); traced, not run."""
         if not delayed:
             return {}
-        slots = trace.fp8_slots(*traced_call(args, kwargs),
-                                 nested=scopes.is_tracing())
+        slots = runner.fp8_slots(*traced_call(args, kwargs),
+                                  nested=scopes.is_tracing())
         return {k: jnp.zeros(shape, jnp.float32) for k, shape in slots.items()}
 
     policied._fmtkit_rules = rules  # type: ignore[attr-defined]

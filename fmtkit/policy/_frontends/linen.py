@@ -3,7 +3,7 @@
 ``init`` is the module's own ``init`` (parameters then stored in each module's
 ``param_dtype``, plus an ``"fp8_state"`` collection of amax histories when a delayed FP8 recipe
 applies); ``apply`` traces the module's own ``apply`` with ``nn.intercept_methods`` naming
-each module call's scope, and re-interprets the trace under the rules (``_engine.trace``). The
+each module call's scope, and re-interprets the trace under the rules (``_engine.runner``). The
 interceptor is entered inside the traced function, so ``jax.jit(policied.apply)`` holds the
 policy (linen's interceptor stack is not part of jit's cache key).
 """
@@ -20,8 +20,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fmtkit.policy._engine import caches, scopes, trace
-from fmtkit.policy._plan import Plan
+from fmtkit.policy._engine import caches, runner, scopes, trace
+from fmtkit.policy._plan import Plan, resolve_rules
 from fmtkit.policy._policy import Rules, cast_floating, is_identity
 
 FP8_COLLECTION = "fp8_state"
@@ -144,8 +144,7 @@ class PolicyModel:
         registry = scopes.Registry()
         with scopes.tracing(registry), scoped():
             variables = self.inner.init(rngs, *args, method=method, **kwargs)
-        plan = Plan.of(self.rules, registry.visited())
-        plan.report_unmatched(self.strict)
+        plan = resolve_rules(self.rules, registry.visited(), strict=self.strict)
         variables = dict(variables)
         variables["params"] = self._store(variables.get("params", {}), plan)
         if plan.delayed:
@@ -154,8 +153,8 @@ class PolicyModel:
             keys = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
             keys.setdefault("dropout", next(iter(keys.values())))
             traced = self._trace(variables, keys, args, kwargs, method, True)
-            slots = trace.fp8_slots(traced, traced.plan(self.rules),
-                                     _main_outputs(traced, True))
+            slots = runner.fp8_slots(traced, resolve_rules(self.rules, traced.modules),
+                                      _main_outputs(traced, True))
             if slots:
                 variables[FP8_COLLECTION] = {k: jnp.zeros(shape, jnp.float32)
                                              for k, shape in slots.items()}
@@ -222,20 +221,19 @@ class PolicyModel:
         variables = dict(variables)
         fp8_state = variables.pop(FP8_COLLECTION, None)
         traced = self._trace(variables, rngs, args, kwargs, method, mutable)
-        plan = traced.plan(self.rules)
-        plan.report_unmatched(self.strict)
         leaves = [(tuple(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf
                   in jax.tree_util.tree_leaves_with_path(variables.get("params", {}))]
-        plan.check_param_dtypes(leaves, "variables['params']")
+        plan = resolve_rules(self.rules, traced.modules, strict=self.strict, params=leaves,
+                             what="variables['params']")
         # Applied inside another policied model's trace: a nested region, as a policied
         # function is (``functions.wrap``): its rules decide its ops, no head by role.
         nested = scopes.is_tracing()
         if nested:
             scopes.note_nested_call()
         with jax.named_scope(scopes.NESTED_SCOPE) if nested else contextlib.nullcontext():
-            out, _ = trace.run(traced, plan, main=_main_outputs(traced, mutable),
-                                fp8_state=None if fp8_state is None else dict(fp8_state),
-                                nested=nested)
+            out, _ = runner.run(traced, plan, main=_main_outputs(traced, mutable),
+                                 fp8_state=None if fp8_state is None else dict(fp8_state),
+                                 nested=nested)
         return out
 
 

@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fmtkit.policy._engine import caches, scopes, trace
-from fmtkit.policy._plan import Plan
+from fmtkit.policy._engine import caches, runner, scopes, trace
+from fmtkit.policy._plan import Plan, resolve_rules
 from fmtkit.policy._policy import Rules, is_floating, is_identity
 
 
@@ -91,11 +91,13 @@ def _method_names(cls: type) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _scoped_method(fn, path: str, names: tuple[str, ...]):
-    @functools.wraps(fn)
+def _scoped_method(cls: type, name: str, path: str, names: tuple[str, ...]):
+    """``cls``'s method ``name`` in the module's scope; the method is looked up at each call,
+    as a subclass's inherited method is (one redefined on ``cls`` later is the one run)."""
+    @functools.wraps(getattr(cls, name))
     def method(self, *args, **kwargs):
         with scopes.module_scope(path, names):
-            return fn(self, *args, **kwargs)
+            return getattr(cls, name)(self, *args, **kwargs)
 
     return method
 
@@ -106,7 +108,7 @@ def _scoped_class(cls: type, path: str) -> type:
     # its own root: scope the class its parent's trace swapped, not that scoped class.
     cls = vars(cls).get("_fmtkit_unscoped", cls)
     names = type_names(cls)
-    namespace = {n: _scoped_method(getattr(cls, n), path, names) for n in _method_names(cls)}
+    namespace = {n: _scoped_method(cls, n, path, names) for n in _method_names(cls)}
     namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
                      _fmtkit_base=cls, _fmtkit_unscoped=cls, _fmtkit_path=path)
     return type(cls.__name__, (cls,), namespace)
@@ -140,11 +142,6 @@ def collect_paths(model: nnx.Module, *example_inputs: Any, **kwargs: Any
     return dict(sorted(out.items(), key=lambda kv: (kv[0] != "", kv[0].split("/"))))
 
 
-def _plan(model: nnx.Module, rules: Rules) -> Plan:
-    """``rules`` resolved against every module of the graph (kept per rules and paths)."""
-    return Plan.of(rules, collect_paths(model))
-
-
 def _store_params(copy: nnx.Module, plan: Plan) -> None:
     """Gives the policied copy its own Params where its rule stores a narrower dtype.
 
@@ -169,11 +166,14 @@ def _store_params(copy: nnx.Module, plan: Plan) -> None:
                 setattr(module, name, memo[id(value)])
 
 
-def _check_params(params: Any, plan: Plan) -> None:
-    """``Plan.check_param_dtypes`` on the model's Params (node 0 of the split state)."""
-    leaves = [(path[1:], var.get_value()) for path, var in nnx.to_flat_state(params)
-              if path and path[0] == 0]
-    plan.check_param_dtypes(leaves, "the model's nnx.Param")
+def _param_leaves(params: Any) -> list[tuple[tuple, Any]]:
+    """``(key names, value)`` of the model's Params (node 0 of the split state), for
+    ``resolve_rules``'s parameter check."""
+    return [(path[1:], var.get_value()) for path, var in nnx.to_flat_state(params)
+            if path and path[0] == 0]
+
+
+_PARAMS = "the model's nnx.Param"  # how the parameter check names them
 
 
 def _is_param(path, leaf) -> bool:
@@ -195,12 +195,12 @@ def _policied_call(setup: Setup, model: nnx.Module, fn, args: tuple, kwargs: dic
                    nested: bool = False) -> Any:
     """``fn(model, *args, **kwargs)`` traced and re-interpreted under ``setup``'s rules,
     resolved against the model's modules (the plan the engine runs); ``nested``: called
-    inside another policied model's trace (``trace.run``)."""
-    plan = _plan(model, setup.rules)
+    inside another policied model's trace (``runner.run``)."""
     nodes_in = [x for x in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)
                 if nnx.graph.is_graph_node(x)]
     graphdef, params, rest = nnx.split((model, *nodes_in), nnx.Param, ...)
-    _check_params(params, plan)
+    plan = resolve_rules(setup.rules, collect_paths(model), params=_param_leaves(params),
+                         what=_PARAMS)
     a_tree, k_tree = jax.tree.map(lambda x: _SLOT if nnx.graph.is_graph_node(x) else x,
                                   (args, kwargs), is_leaf=nnx.graph.is_graph_node)
 
@@ -218,9 +218,9 @@ def _policied_call(setup: Setup, model: nnx.Module, fn, args: tuple, kwargs: dic
         traced = trace.trace(pure, tree, {}, is_param=_is_param,
                               cache=caches.NNX_TRACES if setup.cache_traces else None,
                               cache_key=(graphdef, fn), static_types=(_Slot,))
-        (out, new_state), _ = trace.run(traced, plan, main=_main_outputs(traced),
-                                         fp8_state=_fp8_state(model, traced, plan, nested),
-                                         nested=nested)
+        (out, new_state), _ = runner.run(traced, plan, main=_main_outputs(traced),
+                                          fp8_state=_fp8_state(model, traced, plan, nested),
+                                          nested=nested)
         return out, new_state
 
     def changes(tree):  # the output and the Variables the call changed or created
@@ -280,8 +280,8 @@ def _fp8_state(model: nnx.Module, traced, plan: Plan, nested: bool = False) -> d
         return None
     shapes = jax.tree.unflatten(traced.out_tree, traced.out_avals)
     n_main = len(jax.tree.leaves(shapes[0]))
-    slots = trace.fp8_slots(traced, plan, [i < n_main for i in range(len(traced.out_avals))],
-                             nested=nested)
+    slots = runner.fp8_slots(traced, plan, [i < n_main for i in range(len(traced.out_avals))],
+                              nested=nested)
     if not slots:
         return None
     if nested:
@@ -368,13 +368,12 @@ def wrap(model: nnx.Module, rules: Rules, *, strict: bool, cache_traces: bool = 
     """A copy of ``model``'s module graph whose root runs under ``rules``; it shares the
     model's Variables except the Params its rules store narrower (converted copies), so the
     user's model is never changed. Params narrower than their rule's ``param_dtype`` raise
-    (``Plan.check_param_dtypes``)."""
+    (``fmtkit.policy._plan.resolve_rules``)."""
     if is_wrapped(model):
         raise ValueError("This NNX model already has a policy (with_policy was applied to it); "
                          "apply with_policy once, to the unwrapped model, with all rules.")
-    plan = _plan(model, rules)
-    plan.report_unmatched(strict)
-    _check_params(nnx.split((model,), nnx.Param, ...)[1], plan)
+    plan = resolve_rules(rules, collect_paths(model), strict=strict,
+                         params=_param_leaves(nnx.split((model,), nnx.Param, ...)[1]), what=_PARAMS)
     copy = nnx.clone(model, variables=False)
     _store_params(copy, plan)
     copy.__class__ = _policied_class(type(model), Setup(rules, cache_traces))

@@ -4,8 +4,9 @@ package that implements it (``linen``, ``nnx``, ``functions``).
 
 A frontend wraps a model so that each call traces it (``_engine.trace.trace``, the model's
 module calls named by the frontend's scopes), resolves the rules against the modules it
-called or holds (``fmtkit.policy._plan.Plan``), and runs the trace under that plan
-(``_engine.trace.run``): the plan is passed to the engine with each run, never stored where
+called or holds, once (``fmtkit.policy._plan.resolve_rules``: the unmatched patterns and the
+parameter dtypes are checked there too), and runs the trace under that plan
+(``_engine.runner.run``): the plan is passed to the engine with each run, never stored where
 the engine would look it up. The engine never imports a frontend.
 """
 
