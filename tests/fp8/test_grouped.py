@@ -11,7 +11,7 @@ from jaxpr_utils import iter_eqns, operand_dtypes
 
 from fmtkit import fp8
 from fmtkit._lowp import grouped
-from fmtkit._switches import SWITCHES, flipped
+from fmtkit._switches import flipped
 from fmtkit.policy import inspect_policy, with_policy
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -229,12 +229,12 @@ def test_moe_layer_fp32_is_bit_identical():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_moe_layer_routing_negative_control(monkeypatch):
+def test_moe_layer_routing_negative_control():
     """Mutation: the policy does not recognise lax.ragged_dot's form: the grouped GEMMs run
     on the compute dtype (with the fallback warning), and the walker sees no FP8."""
-    monkeypatch.setattr(SWITCHES, "ragged_dot_form", False)
     policied = with_policy(moe_layer, "fp8-current")
-    with pytest.warns(UserWarning, match="ragged_dot .* runs on bfloat16"):
+    with flipped(ragged_dot_form=False), \
+            pytest.warns(UserWarning, match="ragged_dot .* runs on bfloat16"):
         closed = jax.make_jaxpr(jax.grad(_loss(policied), argnums=(0, 1)))(MOE, TOKENS)
     assert {(a, b) for a, b, _ in _ragged_operands(closed)} == {("bfloat16", "bfloat16")}
 
