@@ -357,3 +357,18 @@ def fp4_gemms(closed_jaxpr) -> list[int]:
                 (lc, _), _ = e.params["dimension_numbers"]
                 out.append(math.prod(e.invars[0].aval.shape[d] for d in lc))
     return out
+
+
+def pallas_kernel_names(jaxpr) -> list[str]:
+    """Names of the Pallas kernels (``pallas_call`` / ``mpmd_map`` equations) in a jaxpr,
+    searched recursively through sub-jaxprs (jit, custom_vmap, scan, ...)."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+            names.append(eqn.params.get("name"))
+        for val in eqn.params.values():
+            for v in val if isinstance(val, (tuple, list)) else (val,):
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns"):
+                    names += pallas_kernel_names(sub)
+    return names

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jaxpr_utils import pallas_kernel_names
 
 from fmtkit.scaling import BlockScaling, quantize
 from pallas_kernels import (
@@ -343,21 +344,6 @@ def test_race_detector_reports_a_race():
     assert "RACE DETECTED" in out_buf.getvalue()
 
 
-def _pallas_kernel_names(jaxpr) -> list[str]:
-    """Names of the Pallas kernels (``pallas_call`` / ``mpmd_map`` equations) in a jaxpr,
-    searched recursively through sub-jaxprs (jit, custom_vmap, scan, ...)."""
-    names = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-            names.append(eqn.params.get("name"))
-        for val in eqn.params.values():
-            for v in val if isinstance(val, (tuple, list)) else (val,):
-                sub = getattr(v, "jaxpr", v)
-                if hasattr(sub, "eqns"):
-                    names += _pallas_kernel_names(sub)
-    return names
-
-
 @pytest.mark.parametrize("impl,expect_kernel", [
     ("interpret", True), ("kernel", True), ("reference", False),
     ("auto", is_hopper()),
@@ -370,7 +356,7 @@ def test_wrapper_reaches_kernel(impl, expect_kernel):
     s = jnp.ones((128, 2), jnp.float32)
     jaxpr = jax.make_jaxpr(functools.partial(blockwise_fp8_matmul, impl=impl))(
         xq, s, wq, jnp.ones((1, 2), jnp.float32))
-    names = _pallas_kernel_names(jaxpr.jaxpr)
+    names = pallas_kernel_names(jaxpr.jaxpr)
     if expect_kernel:
         assert len(names) == 1 and names[0].startswith(KERNEL_NAME + "_")
         assert names[0] == kernel_name(choose_config(128, 128, 256), jnp.bfloat16, False)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jaxpr_utils import pallas_kernel_names
 
 from fmtkit.scaling import BlockScaling, quantize
 from pallas_kernels import (
@@ -144,26 +145,13 @@ def test_values_by_hand():
     assert float(scale[0, 0]) == 1.0
 
 
-def _pallas_kernel_names(jaxpr) -> list[str]:
-    names = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-            names.append(eqn.params.get("name"))
-        for val in eqn.params.values():
-            for v in val if isinstance(val, (tuple, list)) else (val,):
-                sub = getattr(v, "jaxpr", v)
-                if hasattr(sub, "eqns"):
-                    names += _pallas_kernel_names(sub)
-    return names
-
-
 @pytest.mark.parametrize("impl,expect", [("interpret", True), ("kernel", True),
                                          ("reference", False), ("auto", is_hopper())])
 @pytest.mark.parametrize("fn,name", [(quantize_1x128, "quantize_1x128"),
                                      (quantize_128x128, "quantize_128x128")])
 def test_wrapper_reaches_kernel(fn, name, impl, expect):
     jaxpr = jax.make_jaxpr(functools.partial(fn, impl=impl))(jnp.ones((128, 256)))
-    assert _pallas_kernel_names(jaxpr.jaxpr) == ([name] if expect else [])
+    assert pallas_kernel_names(jaxpr.jaxpr) == ([name] if expect else [])
 
 
 @pytest.mark.parametrize("fn", [quantize_1x128, quantize_128x128, quantize_1x128_reference,
