@@ -481,9 +481,10 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
             row0, col0 = mi * bm + r0, ni * bn + c0
 
             def epilogue(sums):
-                # The slots alternate over the CTA's whole sequence of chunks, across
-                # tiles: with an odd count per tile (64x128: one), restarting at slot 0 on
-                # every tile would overwrite a slot whose store may still be reading it.
+                # "chunks" epilogue: the slots alternate over the CTA's whole sequence of
+                # chunks, across tiles: with an odd count per tile (one: 64x128 bf16),
+                # restarting at slot 0 on every tile would overwrite a slot whose store
+                # may still be reading it.
                 store_passes(sums, out_ref, my_smem, config=config, row0=row0, col0=col0,
                              chunk=info.local_index * per_tile, hazard=hazard)
 
