@@ -94,7 +94,7 @@ class TuningConfig:
         the only wait at the start of the next tile's epilogue, so the stores run during
         the next tile's K loop. "tile" is what the shipped tiles use where it costs no
         pipeline stage with either output dtype (64x128, 64x256); it has not been timed
-        on a GPU.
+        on a GPU. The grouped kernels stage their output the same way.
     """
 
     block_m: int
