@@ -57,12 +57,14 @@ from pallas_kernels import _backend
 from pallas_kernels._backend import Impl, pl, plgpu
 from pallas_kernels.config import (
     BLOCK_K,
+    TILE_SCALE_MAX_K_BLOCKS,
     TuningConfig,
     choose_config,
     epilogue_n,
     epilogue_swizzle,
     pipeline_stages,
     scale_widths,
+    tile_scale_shape,
 )
 from pallas_kernels.quantize import quantize_1x128
 
@@ -128,12 +130,14 @@ def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stag
 
 def scale_specs(config: TuningConfig, b_rows: bool, k_offset=0) -> tuple:
     """BlockSpecs of the scales as pipeline inputs, one K block per stage (a TMA copy in
-    the stage of the operands): A's row scales, B's column scales (``b_rows``) or a window
-    of 4 of B's block scales (the blocks the tile's columns fall in; 4 f32 because a TMA
-    copy moves at least 16 bytes); widths from ``config.scale_widths``."""
+    the stage of the operands): A's row scales and, with ``b_rows``, B's column scales;
+    widths from ``config.scale_widths``. B's block scales are not in the ring: they are
+    staged once per output tile (``tile_mainloop``'s ``tile_scales``)."""
     a_width, b_width = scale_widths(config, b_rows)
-    return (plgpu.BlockSpec((None, a_width), lambda k: (k + k_offset, 0)),
-            plgpu.BlockSpec((None, b_width), lambda k: (k + k_offset, 0)))
+    a_spec = plgpu.BlockSpec((None, a_width), lambda k: (k + k_offset, 0))
+    if not b_rows:
+        return (a_spec,)
+    return a_spec, plgpu.BlockSpec((None, b_width), lambda k: (k + k_offset, 0))
 
 
 def pipeline_allocations(a_ref, b_ref, *, config: TuningConfig, k_blocks: int, stages: int,
@@ -151,7 +155,7 @@ def pipeline_allocations(a_ref, b_ref, *, config: TuningConfig, k_blocks: int, s
 
 def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfig, k_blocks,
                   b_rows: bool, stages: int, r0, c0, row0, col0, epilogue, state=None,
-                  k_offset=0, hazard: str | None = None, scale_tiles=None):
+                  k_offset=0, hazard: str | None = None, scale_tiles=None, tile_scales=None):
     """The K loop and promotion of one CTA output tile, shared by every kernel here.
 
     ``a_tile`` [block_m, K] and ``b_tile`` [block_n, K] are the tile's e4m3 operand views
@@ -164,12 +168,17 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
     (persistent pipelines, see ``_matmul_kernel``).
 
     ``scale_tiles``: None reads the scales from global memory (``as_ref``, ``bs_ref``), one
-    K block ahead; else the (A, B) scale views of this CTA tile that the pipeline stages
-    into shared memory with the operands (``scale_specs``: A's [K/128, block_m], B's
-    [K/128, block_n] with ``b_rows``, else the [K/128, 4] window of block scales from the
-    128-column block of the CTA tile's first column). A pass that straddles 128-column
-    blocks (the widths that are not multiples of 128) gets a column-scale vector from the
-    three blocks it can meet, as ``b_rows`` does.
+    K block ahead; else the scale views of this CTA tile that the pipeline stages into
+    shared memory with the operands (``scale_specs``: A's [K/128, block_m] and, with
+    ``b_rows``, B's [K/128, block_n]). ``tile_scales`` (with ``scale_tiles``, B scaled per
+    block): (``bs_blocks`` [blocks, KBp] f32 in global memory, B's block scales one row
+    per 128-column block; ``buf`` [2, n, KBp] f32 in shared memory; ``barrier``, two
+    barriers): at the start of each output tile each compute warpgroup copies the rows of
+    the ``n`` blocks from its first column's (``config.tile_scale_shape``) into
+    ``buf[wg]`` with one TMA copy, waits for it on ``barrier[wg]``, and reads every K
+    block's B scale from there. A pass that straddles 128-column blocks (the widths that
+    are not multiples of 128) gets a column-scale vector from the three blocks it can
+    meet, as ``b_rows`` does.
     """
     pass_n = config.pass_n
     smem = scale_tiles is not None
@@ -201,9 +210,11 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
             b_s = tuple(bs_ref[kb, (col0 + pc) // BLOCK_K] for pc in pass_cols)
         return a_s, b_s
 
-    def read_staged_scales(as_smem, bs_smem):
-        """This K block's scales from its pipeline slot (shared memory): the same values
-        as ``load_scales``, at the CTA tile's offsets (``r0``, ``c0``)."""
+    def read_staged_scales(kb, as_smem, bs_smem=None):
+        """K block ``kb``'s scales from shared memory: the same values as
+        ``load_scales``, A's (and with ``b_rows`` B's) from the pipeline slot at the CTA
+        tile's offsets (``r0``, ``c0``), B's block scales from the warpgroup's per-tile
+        buffer (block j of the buffer: the warpgroup's j-th 128-column block)."""
         a_s = tuple(plgpu.load(as_smem.at[pl.ds(r0 + pr, 64)],
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                     for pr, _ in config.passes)
@@ -211,12 +222,28 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
             b_s = tuple(plgpu.load(bs_smem.at[pl.ds(c0 + pc, pass_n)],
                                    layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                         for pc in pass_cols)
-        elif straddle:
-            blocks = (bs_smem[0], bs_smem[1], bs_smem[2])
+            return a_s, b_s
+        buf = tile_scales[1].at[lax.axis_index("wg")]
+        if straddle:
+            blocks = (buf[0, kb], buf[1, kb], buf[2, kb])
             b_s = tuple(straddling_b_scales(blocks, pc) for pc in pass_cols)
         else:
-            b_s = tuple(bs_smem[(c0 + pc) // BLOCK_K] for pc in pass_cols)
+            # The warpgroup's first column is 0 or 64 past a block's start (its tile is
+            # 64, 128 or 256 columns wide): pass column pc is in its block pc // 128.
+            b_s = tuple(buf[pc // BLOCK_K, kb] for pc in pass_cols)
         return a_s, b_s
+
+    def stage_tile_scales():
+        """B's block scales of this warpgroup's tile for every K block: one TMA copy into
+        its own buffer, awaited. Its reads of the previous tile's buffer are done (program
+        order: plain loads, consumed by the promotion); the proxy fence orders them before
+        the TMA's overwrite."""
+        bs_blocks, buf, barrier = tile_scales
+        wg = lax.axis_index("wg")
+        plgpu.commit_smem()
+        plgpu.copy_gmem_to_smem(bs_blocks.at[pl.ds(col0 // BLOCK_K, buf.shape[1]), :],
+                                buf.at[wg], barrier.at[wg])
+        plgpu.barrier_wait(barrier.at[wg])
 
     def straddling_b_scales(blocks, pc):
         """The pass's (pass_n,) column scales from the block scales of the three 128-column
@@ -242,6 +269,8 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
         return lax.broadcast_in_dim(a_s[p] * b, (64, pass_n), [0])
 
     def compute_context(run_pipeline):
+        if tile_scales is not None:
+            stage_tile_scales()
         sums = tuple(plgpu.layout_cast(jnp.zeros((64, pass_n), jnp.float32),
                                        plgpu.Layout.WGMMA) for _ in config.passes)
         sums, _ = run_pipeline((sums, () if smem else load_scales(0)))
@@ -274,7 +303,7 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
                 if smem:
                     # This K block's scales, read from its slot while the wgmmas run
                     # (before the slot's release below).
-                    got = read_staged_scales(*smem_refs[2:]) if p == 0 else None
+                    got = read_staged_scales(kb, *smem_refs[2:]) if p == 0 else None
                 else:
                     # The next K block's scales, in flight while the wgmmas run (the last
                     # step reloads its own: the index stays in bounds).
@@ -407,13 +436,23 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
     smem_scales = config.scales == "smem"
 
     def scale_tiles(mi, ni):
-        """The (A, B) scale views of output tile (mi, ni) the pipeline stages."""
+        """The scale views of output tile (mi, ni) the pipeline stages: A's, and B's with
+        ``b_rows`` (B's block scales are staged per tile: ``tile_scales``)."""
         if not smem_scales:
             return None
         a_width, b_width = scale_widths(config, b_rows)
-        b_start = ni * bn if b_rows else ni * bn // BLOCK_K
-        return (as_ref.at[:, pl.ds(mi * bm, a_width)],
-                bs_ref.at[:, pl.ds(b_start, b_width)])
+        a_view = as_ref.at[:, pl.ds(mi * bm, a_width)]
+        if not b_rows:
+            return (a_view,)
+        return a_view, bs_ref.at[:, pl.ds(ni * bn, b_width)]
+
+    # B's block scales once per tile: [warpgroup, block, K block] and a barrier per
+    # warpgroup (``tile_mainloop``'s ``tile_scales``).
+    tile_allocs = {}
+    if smem_scales and not b_rows:
+        tile_allocs = dict(
+            tile_buf=plgpu.SMEM(tile_scale_shape(config, k_blocks), jnp.float32),
+            tile_barrier=plgpu.Barrier(num_barriers=2))
 
     @functools.partial(
         pl.run_scoped,
@@ -425,8 +464,9 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
                             transforms=_swizzled(out_dtype,
                                                  epilogue_swizzle(config, out_dtype))),
         collective_axes="wg",
+        **tile_allocs,
     )
-    def _scope(allocs, out_smem):
+    def _scope(allocs, out_smem, tile_buf=None, tile_barrier=None):
         wg = lax.axis_index("wg")
         minor = 0 if config.grid_minor_dim == "m" else 1
         my_smem = out_smem.at[0 if hazard == "shared_output_slot" else wg]
@@ -451,7 +491,9 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
                               as_ref, bs_ref, allocs=allocs, config=config,
                               k_blocks=k_blocks, b_rows=b_rows, stages=stages, r0=r0, c0=c0,
                               row0=row0, col0=col0, epilogue=epilogue, state=state,
-                              hazard=hazard, scale_tiles=scale_tiles(mi, ni))
+                              hazard=hazard, scale_tiles=scale_tiles(mi, ni),
+                              tile_scales=None if tile_buf is None
+                              else (bs_ref, tile_buf, tile_barrier))
 
             run_tiles_persistent(run, info.local_index == 0,
                                  info.local_index == info.num_local_steps - 1, persistent)
@@ -474,9 +516,21 @@ def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Imp
         # B's window) stay in bounds, and the rows are a multiple of 16 bytes apart (a TMA
         # source's strides must be).
         a_width, b_width = scale_widths(config, b_rows)
-        b_tile = config.block_n if b_rows else 1
         as_t = _pad_columns(as_t, as_t.shape[1] + a_width - config.block_m)
-        bs_t = _pad_columns(bs_t, bs_t.shape[1] + b_width - b_tile)
+        if b_rows:
+            bs_t = _pad_columns(bs_t, bs_t.shape[1] + b_width - config.block_n)
+        else:
+            # B's block scales staged per tile: one row of K blocks per 128-column block
+            # (``tile_scale_shape``), rows past the last tile's window and K blocks up to
+            # the buffer's padded count filled with ones.
+            _, blocks, kb_pad = tile_scale_shape(config, k // BLOCK_K)
+            if k // BLOCK_K > TILE_SCALE_MAX_K_BLOCKS:
+                raise ValueError(
+                    f"scales='smem' stages B's block scales for all of K in one TMA copy: "
+                    f"k must be at most {TILE_SCALE_MAX_K_BLOCKS * BLOCK_K}, got k={k}; "
+                    f"use scales='global'.")
+            bs_t = _pad_columns(bs_t.T, kb_pad)
+            bs_t = jnp.pad(bs_t, ((0, blocks - 1), (0, 0)), constant_values=1.0)
     m_tiles, n_tiles, k_blocks = m // config.block_m, pl.cdiv(n, config.block_n), k // BLOCK_K
     stages, persistent = pipeline_stages(config, k_blocks)
     grid = min(_backend.num_sms(impl), m_tiles * n_tiles)

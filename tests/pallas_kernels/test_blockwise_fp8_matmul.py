@@ -131,12 +131,20 @@ def _check_kernel(mode, m, n, k, config, out_dtype, b_rows):
 # block scales then change inside a pass): M not a multiple of the tile, N tails of 16
 # columns past a 128 block (TMA clips them), K = 128 (one K block), K blocks that the stages
 # do not divide, several tiles a program (the pipeline handed from tile to tile). The
-# "smem" form runs here only where GPU-interpret mode has run it reliably (128x128): with
-# other tiles it deadlocks there, often but not always (docs/guides/kernels.md).
+# "smem" form runs here only with 128x128, where GPU-interpret mode has run it reliably:
+# with other tiles it deadlocks there, often but not always. jax 0.11.2's interpreter
+# (jax/_src/pallas/mosaic/interpret/thread_map.py) runs each simulated warpgroup as a
+# compiled XLA:CPU program whose barrier waits block inside host callbacks; in those runs
+# the CPU client runs the programs on its worker threads (as many as CPU cores) instead of
+# the callers' threads, so a warpgroup waits on a barrier whose arriving warpgroup is queued
+# behind it (docs/guides/kernels.md has the reproduction).
 RAGGED_CASES = [
     # m, n, k, config, out dtype, B tiles, scale forms
     (192, 272, 128, "128x128", jnp.float32, "128x128", ("global", "smem")),  # K = 128
     (384, 256, 1280, "128x128", jnp.bfloat16, "128x128", ("global", "smem")),  # ring wraps
+    # 7 K blocks through 5 stages (drained per tile), 8 tiles on 2 programs: B's block
+    # scales restaged per tile; N tail of 16
+    (256, 400, 896, "128x128", jnp.float32, "128x128", ("global", "smem")),
     (128, 304, 256, TuningConfig(128, 144, "m", 5), jnp.bfloat16, "128x128", ("global",)),
     (128, 400, 128, TuningConfig(128, 176, "m", 5), jnp.float32, "128x128", ("global",)),
     (192, 336, 384, TuningConfig(128, 160, "m", 5), jnp.float32, "1x128", ("global",)),
@@ -493,3 +501,43 @@ def test_scale_slot_widths(block_m, block_n, split, b_rows, want):
     from pallas_kernels.config import scale_widths
 
     assert scale_widths(TuningConfig(block_m, block_n, split, 4), b_rows) == want
+
+
+@pytest.mark.parametrize("block_m,block_n,split,k_blocks,want", [
+    (128, 128, "m", 1, (2, 1, 32)), (128, 256, "m", 56, (2, 2, 64)),
+    (64, 128, "n", 128, (2, 1, 128)), (64, 256, "n", 200, (2, 1, 224)),
+    (128, 144, "m", 16, (2, 3, 32)),
+])
+def test_tile_scale_buffer_shape(block_m, block_n, split, k_blocks, want):
+    """B's block scales staged per tile: per warpgroup the 128-column blocks its passes
+    meet (64- and 128-wide warpgroup tiles: 1, 256: 2, the wide passes: 3) by the K blocks
+    rounded up to 32 (a warpgroup's TMA copy moves a multiple of 128 bytes)."""
+    from pallas_kernels.config import tile_scale_shape
+
+    assert tile_scale_shape(TuningConfig(block_m, block_n, split, 4), k_blocks) == want
+
+
+def test_smem_bytes_of_the_staged_scales_by_hand():
+    """128x128 with 5 stages, bf16 out, scales staged: rings of A and B (5 x 16 KiB each),
+    A's scale ring (5 x 128 f32 = 2560 B -> 3 KiB), B's block scales for 128 K blocks (2 x
+    1 x 128 f32 = 1 KiB) and its 2 barriers, 32 KiB of output staging, and per stage one
+    produced and 3 consumed barriers."""
+    from pallas_kernels.config import smem_bytes
+
+    config = with_scales(SHIPPED_CONFIGS["128x128"], "smem")
+    assert config.max_concurrent_steps == 5
+    want = 2 * 5 * 16384 + 3072 + 1024 + 2 * 8 + 32768 + 5 * 4 * 8
+    assert smem_bytes(config, jnp.bfloat16, k_blocks=128) == want
+    # per-row B scales keep their ring (5 x 128 f32 -> 3 KiB) and a 4th consumed barrier
+    assert smem_bytes(config, jnp.bfloat16, b_rows=True) == 2 * 5 * 16384 + 2 * 3072 + 32768 + 5 * 5 * 8
+
+
+def test_staged_block_scales_refuse_k_past_one_tma_box():
+    """One TMA box spans at most 256 K blocks: a longer K is refused in the "smem" form."""
+    k = 257 * 128
+    xq = jnp.zeros((64, k), jnp.float8_e4m3fn)
+    wq = jnp.zeros((128, k), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k must be at most 32768"):
+        blockwise_fp8_matmul(xq, jnp.ones((64, 257)), wq, jnp.ones((1, 257)),
+                             impl="interpret",
+                             config=with_scales(SHIPPED_CONFIGS["128x128"], "smem"))
