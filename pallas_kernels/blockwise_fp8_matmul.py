@@ -18,15 +18,17 @@ Kernel structure (``_matmul_kernel``): a persistent grid of one CTA per SM walks
 tiles (``plgpu.nd_loop`` + ``plgpu.planar_snake``); each CTA runs three warpgroups, one
 issuing TMA copies into a shared-memory ring (``plgpu.emit_pipeline_warp_specialized``),
 two computing. A ring slot holds one K block: the FP8 A and B tiles and, with
-``config.scales == "smem"`` (opt-in), A's row scales and B's scales (its column scales, or
-a window of 4 block scales from the tile's first 128-column block: a TMA copy moves at
-least 16 bytes). Per K block and per 64-row pass of its tile, a compute warpgroup
+``config.scales == "smem"`` (opt-in), A's row scales and B's column scales (B scaled per
+row). B's block scales are then staged once per output tile, as DeepGEMM does: each
+compute warpgroup copies those of all K blocks for its columns into its own buffer (one
+TMA copy and a barrier at the tile's start). Per K block and per 64-row pass of its tile,
+a compute warpgroup
 
 1. issues a ``plgpu.wgmma`` of FP8 operands (both K-major: FP8 ``wgmma`` cannot transpose)
    into a fresh f32 accumulator,
 2. loads the scales while it runs: with ``scales="global"`` (the default) the *next* K
    block's, from global memory (L2; carried to the next step); with ``scales="smem"`` this
-   K block's, from the slot (no global loads in the K loop),
+   K block's, from shared memory (no global loads in the K loop),
 3. waits for the wgmma and, after its last pass, releases the slot
    (``manual_consumed_barriers``: one arrival per input, after every read of the slot),
    then
@@ -34,7 +36,7 @@ least 16 bytes). Per K block and per 64-row pass of its tile, a compute warpgrou
    accumulator) and promotes ``sum += fresh * (a_scale ⊗ b_scale)`` into the
    register-resident sum.
 
-The scale rings of "smem" cost a stage in most tiles (``config.with_scales``). A pass is
+A's scale ring of "smem" costs a stage in most tiles (``config.with_scales``). A pass is
 64 x ``pass_n``: up to 192 columns (the 128 x 144-192 tiles) whose B block scales may change
 inside the pass (a per-column scale vector then, as with per-row B scales).
 
@@ -94,7 +96,7 @@ def _swizzled(dtype, swizzle: int = 128) -> tuple:
 # Private fault injection for the race-detector tests (``tests/pallas_kernels``): each
 # breaks one step of the synchronization protocol below. Never set outside tests.
 _HAZARDS = ("release_before_wgmma", "release_before_wait", "read_after_release",
-            "no_store_wait", "shared_output_slot")
+            "no_store_wait", "shared_output_slot", "tile_scales_no_wait")
 
 
 def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stages: int,
@@ -243,6 +245,8 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
         plgpu.commit_smem()
         plgpu.copy_gmem_to_smem(bs_blocks.at[pl.ds(col0 // BLOCK_K, buf.shape[1]), :],
                                 buf.at[wg], barrier.at[wg])
+        if hazard == "tile_scales_no_wait":
+            buf.at[wg][0, 0]  # a read of the buffer before the copy has landed
         plgpu.barrier_wait(barrier.at[wg])
 
     def straddling_b_scales(blocks, pc):
@@ -387,7 +391,9 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
     """One persistent CTA: ``a_ref`` [Mp, K] e4m3, ``as_ref`` [K/128, Mp] f32 (A scales,
     transposed so a K block's scales are one contiguous row), ``b_ref`` [Np, K] e4m3,
     ``bs_ref`` f32 B scales, transposed: [K/128, Np] per row (``b_rows``) or
-    [K/128, ceil(Np/128)] per 128x128 block, ``out_ref`` [Mp, Np].
+    [K/128, ceil(Np/128)] per 128x128 block (with ``scales="smem"``, not transposed: one
+    row of K blocks per 128-column block, padded as ``tile_scale_shape`` says),
+    ``out_ref`` [Mp, Np].
 
     With ``persistent``, one pipeline runs through all the CTA's output tiles: the TMA
     warpgroup fetches the next tile's first K blocks while the compute warpgroups finish
@@ -411,6 +417,11 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
       the TMA transaction bytes of both tiles have landed (``emit_pipeline`` waits).
     * Scales, ``scales="global"``: plain global loads of read-only inputs, no hazard,
       issued one K block ahead (carried) so their latency hides behind a whole step.
+    * B's block scales, ``scales="smem"``: each compute warpgroup owns a per-tile buffer
+      and a barrier. At a tile's start it fences (``commit_smem``: its plain reads of the
+      previous tile's scales, finished in program order, before the async proxy's
+      overwrite), issues one TMA copy arriving on its barrier and waits for it before
+      its first read; one phase per tile, observed by its only waiter.
     * Output staging: each warpgroup owns two 8 KiB slots of ``out_smem``, used in turn
       over all of the CTA's output chunks (across tiles). Before writing slot j it waits
       until at most one of its own TMA stores is still reading shared memory

@@ -84,13 +84,15 @@ class TuningConfig:
         tile-columns.
       grid_tile_width: width of those bands, in tiles.
       scales: how the dense kernel's K loop gets the scales. "global" (default): plain
-        loads from global memory (L2), one K block ahead; "smem": by TMA in the pipeline
-        stage of the operands (A's row scales, and B's column scales or the window of B's
-        block scales the tile's columns fall in), read from shared memory, which costs a
-        stage in most tiles (``with_scales``). "smem" is not the default yet: it has not
-        been timed on a GPU, and in GPU-interpret mode on CPU it deadlocks with the tiles
-        split along N (64x128, 64x256; see docs/guides/kernels.md). The grouped kernels
-        always read the scales from global memory.
+        loads from global memory (L2), one K block ahead; "smem": read from shared
+        memory, A's row scales (and per-row B's column scales) staged by TMA in the
+        pipeline stage of the operands, B's block scales for all of K (at most 32768)
+        staged once per output tile (``tile_scale_shape``); A's scale ring costs a stage
+        in most tiles (``with_scales``). "smem" is not the default yet: it has not been
+        timed on a GPU, and GPU-interpret mode on CPU (jax 0.11.2) often deadlocks on it
+        with the tiles split along N and the wide tiles, by how the interpreter schedules
+        warpgroups (see docs/guides/kernels.md). The grouped kernels always read the
+        scales from global memory.
     """
 
     block_m: int
