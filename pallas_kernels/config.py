@@ -282,8 +282,10 @@ SHIPPED_CONFIGS: dict[str, TuningConfig] = {
 
 def with_scales(config: TuningConfig, scales: Literal["smem", "global"]) -> TuningConfig:
     """``config`` with the scales read as ``scales`` says and the most stages that then fit
-    with either output dtype and either B scale layout (the scale rings of "smem" cost a
-    stage in all shipped tiles but 64x256)."""
+    with either output dtype and either B scale layout, B's per-tile block scales sized for
+    the longest K (``TILE_SCALE_MAX_K_BLOCKS``): the scale rings of "smem" cost a stage in
+    all shipped tiles but 64x256; the per-tile buffer costs 128x256 a stage with B scaled
+    per block (as the per-K-block window ring it replaced did), no other shipped tile."""
     c = dataclasses.replace(config, scales=scales)
     return dataclasses.replace(c, max_concurrent_steps=min(
         max_stages(c, dt, b_rows=br) for dt in (jnp.bfloat16, jnp.float32)
