@@ -136,7 +136,7 @@ def _check_kernel(mode, m, n, k, config, out_dtype, b_rows):
 # with other tiles it deadlocks there, often but not always. jax 0.11.2's interpreter
 # (jax/_src/pallas/mosaic/interpret/thread_map.py) runs each simulated warpgroup as a
 # compiled XLA:CPU program whose barrier waits block inside host callbacks; in those runs
-# the CPU client runs the programs on its worker threads (as many as CPU cores) instead of
+# the CPU client runs the programs on its own worker threads (two on a 2-core machine), not
 # the callers' threads, so a warpgroup waits on a barrier whose arriving warpgroup is queued
 # behind it (docs/guides/kernels.md has the reproduction).
 RAGGED_CASES = [
