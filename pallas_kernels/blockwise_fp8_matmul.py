@@ -18,15 +18,17 @@ Kernel structure (``_matmul_kernel``): a persistent grid of one CTA per SM walks
 tiles (``plgpu.nd_loop`` + ``plgpu.planar_snake``); each CTA runs three warpgroups, one
 issuing TMA copies into a shared-memory ring (``plgpu.emit_pipeline_warp_specialized``),
 two computing. A ring slot holds one K block: the FP8 A and B tiles and, with
-``config.scales == "smem"`` (opt-in), A's row scales and B's scales (its column scales, or
-a window of 4 block scales from the tile's first 128-column block: a TMA copy moves at
-least 16 bytes). Per K block and per 64-row pass of its tile, a compute warpgroup
+``config.scales == "smem"`` (opt-in), A's row scales and B's column scales (B scaled per
+row). B's block scales are then staged once per output tile, as DeepGEMM does: each
+compute warpgroup copies those of all K blocks for its columns into its own buffer (one
+TMA copy and a barrier at the tile's start). Per K block and per 64-row pass of its tile,
+a compute warpgroup
 
 1. issues a ``plgpu.wgmma`` of FP8 operands (both K-major: FP8 ``wgmma`` cannot transpose)
    into a fresh f32 accumulator,
 2. loads the scales while it runs: with ``scales="global"`` (the default) the *next* K
    block's, from global memory (L2; carried to the next step); with ``scales="smem"`` this
-   K block's, from the slot (no global loads in the K loop),
+   K block's, from shared memory (no global loads in the K loop),
 3. waits for the wgmma and, after its last pass, releases the slot
    (``manual_consumed_barriers``: one arrival per input, after every read of the slot),
    then
@@ -34,7 +36,7 @@ least 16 bytes). Per K block and per 64-row pass of its tile, a compute warpgrou
    accumulator) and promotes ``sum += fresh * (a_scale ⊗ b_scale)`` into the
    register-resident sum.
 
-The scale rings of "smem" cost a stage in most tiles (``config.with_scales``). A pass is
+A's scale ring of "smem" costs a stage in most tiles (``config.with_scales``). A pass is
 64 x ``pass_n``: up to 192 columns (the 128 x 144-192 tiles) whose B block scales may change
 inside the pass (a per-column scale vector then, as with per-row B scales).
 
@@ -62,6 +64,7 @@ from pallas_kernels import _backend
 from pallas_kernels._backend import Impl, pl, plgpu
 from pallas_kernels.config import (
     BLOCK_K,
+    TILE_SCALE_MAX_K_BLOCKS,
     TuningConfig,
     choose_config,
     chunks_per_tile,
@@ -70,6 +73,7 @@ from pallas_kernels.config import (
     output_slots,
     pipeline_stages,
     scale_widths,
+    tile_scale_shape,
 )
 from pallas_kernels.quantize import quantize_1x128
 
@@ -99,7 +103,8 @@ def _swizzled(dtype, swizzle: int = 128) -> tuple:
 # Private fault injection for the race-detector tests (``tests/pallas_kernels``): each
 # breaks one step of the synchronization protocol below. Never set outside tests.
 _HAZARDS = ("release_before_wgmma", "release_before_wait", "read_after_release",
-            "no_store_wait", "shared_output_slot", "tile_wait_leaves_one")
+            "no_store_wait", "shared_output_slot", "tile_wait_leaves_one",
+            "tile_scales_no_wait")
 
 
 def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stages: int,
@@ -135,12 +140,14 @@ def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stag
 
 def scale_specs(config: TuningConfig, b_rows: bool, k_offset=0) -> tuple:
     """BlockSpecs of the scales as pipeline inputs, one K block per stage (a TMA copy in
-    the stage of the operands): A's row scales, B's column scales (``b_rows``) or a window
-    of 4 of B's block scales (the blocks the tile's columns fall in; 4 f32 because a TMA
-    copy moves at least 16 bytes); widths from ``config.scale_widths``."""
+    the stage of the operands): A's row scales and, with ``b_rows``, B's column scales;
+    widths from ``config.scale_widths``. B's block scales are not in the ring: they are
+    staged once per output tile (``tile_mainloop``'s ``tile_scales``)."""
     a_width, b_width = scale_widths(config, b_rows)
-    return (plgpu.BlockSpec((None, a_width), lambda k: (k + k_offset, 0)),
-            plgpu.BlockSpec((None, b_width), lambda k: (k + k_offset, 0)))
+    a_spec = plgpu.BlockSpec((None, a_width), lambda k: (k + k_offset, 0))
+    if not b_rows:
+        return (a_spec,)
+    return a_spec, plgpu.BlockSpec((None, b_width), lambda k: (k + k_offset, 0))
 
 
 def pipeline_allocations(a_ref, b_ref, *, config: TuningConfig, k_blocks: int, stages: int,
@@ -158,7 +165,7 @@ def pipeline_allocations(a_ref, b_ref, *, config: TuningConfig, k_blocks: int, s
 
 def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfig, k_blocks,
                   b_rows: bool, stages: int, r0, c0, row0, col0, epilogue, state=None,
-                  k_offset=0, hazard: str | None = None, scale_tiles=None):
+                  k_offset=0, hazard: str | None = None, scale_tiles=None, tile_scales=None):
     """The K loop and promotion of one CTA output tile, shared by every kernel here.
 
     ``a_tile`` [block_m, K] and ``b_tile`` [block_n, K] are the tile's e4m3 operand views
@@ -171,12 +178,17 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
     (persistent pipelines, see ``_matmul_kernel``).
 
     ``scale_tiles``: None reads the scales from global memory (``as_ref``, ``bs_ref``), one
-    K block ahead; else the (A, B) scale views of this CTA tile that the pipeline stages
-    into shared memory with the operands (``scale_specs``: A's [K/128, block_m], B's
-    [K/128, block_n] with ``b_rows``, else the [K/128, 4] window of block scales from the
-    128-column block of the CTA tile's first column). A pass that straddles 128-column
-    blocks (the widths that are not multiples of 128) gets a column-scale vector from the
-    three blocks it can meet, as ``b_rows`` does.
+    K block ahead; else the scale views of this CTA tile that the pipeline stages into
+    shared memory with the operands (``scale_specs``: A's [K/128, block_m] and, with
+    ``b_rows``, B's [K/128, block_n]). ``tile_scales`` (with ``scale_tiles``, B scaled per
+    block): (``bs_blocks`` [blocks, KBp] f32 in global memory, B's block scales one row
+    per 128-column block; ``buf`` [2, n, KBp] f32 in shared memory; ``barrier``, two
+    barriers): at the start of each output tile each compute warpgroup copies the rows of
+    the ``n`` blocks from its first column's (``config.tile_scale_shape``) into
+    ``buf[wg]`` with one TMA copy, waits for it on ``barrier[wg]``, and reads every K
+    block's B scale from there. A pass that straddles 128-column blocks (the widths that
+    are not multiples of 128) gets a column-scale vector from the three blocks it can
+    meet, as ``b_rows`` does.
     """
     pass_n = config.pass_n
     smem = scale_tiles is not None
@@ -208,9 +220,11 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
             b_s = tuple(bs_ref[kb, (col0 + pc) // BLOCK_K] for pc in pass_cols)
         return a_s, b_s
 
-    def read_staged_scales(as_smem, bs_smem):
-        """This K block's scales from its pipeline slot (shared memory): the same values
-        as ``load_scales``, at the CTA tile's offsets (``r0``, ``c0``)."""
+    def read_staged_scales(kb, as_smem, bs_smem=None):
+        """K block ``kb``'s scales from shared memory: the same values as
+        ``load_scales``, A's (and with ``b_rows`` B's) from the pipeline slot at the CTA
+        tile's offsets (``r0``, ``c0``), B's block scales from the warpgroup's per-tile
+        buffer (block j of the buffer: the warpgroup's j-th 128-column block)."""
         a_s = tuple(plgpu.load(as_smem.at[pl.ds(r0 + pr, 64)],
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                     for pr, _ in config.passes)
@@ -218,12 +232,30 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
             b_s = tuple(plgpu.load(bs_smem.at[pl.ds(c0 + pc, pass_n)],
                                    layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                         for pc in pass_cols)
-        elif straddle:
-            blocks = (bs_smem[0], bs_smem[1], bs_smem[2])
+            return a_s, b_s
+        buf = tile_scales[1].at[lax.axis_index("wg")]
+        if straddle:
+            blocks = (buf[0, kb], buf[1, kb], buf[2, kb])
             b_s = tuple(straddling_b_scales(blocks, pc) for pc in pass_cols)
         else:
-            b_s = tuple(bs_smem[(c0 + pc) // BLOCK_K] for pc in pass_cols)
+            # The warpgroup's first column is 0 or 64 past a block's start (its tile is
+            # 64, 128 or 256 columns wide): pass column pc is in its block pc // 128.
+            b_s = tuple(buf[pc // BLOCK_K, kb] for pc in pass_cols)
         return a_s, b_s
+
+    def stage_tile_scales():
+        """B's block scales of this warpgroup's tile for every K block: one TMA copy into
+        its own buffer, awaited. Its reads of the previous tile's buffer are done (program
+        order: plain loads, consumed by the promotion); the proxy fence orders them before
+        the TMA's overwrite."""
+        bs_blocks, buf, barrier = tile_scales
+        wg = lax.axis_index("wg")
+        plgpu.commit_smem()
+        plgpu.copy_gmem_to_smem(bs_blocks.at[pl.ds(col0 // BLOCK_K, buf.shape[1]), :],
+                                buf.at[wg], barrier.at[wg])
+        if hazard == "tile_scales_no_wait":
+            buf.at[wg][0, 0]  # a read of the buffer before the copy has landed
+        plgpu.barrier_wait(barrier.at[wg])
 
     def straddling_b_scales(blocks, pc):
         """The pass's (pass_n,) column scales from the block scales of the three 128-column
@@ -249,6 +281,8 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
         return lax.broadcast_in_dim(a_s[p] * b, (64, pass_n), [0])
 
     def compute_context(run_pipeline):
+        if tile_scales is not None:
+            stage_tile_scales()
         sums = tuple(plgpu.layout_cast(jnp.zeros((64, pass_n), jnp.float32),
                                        plgpu.Layout.WGMMA) for _ in config.passes)
         sums, _ = run_pipeline((sums, () if smem else load_scales(0)))
@@ -281,7 +315,7 @@ def tile_mainloop(a_tile, b_tile, as_ref, bs_ref, *, allocs, config: TuningConfi
                 if smem:
                     # This K block's scales, read from its slot while the wgmmas run
                     # (before the slot's release below).
-                    got = read_staged_scales(*smem_refs[2:]) if p == 0 else None
+                    got = read_staged_scales(kb, *smem_refs[2:]) if p == 0 else None
                 else:
                     # The next K block's scales, in flight while the wgmmas run (the last
                     # step reloads its own: the index stays in bounds).
@@ -389,7 +423,9 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
     """One persistent CTA: ``a_ref`` [Mp, K] e4m3, ``as_ref`` [K/128, Mp] f32 (A scales,
     transposed so a K block's scales are one contiguous row), ``b_ref`` [Np, K] e4m3,
     ``bs_ref`` f32 B scales, transposed: [K/128, Np] per row (``b_rows``) or
-    [K/128, ceil(Np/128)] per 128x128 block, ``out_ref`` [Mp, Np].
+    [K/128, ceil(Np/128)] per 128x128 block (with ``scales="smem"``, not transposed: one
+    row of K blocks per 128-column block, padded as ``tile_scale_shape`` says),
+    ``out_ref`` [Mp, Np].
 
     With ``persistent``, one pipeline runs through all the CTA's output tiles: the TMA
     warpgroup fetches the next tile's first K blocks while the compute warpgroups finish
@@ -413,6 +449,11 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
       the TMA transaction bytes of both tiles have landed (``emit_pipeline`` waits).
     * Scales, ``scales="global"``: plain global loads of read-only inputs, no hazard,
       issued one K block ahead (carried) so their latency hides behind a whole step.
+    * B's block scales, ``scales="smem"``: each compute warpgroup owns a per-tile buffer
+      and a barrier. At a tile's start it fences (``commit_smem``: its plain reads of the
+      previous tile's scales, finished in program order, before the async proxy's
+      overwrite), issues one TMA copy arriving on its barrier and waits for it before
+      its first read; one phase per tile, observed by its only waiter.
     * Output staging, ``epilogue="chunks"``: each warpgroup owns two 8 KiB slots of
       ``out_smem``, used in turn over all of the CTA's output chunks (across tiles). Before
       writing slot j it waits until at most one of its own TMA stores is still reading
@@ -447,13 +488,23 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
     smem_scales = config.scales == "smem"
 
     def scale_tiles(mi, ni):
-        """The (A, B) scale views of output tile (mi, ni) the pipeline stages."""
+        """The scale views of output tile (mi, ni) the pipeline stages: A's, and B's with
+        ``b_rows`` (B's block scales are staged per tile: ``tile_scales``)."""
         if not smem_scales:
             return None
         a_width, b_width = scale_widths(config, b_rows)
-        b_start = ni * bn if b_rows else ni * bn // BLOCK_K
-        return (as_ref.at[:, pl.ds(mi * bm, a_width)],
-                bs_ref.at[:, pl.ds(b_start, b_width)])
+        a_view = as_ref.at[:, pl.ds(mi * bm, a_width)]
+        if not b_rows:
+            return (a_view,)
+        return a_view, bs_ref.at[:, pl.ds(ni * bn, b_width)]
+
+    # B's block scales once per tile: [warpgroup, block, K block] and a barrier per
+    # warpgroup (``tile_mainloop``'s ``tile_scales``).
+    tile_allocs = {}
+    if smem_scales and not b_rows:
+        tile_allocs = dict(
+            tile_buf=plgpu.SMEM(tile_scale_shape(config, k_blocks), jnp.float32),
+            tile_barrier=plgpu.Barrier(num_barriers=2))
 
     @functools.partial(
         pl.run_scoped,
@@ -466,8 +517,9 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
                             transforms=_swizzled(out_dtype,
                                                  epilogue_swizzle(config, out_dtype))),
         collective_axes="wg",
+        **tile_allocs,
     )
-    def _scope(allocs, out_smem):
+    def _scope(allocs, out_smem, tile_buf=None, tile_barrier=None):
         wg = lax.axis_index("wg")
         minor = 0 if config.grid_minor_dim == "m" else 1
         my_smem = out_smem.at[0 if hazard == "shared_output_slot" else wg]
@@ -493,7 +545,9 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
                               as_ref, bs_ref, allocs=allocs, config=config,
                               k_blocks=k_blocks, b_rows=b_rows, stages=stages, r0=r0, c0=c0,
                               row0=row0, col0=col0, epilogue=epilogue, state=state,
-                              hazard=hazard, scale_tiles=scale_tiles(mi, ni))
+                              hazard=hazard, scale_tiles=scale_tiles(mi, ni),
+                              tile_scales=None if tile_buf is None
+                              else (bs_ref, tile_buf, tile_barrier))
 
             run_tiles_persistent(run, info.local_index == 0,
                                  info.local_index == info.num_local_steps - 1, persistent)
@@ -516,9 +570,21 @@ def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Imp
         # B's window) stay in bounds, and the rows are a multiple of 16 bytes apart (a TMA
         # source's strides must be).
         a_width, b_width = scale_widths(config, b_rows)
-        b_tile = config.block_n if b_rows else 1
         as_t = _pad_columns(as_t, as_t.shape[1] + a_width - config.block_m)
-        bs_t = _pad_columns(bs_t, bs_t.shape[1] + b_width - b_tile)
+        if b_rows:
+            bs_t = _pad_columns(bs_t, bs_t.shape[1] + b_width - config.block_n)
+        else:
+            # B's block scales staged per tile: one row of K blocks per 128-column block
+            # (``tile_scale_shape``), rows past the last tile's window and K blocks up to
+            # the buffer's padded count filled with ones.
+            _, blocks, kb_pad = tile_scale_shape(config, k // BLOCK_K)
+            if k // BLOCK_K > TILE_SCALE_MAX_K_BLOCKS:
+                raise ValueError(
+                    f"scales='smem' stages B's block scales for all of K in one TMA copy: "
+                    f"k must be at most {TILE_SCALE_MAX_K_BLOCKS * BLOCK_K}, got k={k}; "
+                    f"use scales='global'.")
+            bs_t = _pad_columns(bs_t.T, kb_pad)
+            bs_t = jnp.pad(bs_t, ((0, blocks - 1), (0, 0)), constant_values=1.0)
     m_tiles, n_tiles, k_blocks = m // config.block_m, pl.cdiv(n, config.block_n), k // BLOCK_K
     stages, persistent = pipeline_stages(config, k_blocks)
     grid = min(_backend.num_sms(impl), m_tiles * n_tiles)

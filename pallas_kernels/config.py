@@ -40,7 +40,8 @@ import numpy as np
 
 __all__ = ["SHIPPED_CONFIGS", "TuningConfig", "choose_config", "chunks_per_tile",
            "epilogue_n", "epilogue_swizzle", "max_stages", "output_slots",
-           "pipeline_stages", "scale_widths", "smem_bytes", "tile_cycles", "with_scales"]
+           "pipeline_stages", "scale_widths", "smem_bytes", "tile_cycles", "tile_scale_shape",
+           "with_scales"]
 
 BLOCK_K = 128  # DeepSeek-V3 (arXiv 2412.19437) §3.3.2: scales per 128 K, promotion N_C = 128.
 SMEM_BYTES_H200 = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200 (227 KiB).
@@ -57,6 +58,13 @@ WIDE_PASSES = (144, 160, 176, 192)
 # B's block scales staged per K block: 4 f32 (a TMA copy moves at least 16 bytes) from the
 # 128-column block of the tile's first column, enough for a tile 256 columns wide.
 B_SCALE_WINDOW = 4
+# B's block scales staged once per output tile (``scales="smem"``, B scaled per 128x128
+# block): each compute warpgroup's buffer holds, per 128-column block its passes meet, the
+# scales of every K block, padded to a multiple of 32 (a warpgroup's TMA copy with a barrier
+# must move a multiple of 128 bytes: Mosaic GPU divides the expected bytes among its 128
+# threads). A TMA box spans at most 256 elements a dimension: K up to 256 blocks (32768).
+TILE_SCALE_K_ALIGN = 32
+TILE_SCALE_MAX_K_BLOCKS = 256
 # Fewest stages worth keeping a pipeline running across output tiles with: enough K blocks
 # in flight to cover a TMA load's latency (~1 µs) at ~0.3 µs of wgmma per K block.
 _MIN_PERSISTENT_STAGES = 4
@@ -79,13 +87,15 @@ class TuningConfig:
         tile-columns.
       grid_tile_width: width of those bands, in tiles.
       scales: how the dense kernel's K loop gets the scales. "global" (default): plain
-        loads from global memory (L2), one K block ahead; "smem": by TMA in the pipeline
-        stage of the operands (A's row scales, and B's column scales or the window of B's
-        block scales the tile's columns fall in), read from shared memory, which costs a
-        stage in most tiles (``with_scales``). "smem" is not the default yet: it has not
-        been timed on a GPU, and in GPU-interpret mode on CPU it deadlocks with the tiles
-        split along N (64x128, 64x256; see docs/guides/kernels.md). The grouped kernels
-        always read the scales from global memory.
+        loads from global memory (L2), one K block ahead; "smem": read from shared
+        memory, A's row scales (and per-row B's column scales) staged by TMA in the
+        pipeline stage of the operands, B's block scales for all of K (at most 32768)
+        staged once per output tile (``tile_scale_shape``); A's scale ring costs a stage
+        in most tiles (``with_scales``). "smem" is not the default yet: it has not been
+        timed on a GPU, and GPU-interpret mode on CPU (jax 0.11.2) often deadlocks on it
+        with the tiles split along N and the wide tiles, by how the interpreter schedules
+        warpgroups (see docs/guides/kernels.md). The grouped kernels always read the
+        scales from global memory.
       epilogue: how a compute warpgroup stages its output tile for the TMA stores.
         "chunks" (default): through two 8 KiB slots used in turn, waiting before each
         chunk until at most one of its stores is in flight (a tile of more than two chunks
@@ -208,32 +218,53 @@ def epilogue_swizzle(config: TuningConfig, out_dtype) -> int:
 
 
 def smem_bytes(config: TuningConfig, out_dtype, stages: int | None = None,
-               b_rows: bool = False) -> int:
+               b_rows: bool = False, k_blocks: int = TILE_SCALE_MAX_K_BLOCKS) -> int:
     """Shared memory of one CTA as Mosaic GPU allocates it, in bytes: the pipeline ring
-    (FP8 A and B tiles, and with ``config.scales == "smem"`` A's f32 row scales and B's
-    column scales (``b_rows``) or window of ``B_SCALE_WINDOW`` block scales; each ring
-    aligned to 1 KiB), the two warpgroups' output staging slots (``output_slots`` each, of
-    64 x ``epilogue_n``), and per stage a produced barrier and a consumed barrier per
-    input."""
+    (FP8 A and B tiles, and with ``config.scales == "smem"`` A's f32 row scales and, with
+    ``b_rows``, B's column scales; each ring aligned to 1 KiB), with ``scales="smem"`` and B
+    scaled per block the per-tile buffer of B's block scales (``tile_scale_shape``, for
+    ``k_blocks`` K blocks; the default is the most this form takes) and its two barriers,
+    the two warpgroups' output staging slots (``output_slots`` each, of 64 x
+    ``epilogue_n``), and per stage a produced barrier and a consumed barrier per input."""
     s = config.max_concurrent_steps if stages is None else stages
     ring = _align(s * config.block_m * BLOCK_K) + _align(s * config.block_n * BLOCK_K)
     inputs = 2
+    tile = 0
     if config.scales == "smem":
         a_width, b_width = scale_widths(config, b_rows)
-        ring += _align(s * a_width * 4) + _align(s * b_width * 4)
-        inputs = 4
+        ring += _align(s * a_width * 4)
+        inputs = 3
+        if b_rows:
+            ring += _align(s * b_width * 4)
+            inputs = 4
+        else:
+            tile = _align(4 * math.prod(tile_scale_shape(config, k_blocks))) + 2 * _BARRIER_BYTES
     out = _align(2 * output_slots(config, out_dtype) * 64 * epilogue_n(config, out_dtype)
                  * np.dtype(out_dtype).itemsize)
-    return ring + out + (1 + inputs) * s * _BARRIER_BYTES
+    return ring + tile + out + (1 + inputs) * s * _BARRIER_BYTES
+
+
+def tile_scale_shape(config: TuningConfig, k_blocks: int) -> tuple[int, int, int]:
+    """(warpgroups, blocks, K blocks) of the f32 buffer of B's block scales staged once per
+    output tile with ``scales="smem"``: per compute warpgroup, the 128-column blocks its
+    passes meet (from the block of its first column: 1 for warpgroup tiles of 64 or 128
+    columns, 2 for 256, 3 for the 144-192 wide passes that straddle blocks) times
+    ``k_blocks`` rounded up to ``TILE_SCALE_K_ALIGN``."""
+    if config.wg_n % BLOCK_K and config.wg_n > BLOCK_K:
+        blocks = 3
+    else:
+        blocks = max(1, config.wg_n // BLOCK_K)
+    return 2, blocks, -(-k_blocks // TILE_SCALE_K_ALIGN) * TILE_SCALE_K_ALIGN
 
 
 def scale_widths(config: TuningConfig, b_rows: bool) -> tuple[int, int]:
     """f32 scales per pipeline slot, (A's, B's), with ``scales="smem"``: A's ``block_m``
     row scales and B's ``block_n`` column scales (``b_rows``) each rounded up to a multiple
     of 64 and at least 128 (the entries past the tile are never read), or
-    ``B_SCALE_WINDOW`` block scales. The rounding keeps every slot of a ring 256-byte
-    aligned, above the 128 bytes a Hopper TMA destination needs. (It does not cure the
-    GPU-interpret deadlock of some tiles in this form, described on ``TuningConfig``.)"""
+    ``B_SCALE_WINDOW`` block scales (the window a per-K-block ring would take; B's block
+    scales are staged once per tile instead, ``tile_scale_shape``). The rounding keeps
+    every slot of a ring 256-byte aligned, above the 128 bytes a Hopper TMA destination
+    needs."""
     def rounded(n):
         return max(-(-n // 64) * 64, 128)
 
@@ -284,8 +315,11 @@ SHIPPED_CONFIGS: dict[str, TuningConfig] = {
 
 def with_scales(config: TuningConfig, scales: Literal["smem", "global"]) -> TuningConfig:
     """``config`` with the scales read as ``scales`` says and the most stages that then fit
-    with either output dtype and either B scale layout (the scale rings of "smem" cost a
-    stage in all shipped tiles; 64x256 only beside its "tile" epilogue's f32 staging)."""
+    with either output dtype and either B scale layout, B's per-tile block scales sized for
+    the longest K (``TILE_SCALE_MAX_K_BLOCKS``): the scale rings of "smem" cost a stage in
+    all shipped tiles (64x256 only beside its "tile" epilogue's f32 staging); the per-tile
+    buffer costs 128x256 a stage with B scaled per block (as the per-K-block window ring it
+    replaced did), no other shipped tile."""
     c = dataclasses.replace(config, scales=scales)
     return dataclasses.replace(c, max_concurrent_steps=min(
         max_stages(c, dt, b_rows=br) for dt in (jnp.bfloat16, jnp.float32)

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,12 +133,20 @@ def _check_kernel(mode, m, n, k, config, out_dtype, b_rows):
 # block scales then change inside a pass): M not a multiple of the tile, N tails of 16
 # columns past a 128 block (TMA clips them), K = 128 (one K block), K blocks that the stages
 # do not divide, several tiles a program (the pipeline handed from tile to tile). The
-# "smem" form runs here only where GPU-interpret mode has run it reliably (128x128): with
-# other tiles it deadlocks there, often but not always (docs/guides/kernels.md).
+# "smem" form runs here only with 128x128, where GPU-interpret mode has run it reliably:
+# with other tiles it deadlocks there, often but not always. jax 0.11.2's interpreter
+# (jax/_src/pallas/mosaic/interpret/thread_map.py) runs each simulated warpgroup as a
+# compiled XLA:CPU program whose barrier waits block inside host callbacks; in those runs
+# the CPU client runs the programs on its own worker threads (two on a 2-core machine), not
+# the callers' threads, so a warpgroup waits on a barrier whose arriving warpgroup is queued
+# behind it (docs/guides/kernels.md has the reproduction).
 RAGGED_CASES = [
     # m, n, k, config, out dtype, B tiles, scale forms
     (192, 272, 128, "128x128", jnp.float32, "128x128", ("global", "smem")),  # K = 128
     (384, 256, 1280, "128x128", jnp.bfloat16, "128x128", ("global", "smem")),  # ring wraps
+    # 7 K blocks through 5 stages (drained per tile), 8 tiles on 2 programs: B's block
+    # scales restaged per tile; N tail of 16
+    (256, 400, 896, "128x128", jnp.float32, "128x128", ("global", "smem")),
     (128, 304, 256, TuningConfig(128, 144, "m", 5), jnp.bfloat16, "128x128", ("global",)),
     (128, 400, 128, TuningConfig(128, 176, "m", 5), jnp.float32, "128x128", ("global",)),
     (192, 336, 384, TuningConfig(128, 160, "m", 5), jnp.float32, "1x128", ("global",)),
@@ -384,6 +393,57 @@ def test_injected_hazard_is_caught(hazard, caught_by, epilogue):
         assert not reported and wrong  # if the detector starts seeing it, say so here
 
 
+def _race_writers(report: str) -> dict:
+    """{warpgroup id of the writer: [the read's source location, ...]} of a race report."""
+    found = {}
+    for wg, read in re.findall(r"write of [^\n]*? from Warpgroup\([^)]*warpgroup_id=(\d)\)"
+                               r"[^\n]*\n[^\n]*\n\s+read of [^\n]* from Warpgroup\([^)]*\), "
+                               r"\S+ \(([^)]*)\)", report):
+        found.setdefault(int(wg), []).append(read)
+    reads = re.findall(r"read of [^\n]* from Warpgroup\([^)]*\), \S+ \(([^)]*)\)\n[^\n]*\n"
+                       r"\s+write of [^\n]*? from Warpgroup\([^)]*warpgroup_id=(\d)\)", report)
+    for read, wg in reads:
+        found.setdefault(int(wg), []).append(read)
+    return found
+
+
+# jax 0.11.2's race detector orders a TMA write after other threads' plain reads of its
+# destination only through a proxy fence (``commit_smem``) of the thread issuing the copy.
+# The pipeline's TMA warpgroup (``emit_pipeline_warp_specialized``) issues none, so every
+# refill of a ring slot whose scales the compute warpgroups read is reported (DeepGEMM
+# releases such slots with an mbarrier arrival and no fence, as this kernel does).
+_RING_READ_REPORTED = "tile_mainloop.<locals>.read_staged_scales"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hazard", [None, "tile_scales_no_wait"],
+                         ids=["staged-scales", "tile-scales-read-before-wait"])
+def test_tile_staged_block_scales_under_the_race_detector(hazard):
+    """``scales="smem"`` at the persistent case (3 tiles a program, 10 K blocks through 5
+    stages): no race reported on what a compute warpgroup writes (its per-tile TMA copy of
+    B's block scales, its output slots); reported only the TMA warpgroup's refills after
+    the ring's scale reads (above). Negative control: the per-tile buffer read before its
+    barrier wait is reported, with the compute warpgroup's copy as the write."""
+    from pallas_kernels.blockwise_fp8_matmul import _kernel_call
+
+    x, w = _data(384, 256, 1280, seed=7)
+    xq, xs, wq, ws = _quantized(x, w)
+    out_buf = io.StringIO()
+    with contextlib.redirect_stdout(out_buf):
+        out = _kernel_call(xq, xs.T, wq, ws.T, out_dtype=jnp.float32, b_rows=False,
+                           config=with_scales(SHIPPED_CONFIGS["128x128"], "smem"),
+                           hazard=hazard, impl=plgpu.InterpretGPUParams(detect_races=True))
+        out.block_until_ready()
+    writers = _race_writers(out_buf.getvalue())
+    assert all(read.startswith(_RING_READ_REPORTED) for read in writers.get(2, []))
+    if hazard is None:
+        assert set(writers) <= {2}
+        ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
+        assert _rel_fro(out, ref) < F32_RTOL["interpret"]
+    else:
+        assert writers.get(0) and writers.get(1)
+
+
 def test_unknown_hazard_is_refused():
     from pallas_kernels.blockwise_fp8_matmul import _kernel_call
 
@@ -602,3 +662,44 @@ def test_scale_slot_widths(block_m, block_n, split, b_rows, want):
     from pallas_kernels.config import scale_widths
 
     assert scale_widths(TuningConfig(block_m, block_n, split, 4), b_rows) == want
+
+
+@pytest.mark.parametrize("block_m,block_n,split,k_blocks,want", [
+    (128, 128, "m", 1, (2, 1, 32)), (128, 256, "m", 56, (2, 2, 64)),
+    (64, 128, "n", 128, (2, 1, 128)), (64, 256, "n", 200, (2, 1, 224)),
+    (128, 144, "m", 16, (2, 3, 32)),
+])
+def test_tile_scale_buffer_shape(block_m, block_n, split, k_blocks, want):
+    """B's block scales staged per tile: per warpgroup the 128-column blocks its passes
+    meet (64- and 128-wide warpgroup tiles: 1, 256: 2, the wide passes: 3) by the K blocks
+    rounded up to 32 (a warpgroup's TMA copy moves a multiple of 128 bytes)."""
+    from pallas_kernels.config import tile_scale_shape
+
+    assert tile_scale_shape(TuningConfig(block_m, block_n, split, 4), k_blocks) == want
+
+
+def test_smem_bytes_of_the_staged_scales_by_hand():
+    """128x128 with 5 stages, bf16 out, scales staged: rings of A and B (5 x 16 KiB each),
+    A's scale ring (5 x 128 f32 = 2560 B -> 3 KiB), B's block scales for 128 K blocks (2 x
+    1 x 128 f32 = 1 KiB) and its 2 barriers, 32 KiB of output staging, and per stage one
+    produced and 3 consumed barriers."""
+    from pallas_kernels.config import smem_bytes
+
+    config = with_scales(SHIPPED_CONFIGS["128x128"], "smem")
+    assert config.max_concurrent_steps == 5
+    want = 2 * 5 * 16384 + 3072 + 1024 + 2 * 8 + 32768 + 5 * 4 * 8
+    assert smem_bytes(config, jnp.bfloat16, k_blocks=128) == want
+    # per-row B scales keep their ring (5 x 128 f32 -> 3 KiB) and a 4th consumed barrier
+    assert (smem_bytes(config, jnp.bfloat16, b_rows=True)
+            == 2 * 5 * 16384 + 2 * 3072 + 32768 + 5 * 5 * 8)
+
+
+def test_staged_block_scales_refuse_k_past_one_tma_box():
+    """One TMA box spans at most 256 K blocks: a longer K is refused in the "smem" form."""
+    k = 257 * 128
+    xq = jnp.zeros((64, k), jnp.float8_e4m3fn)
+    wq = jnp.zeros((128, k), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k must be at most 32768"):
+        blockwise_fp8_matmul(xq, jnp.ones((64, 257)), wq, jnp.ones((1, 257)),
+                             impl="interpret",
+                             config=with_scales(SHIPPED_CONFIGS["128x128"], "smem"))

@@ -256,15 +256,18 @@ def _k_loop_f32_loads(mod):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("b_rows", [False, True], ids=["b-blocks", "b-rows"])
-@pytest.mark.parametrize("name", ["128x256", "64x128"])
+@pytest.mark.parametrize("name", ["128x256", "64x128", "128x144"])
 def test_k_loop_reads_scales_from_shared_memory_only(name, b_rows):
     """The lowered Mosaic GPU module for the H200: inside the K loop every f32 load (the
-    scales: nothing else f32 is loaded there) reads shared memory; the earlier form
+    scales: nothing else f32 is loaded there) reads shared memory, B's block scales from
+    the buffer staged once per tile (128x144: three blocks a pass); the earlier form
     (``scales="global"``, the negative control) loads them from global memory there."""
     shape = (4096, 2048, 2048)
     found = {}
     for scales in ("smem", "global"):
-        config = with_scales(SHIPPED_CONFIGS[name], scales)
+        base = (SHIPPED_CONFIGS[name] if name in SHIPPED_CONFIGS
+                else TuningConfig(128, 144, "m", 1))
+        config = with_scales(base, scales)
         (mod,) = _mosaic_modules(
             functools.partial(blockwise_fp8_matmul, out_dtype=jnp.float32, impl="kernel",
                               config=config), *_matmul_args(*shape, b_rows=b_rows))
@@ -283,14 +286,23 @@ def test_staged_scales_one_more_stage_overflows_as_modelled(name):
     for b_rows in (False, True):
         assert smem_bytes(config, jnp.float32, b_rows=b_rows) <= SMEM_BYTES_H200
     bigger = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps + 1)
+    # The longest K the stages divide (B's block scales for all of K are staged per tile:
+    # their buffer grows with K, up to 256 K blocks).
+    k_blocks = 256 // bigger.max_concurrent_steps * bigger.max_concurrent_steps
+    assert pipeline_stages(bigger, k_blocks)[0] == bigger.max_concurrent_steps
     # f32 output: the dtype that bounds the stages of the "tile" epilogue (64x128, 64x256)
-    want = smem_bytes(bigger, jnp.float32)
+    want = smem_bytes(bigger, jnp.float32, k_blocks=k_blocks)
     assert want > SMEM_BYTES_H200
-    k = bigger.max_concurrent_steps * BLOCK_K
+    k = k_blocks * BLOCK_K
     with pytest.raises(ValueError, match=f"smem_bytes={want} > max_smem_bytes"):
         _lower_for_h200(functools.partial(blockwise_fp8_matmul, out_dtype=jnp.float32,
                                           impl="kernel", config=bigger),
                         *_matmul_args(4096, 2048, k))
+    # The stages that fit lower at the longest K (256 K blocks: the largest buffer).
+    text = _lower_for_h200(functools.partial(blockwise_fp8_matmul, out_dtype=jnp.float32,
+                                             impl="kernel", config=config),
+                           *_matmul_args(4096, 2048, 256 * BLOCK_K))
+    assert "mosaic_gpu" in text
 
 
 WIDE_CASES = [(w, scales, dtype, b_rows) for w in WIDE_PASSES for scales in ("global", "smem")
