@@ -42,6 +42,11 @@ When the stages divide the K blocks (``config.pipeline_stages``), one pipeline r
 all of a CTA's tiles (``pipeline_state``), so the ring is not drained and refilled between
 tiles. The epilogue casts and stores each 64-row pass through two 8 KiB shared-memory slots
 per warpgroup with TMA.
+
+With ``config.cluster`` (opt-in) the kernel launches clusters of two CTAs that take
+neighbouring tiles (``cluster_tile``) and share one operand's tile, which each loads half of
+and TMA multicasts to both (``make_pipeline``); the persistent loop walks cluster tiles, so
+both CTAs run the same pipeline steps.
 """
 
 from __future__ import annotations
@@ -412,6 +417,18 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
       ``fence.proxy.async``) makes the generic-proxy writes visible to the TMA store. The
       warpgroups never share a slot; the kernel's last ``wait_smem_to_gmem(0)`` keeps the
       CTA alive until its stores have read shared memory.
+
+    * Clusters (``config.cluster``): the shared operand's slot in both CTAs is written by
+      the multicast copies of both, so a CTA's TMA warpgroup may refill slot s only when
+      the compute warpgroups of *both* CTAs have released it. The pipeline makes every
+      consumed barrier a cluster barrier for this: each warpgroup's ``barrier_arrive``
+      arrives once (from one thread, after its ``wgmma.wait_group``) on the barrier of
+      each CTA, 2 x 2 arrivals expected. Both CTAs walk the same cluster tiles, so their
+      pipelines run the same steps and the quiescing waits of the last tile see every
+      remote arrival before either CTA exits. A CTA whose tile lies past M or N (odd
+      tile count) runs the same steps on zero-filled operands and its stores are dropped.
+      The staged scales (``scales="smem"``) are read by every thread and would not be
+      ordered before that single-thread arrival: ``TuningConfig`` refuses the combination.
 
     One arrival per warpgroup instead of per thread would need barriers with a single
     arrival: Mosaic GPU (0.11.2) multiplies the expected arrivals of every barrier that

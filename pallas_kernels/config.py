@@ -1,8 +1,9 @@
 """Frozen tuning configs of the blockwise FP8 matmul kernel and the per-shape heuristic.
 
 A config fixes the CTA output tile (``block_m x block_n``), how the two compute warpgroups
-split it, the pipeline depth and the order in which the persistent programs visit output
-tiles. K is always walked in 128-wide blocks: the scale granularity of DeepSeek-V3's recipe
+split it, the pipeline depth, the order in which the persistent programs visit output
+tiles and whether two CTAs form a cluster sharing one operand by TMA multicast. K is
+always walked in 128-wide blocks: the scale granularity of DeepSeek-V3's recipe
 and the K of one 128-byte-swizzled FP8 ``wgmma`` group.
 
 Each compute warpgroup owns a ``wg_m x wg_n`` tile that it covers in one or two *passes*
