@@ -94,10 +94,11 @@ def test_choice_among_the_kernels_tiles(shape):
                          ids=lambda s: "x".join(map(str, s)))
 def test_deepgemms_own_choices_are_out_of_the_kernels_reach(shape):
     """What the model picks from DeepGEMM's candidates at the 4096-token shapes needs what
-    this kernel lacks: a 2-CTA cluster with TMA multicast (more than one wave), or a width
-    that is not 128 or 256 columns (144-192 wide single-pass warpgroup tiles), or 256 rows
-    with 128 columns (which spills in this kernel: its measured cost is 1.13x). So the
-    heuristic's choice differs from DeepGEMM's wherever this holds."""
+    the default heuristic does not offer: a 2-CTA cluster with TMA multicast (more than one
+    wave; opt-in with ``clusters=True``, below), or a width that is not 128 or 256 columns
+    (144-192 wide single-pass warpgroup tiles), or 256 rows with 128 columns (which spills
+    in this kernel: its measured cost is 1.13x). So the heuristic's choice differs from
+    DeepGEMM's wherever this holds."""
     bm, bn, cluster = _best(*shape, _deepgemm_candidates())
     shipped = {(c.block_m, c.block_n) for c in SHIPPED_CONFIGS.values()}
     assert cluster != (1, 1) or (bm, bn) not in shipped or (bm, bn) == (256, 128)
