@@ -94,7 +94,9 @@ class TuningConfig:
         both) or (1, 2) (two tiles of a tile-row sharing A's). ``tile_cycles`` models
         them. Dense kernel only, with ``scales="global"``: a cluster barrier takes one
         arrival per warpgroup, from one thread, which does not order the other threads'
-        plain reads of staged scales before the slot's release.
+        plain reads of staged scales before the slot's release. Not timed on a GPU yet;
+        in GPU-interpret mode on CPU the two-pass tiles (128x256, 256x128) in clusters
+        hang at times (see docs/guides/kernels.md).
     """
 
     block_m: int

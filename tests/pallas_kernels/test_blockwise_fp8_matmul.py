@@ -4,6 +4,7 @@ gradient GEMMs, race detection, the dispatch guard and input validation."""
 import contextlib
 import dataclasses
 import functools
+import importlib
 import io
 
 import jax
@@ -172,14 +173,20 @@ def test_ragged_shapes_wide_tiles_and_staged_scales(m, n, k, cfg, out_dtype, b_t
 # copy is a multicast: test_cross_lowering.py). Interpret mode launches one cluster, so it
 # walks every cluster tile: several tiles a CTA. Odd tile counts along the cluster's
 # dimension put the last cluster's second CTA past the edge.
+#
+# Only the one-pass tiles run here. The two-pass tiles in clusters (128x256, the heuristic's
+# choice, and 256x128) hang in GPU-interpret mode on a 2-core CPU, often but not always
+# (jax 0.11.2): the stacks then show four of the six warpgroups in barrier waits, two of
+# them on XLA's own callback threads, and the other warpgroups' executions stopped outside
+# any simulated barrier, so the interpreter's host threads, not a barrier of the kernel,
+# look starved; unclustered, the same tiles never hung. Cross-lowering covers them; run
+# them on a GPU before relying on them (docs/guides/kernels.md).
 CLUSTER_CASES = [
     # m, n, k, config, cluster, out dtype, B tiles
     (320, 272, 128, "128x128", (2, 1), jnp.float32, "128x128"),  # 3 tile rows; K = 128
     (320, 272, 384, "128x128", (1, 2), jnp.bfloat16, "128x128"),  # 3 tile columns
     (200, 272, 256, "128x128", (1, 2), jnp.float32, "1x128"),  # per-row B scales
     (192, 400, 640, "64x128", (2, 1), jnp.float32, "128x128"),  # 3 rows of 64, split N
-    (320, 400, 1280, "128x256", (2, 1), jnp.bfloat16, "128x128"),  # the heuristic's tile
-    (320, 272, 256, "256x128", (1, 2), jnp.float32, "128x128"),  # DeepGEMM's multicast of A
 ]
 
 
@@ -191,6 +198,24 @@ def test_clusters_match_reference_on_ragged_shapes(m, n, k, cfg_name, cluster, o
                                                    b_tiles):
     config = dataclasses.replace(SHIPPED_CONFIGS[cfg_name], cluster=cluster)
     _check_kernel("interpret", m, n, k, config, out_dtype, b_tiles == "1x128")
+
+
+@pytest.mark.slow
+def test_cluster_mapping_fault_is_caught(monkeypatch):
+    """Negative control for the cluster cases above: both CTAs of a cluster computing the
+    first CTA's tile (the second's tiles are never written) fails the comparison."""
+    bfm = importlib.import_module("pallas_kernels.blockwise_fp8_matmul")
+    right = bfm.cluster_tile
+    monkeypatch.setattr(bfm, "cluster_tile", lambda mi, ni, cluster, cta: right(
+        mi, ni, cluster, 0))
+    jax.clear_caches()  # the mapping is read while tracing
+    try:
+        config = dataclasses.replace(SHIPPED_CONFIGS["128x128"], cluster=(1, 2))
+        with pytest.raises(AssertionError):
+            _check_kernel("interpret", 320, 272, 128, config, jnp.float32, False)
+    finally:
+        monkeypatch.setattr(bfm, "cluster_tile", right)
+        jax.clear_caches()
 
 
 @pytest.mark.parametrize("cluster", [(2, 1), (1, 2)])
