@@ -32,13 +32,15 @@ formats: $(STAMP)
 	$(VENV)/bin/fmtkit formats
 
 # pytest-xdist: 2 workers (each test is independent and seeds its own randomness, so the
-# results do not depend on which worker runs it). `slow` marks end-to-end training runs, the
+# results do not depend on which worker runs it); `worksteal` hands a worker that runs out of
+# tests half of the other's queue, so a few minute-long tests at the end do not leave one core
+# idle. `slow` marks end-to-end training runs, the
 # model zoo's compiled training steps and the README examples: test-all runs them too.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 -m "not slow"
+	$(VENV)/bin/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 test-all: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2
+	$(VENV)/bin/python -m pytest -q -n 2 --dist worksteal
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fmtkit pallas_kernels studies tools tests examples

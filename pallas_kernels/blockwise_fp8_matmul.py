@@ -40,8 +40,13 @@ inside the pass (a per-column scale vector then, as with per-row B scales).
 
 When the stages divide the K blocks (``config.pipeline_stages``), one pipeline runs through
 all of a CTA's tiles (``pipeline_state``), so the ring is not drained and refilled between
-tiles. The epilogue casts and stores each 64-row pass through two 8 KiB shared-memory slots
-per warpgroup with TMA.
+tiles. The epilogue casts a warpgroup's sums to the output dtype and stores them with TMA
+in chunks of 64 rows (at most 8 KiB each) staged in shared memory: with
+``config.epilogue == "chunks"`` through two slots per warpgroup used in turn, waiting before
+each chunk until at most one store is in flight; with ``"tile"`` (the shipped 64x128 and
+64x256) through one slot per chunk of the warpgroup's tile, written at once and stored back
+to back, waited for only at the next tile's epilogue, so the stores run during the next
+tile's K loop.
 
 With ``config.cluster`` (opt-in) the kernel launches clusters of two CTAs that take
 neighbouring tiles (``cluster_tile``) and share one operand's tile, which each loads half of
@@ -64,8 +69,10 @@ from pallas_kernels.config import (
     BLOCK_K,
     TuningConfig,
     choose_config,
+    chunks_per_tile,
     epilogue_n,
     epilogue_swizzle,
+    output_slots,
     pipeline_stages,
     scale_widths,
 )
@@ -97,7 +104,7 @@ def _swizzled(dtype, swizzle: int = 128) -> tuple:
 # Private fault injection for the race-detector tests (``tests/pallas_kernels``): each
 # breaks one step of the synchronization protocol below. Never set outside tests.
 _HAZARDS = ("release_before_wgmma", "release_before_wait", "read_after_release",
-            "no_store_wait", "shared_output_slot")
+            "no_store_wait", "shared_output_slot", "tile_wait_leaves_one")
 
 
 def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stages: int,
@@ -335,9 +342,15 @@ def run_tiles_persistent(run, first, last, persistent: bool) -> None:
 def store_passes(sums, out_ref, my_smem, *, config: TuningConfig, row0, col0, chunk,
                  hazard: str | None = None):
     """Casts and stores a warpgroup's sums to ``out_ref`` rows ``row0 + pr``, columns
-    ``col0 + pc`` per pass, through the warpgroup's two staging slots ``my_smem`` with TMA
-    (the tensor's bounds clip the store). ``chunk``: the CTA's count of chunks stored
-    before this tile (the slots alternate over it)."""
+    ``col0 + pc`` per pass, through the warpgroup's staging slots ``my_smem``
+    (``output_slots``) with TMA (the tensor's bounds clip the store), in chunks of 64 x
+    ``epilogue_n``. ``config.epilogue == "chunks"``: two slots used in turn, ``chunk`` the
+    CTA's count of chunks stored before this tile (the slots alternate over it);
+    ``"tile"``: see ``store_tile``."""
+    if config.epilogue == "tile":
+        store_tile(sums, out_ref, my_smem, config=config, row0=row0, col0=col0,
+                   hazard=hazard)
+        return
     out_dtype = out_ref.dtype
     epi_n = epilogue_n(config, out_dtype)
     for (pr, pc), acc in zip(config.passes, sums):
@@ -354,9 +367,27 @@ def store_passes(sums, out_ref, my_smem, *, config: TuningConfig, row0, col0, ch
                 out_ref.at[pl.ds(row0 + pr, 64), pl.ds(col0 + pc + e, epi_n)])
 
 
-def chunks_per_tile(config: TuningConfig, out_dtype) -> int:
-    """Output chunks (staging-slot uses) per warpgroup and tile."""
-    return len(config.passes) * (config.pass_n // epilogue_n(config, out_dtype))
+def store_tile(sums, out_ref, my_smem, *, config: TuningConfig, row0, col0,
+               hazard: str | None = None):
+    """The "tile" epilogue: one slot of ``my_smem`` per chunk of the warpgroup's tile.
+    Waits until the previous tile's stores have read the slots (the only wait on them: they
+    ran during this tile's K loop), writes every chunk, makes the writes visible to the TMA
+    once, then issues the stores back to back, left in flight for the next tile's K loop
+    (the next call, or the kernel's last wait, waits for them)."""
+    out_dtype = out_ref.dtype
+    epi_n = epilogue_n(config, out_dtype)
+    if hazard != "no_store_wait":
+        # The chunks form's count: the previous tile's last store may still read its slot.
+        plgpu.wait_smem_to_gmem(1 if hazard == "tile_wait_leaves_one" else 0,
+                                wait_read_only=True)
+    dsts = []
+    for (pr, pc), acc in zip(config.passes, sums):
+        for e in range(0, config.pass_n, epi_n):
+            my_smem[len(dsts)] = acc[:, e:e + epi_n].astype(out_dtype)
+            dsts.append(out_ref.at[pl.ds(row0 + pr, 64), pl.ds(col0 + pc + e, epi_n)])
+    plgpu.commit_smem()
+    for slot, dst in enumerate(dsts):
+        plgpu.copy_smem_to_gmem(my_smem.at[slot], dst)
 
 
 def wg_origin(config: TuningConfig, wg):
@@ -409,14 +440,23 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
       the TMA transaction bytes of both tiles have landed (``emit_pipeline`` waits).
     * Scales, ``scales="global"``: plain global loads of read-only inputs, no hazard,
       issued one K block ahead (carried) so their latency hides behind a whole step.
-    * Output staging: each warpgroup owns two 8 KiB slots of ``out_smem``, used in turn
-      over all of the CTA's output chunks (across tiles). Before writing slot j it waits
-      until at most one of its own TMA stores is still reading shared memory
-      (``wait_smem_to_gmem(1, wait_read_only=True)``): stores complete in order, so the
-      older one, the last reader of slot j, has finished. ``commit_smem`` (a
-      ``fence.proxy.async``) makes the generic-proxy writes visible to the TMA store. The
-      warpgroups never share a slot; the kernel's last ``wait_smem_to_gmem(0)`` keeps the
-      CTA alive until its stores have read shared memory.
+    * Output staging, ``epilogue="chunks"``: each warpgroup owns two 8 KiB slots of
+      ``out_smem``, used in turn over all of the CTA's output chunks (across tiles). Before
+      writing slot j it waits until at most one of its own TMA stores is still reading
+      shared memory (``wait_smem_to_gmem(1, wait_read_only=True)``): stores complete in
+      order, so the older one, the last reader of slot j, has finished.
+      ``epilogue="tile"``: each warpgroup owns one slot per chunk of its tile. Its
+      epilogue first waits until *all* its TMA stores have read shared memory
+      (``wait_smem_to_gmem(0, wait_read_only=True)``; 1 would leave the previous tile's
+      last store reading the last slot): those are the previous tile's, issued at the end
+      of its epilogue and in flight during this tile's K loop. It then writes every slot
+      and issues the stores back to back, with no wait between them. In both forms
+      ``commit_smem`` (a ``fence.proxy.async`` and a warpgroup barrier) makes the
+      generic-proxy writes visible to the TMA stores, which one thread issues; a wait
+      (``cp.async.bulk.wait_group.read``, Mosaic GPU adds a warpgroup barrier) is by that
+      thread for its own stores. The warpgroups never share a slot; the kernel's last
+      ``wait_smem_to_gmem(0)`` keeps the CTA alive until its stores have read shared
+      memory.
 
     * Clusters (``config.cluster``): the shared operand's slot in both CTAs is written by
       the multicast copies of both, so a CTA's TMA warpgroup may refill slot s only when
@@ -459,8 +499,9 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
         allocs=pipeline_allocations(a_ref, b_ref, config=config, k_blocks=k_blocks,
                                     stages=stages, scale_refs=scale_tiles(0, 0) or (),
                                     b_rows=b_rows),
-        # [warpgroup, slot]: two 8 KiB slots per warpgroup (double-buffered stores).
-        out_smem=plgpu.SMEM((2, 2, 64, epi_n), out_dtype,
+        # [warpgroup, slot]: two 8 KiB slots per warpgroup (double-buffered stores), or
+        # one per chunk of its tile (``config.epilogue == "tile"``).
+        out_smem=plgpu.SMEM((2, output_slots(config, out_dtype), 64, epi_n), out_dtype,
                             transforms=_swizzled(out_dtype,
                                                  epilogue_swizzle(config, out_dtype))),
         collective_axes="wg",
@@ -486,9 +527,10 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
             row0, col0 = mi * bm + r0, ni * bn + c0
 
             def epilogue(sums):
-                # The slots alternate over the CTA's whole sequence of chunks, across
-                # tiles: with an odd count per tile (64x128: one), restarting at slot 0 on
-                # every tile would overwrite a slot whose store may still be reading it.
+                # "chunks" epilogue: the slots alternate over the CTA's whole sequence of
+                # chunks, across tiles: with an odd count per tile (one: 64x128 bf16),
+                # restarting at slot 0 on every tile would overwrite a slot whose store
+                # may still be reading it.
                 store_passes(sums, out_ref, my_smem, config=config, row0=row0, col0=col0,
                              chunk=info.local_index * per_tile, hazard=hazard)
 

@@ -21,8 +21,9 @@ L2/HBM than 128x128 (1.5x the bytes per K block for 2x the FLOPs).
 Shared memory (``smem_bytes`` models Mosaic GPU's allocation exactly;
 ``tests/pallas_kernels/test_cross_lowering.py`` lowers every shipped config and checks
 the model against Mosaic's own count): the ring of FP8 A and B tiles and, with the scales
-staged (``scales="smem"``, opt-in), their f32 scales per stage; two 8 KiB output
-staging slots per compute warpgroup; and the barriers. Stages are the most that fit the
+staged (``scales="smem"``, opt-in), their f32 scales per stage; the output staging of each
+compute warpgroup (two 8 KiB slots, or with ``epilogue="tile"`` one slot per chunk of its
+tile: ``output_slots``); and the barriers. Stages are the most that fit the
 H200's 227 KiB per block; ``pipeline_stages`` then takes the largest count that divides the
 number of K blocks, so that one pipeline runs across all the output tiles of a CTA
 (``plgpu.emit_pipeline_warp_specialized``'s ``pipeline_state`` needs it).
@@ -38,15 +39,16 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SHIPPED_CONFIGS", "TuningConfig", "choose_config", "epilogue_n",
-           "epilogue_swizzle", "max_stages", "pipeline_stages", "scale_widths",
-           "smem_bytes", "tile_cycles", "with_scales"]
+__all__ = ["SHIPPED_CONFIGS", "TuningConfig", "choose_config", "chunks_per_tile",
+           "epilogue_n", "epilogue_swizzle", "max_stages", "output_slots",
+           "pipeline_stages", "scale_widths", "smem_bytes", "tile_cycles", "with_scales"]
 
 BLOCK_K = 128  # DeepSeek-V3 (arXiv 2412.19437) §3.3.2: scales per 128 K, promotion N_C = 128.
 SMEM_BYTES_H200 = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100/H200 (227 KiB).
 _SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns every shared-memory allocation to 1 KiB
 _BARRIER_BYTES = 8  # one mbarrier
-# Output staged per warpgroup: two 8 KiB slots (double-buffered TMA stores) of 64 rows.
+# Output staged per warpgroup in the "chunks" epilogue: two 8 KiB slots (double-buffered TMA
+# stores) of 64 rows; every staging chunk (a slot's width, ``epilogue_n``) is at most 8 KiB.
 _EPILOGUE_BYTES = 16384
 # Warpgroup widths of one 64-row pass that are not powers of two (DeepGEMM's BLOCK_N in steps
 # of 16 above 128, up to 192: 64 x 192 takes 96 f32 registers a thread of running sums and
@@ -89,6 +91,15 @@ class TuningConfig:
         been timed on a GPU, and in GPU-interpret mode on CPU it deadlocks with the tiles
         split along N (64x128, 64x256; see docs/guides/kernels.md). The grouped kernels
         always read the scales from global memory.
+      epilogue: how a compute warpgroup stages its output tile for the TMA stores.
+        "chunks" (default): through two 8 KiB slots used in turn, waiting before each
+        chunk until at most one of its stores is in flight (a tile of more than two chunks
+        waits inside its own epilogue for its own stores); "tile": one slot per chunk of the
+        warpgroup's tile (``output_slots``), all written, then all stored back to back, with
+        the only wait at the start of the next tile's epilogue, so the stores run during
+        the next tile's K loop. "tile" is what the shipped tiles use where it costs no
+        pipeline stage with either output dtype (64x128, 64x256); it has not been timed
+        on a GPU. The grouped kernels stage their output the same way.
       cluster: CTAs per cluster as (along M, along N): (1, 1) (default), (2, 1) (two
         neighbouring tiles of a tile-column: they share B's tile, which TMA multicasts to
         both) or (1, 2) (two tiles of a tile-row sharing A's). ``tile_cycles`` models
@@ -106,6 +117,7 @@ class TuningConfig:
     grid_minor_dim: Literal["m", "n"] = "m"
     grid_tile_width: int = 8
     scales: Literal["smem", "global"] = "global"
+    epilogue: Literal["chunks", "tile"] = "chunks"
     cluster: tuple[int, int] = (1, 1)
 
     def __post_init__(self):
@@ -143,6 +155,8 @@ class TuningConfig:
                 f"max_concurrent_steps must be in [1, 16], got {self.max_concurrent_steps}.")
         if self.scales not in ("smem", "global"):
             raise ValueError(f"scales must be 'smem' or 'global', got {self.scales!r}.")
+        if self.epilogue not in ("chunks", "tile"):
+            raise ValueError(f"epilogue must be 'chunks' or 'tile', got {self.epilogue!r}.")
         if self.grid_tile_width < 1:
             raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}.")
         if not isinstance(self.cluster, tuple) or self.cluster not in CLUSTERS:
@@ -176,6 +190,7 @@ class TuningConfig:
         cm, cn = self.cluster
         return (f"bm{self.block_m}_bn{self.block_n}_split{self.wg_split}"
                 f"_s{self.max_concurrent_steps}{'_smem_scales' if self.scales == 'smem' else ''}"
+                f"{'_tile_epilogue' if self.epilogue == 'tile' else ''}"
                 f"{f'_cluster{cm}x{cn}' if cm * cn > 1 else ''}")
 
 
@@ -193,6 +208,18 @@ def epilogue_n(config: TuningConfig, out_dtype) -> int:
     return max(w for w in range(16, min(cap, config.pass_n) + 1, 16) if config.pass_n % w == 0)
 
 
+def chunks_per_tile(config: TuningConfig, out_dtype) -> int:
+    """Output chunks (TMA stores of 64 x ``epilogue_n``) per warpgroup and tile."""
+    return len(config.passes) * (config.pass_n // epilogue_n(config, out_dtype))
+
+
+def output_slots(config: TuningConfig, out_dtype) -> int:
+    """Output staging slots per compute warpgroup: 2 with ``epilogue="chunks"`` (used in
+    turn), ``chunks_per_tile`` with ``epilogue="tile"`` (the warpgroup's whole tile: 1 to 4
+    for bf16, 2 to 8 for f32 among the shipped tiles)."""
+    return chunks_per_tile(config, out_dtype) if config.epilogue == "tile" else 2
+
+
 def epilogue_swizzle(config: TuningConfig, out_dtype) -> int:
     """The shared-memory swizzle (bytes) of the output staging slots: the widest of 128, 64
     and 32 bytes whose row of elements divides ``epilogue_n`` (128 for every width but the
@@ -207,8 +234,9 @@ def smem_bytes(config: TuningConfig, out_dtype, stages: int | None = None,
     """Shared memory of one CTA as Mosaic GPU allocates it, in bytes: the pipeline ring
     (FP8 A and B tiles, and with ``config.scales == "smem"`` A's f32 row scales and B's
     column scales (``b_rows``) or window of ``B_SCALE_WINDOW`` block scales; each ring
-    aligned to 1 KiB), the two warpgroups' two output staging slots, and per stage a
-    produced barrier and a consumed barrier per input."""
+    aligned to 1 KiB), the two warpgroups' output staging slots (``output_slots`` each, of
+    64 x ``epilogue_n``), and per stage a produced barrier and a consumed barrier per
+    input."""
     s = config.max_concurrent_steps if stages is None else stages
     ring = _align(s * config.block_m * BLOCK_K) + _align(s * config.block_n * BLOCK_K)
     inputs = 2
@@ -216,7 +244,8 @@ def smem_bytes(config: TuningConfig, out_dtype, stages: int | None = None,
         a_width, b_width = scale_widths(config, b_rows)
         ring += _align(s * a_width * 4) + _align(s * b_width * 4)
         inputs = 4
-    out = _align(2 * 2 * 64 * epilogue_n(config, out_dtype) * np.dtype(out_dtype).itemsize)
+    out = _align(2 * output_slots(config, out_dtype) * 64 * epilogue_n(config, out_dtype)
+                 * np.dtype(out_dtype).itemsize)
     return ring + out + (1 + inputs) * s * _BARRIER_BYTES
 
 
@@ -260,21 +289,25 @@ def pipeline_stages(config: TuningConfig, k_blocks: int) -> tuple[int, bool]:
     return cap, False
 
 
-# Shipped configs: the most stages that fit (both output dtypes stage 16 KiB per warpgroup, so
-# the count does not depend on it; ``test_cross_lowering`` checks that one more does not
-# fit). Names are the CTA tile.
+# Shipped configs: the most stages that fit with either output dtype (``test_cross_lowering``
+# checks that one more does not fit). The "chunks" epilogue stages 16 KiB per warpgroup with
+# either dtype. The "tile" epilogue stages the warpgroup's tile, 8-64 KiB: the 64-row tiles
+# keep their stages with it with either dtype (64x128: 16 or 32 KiB of staging for both
+# warpgroups instead of 32; 64x256: 32 or 64 KiB, 4 stages of 40 KiB beside it), the others
+# would lose one (128x128 with f32 output; 256x128 and 128x256 with either).
+# Names are the CTA tile.
 SHIPPED_CONFIGS: dict[str, TuningConfig] = {
     "128x128": TuningConfig(128, 128, "m", 6),
     "256x128": TuningConfig(256, 128, "m", 4),  # two 64-row passes per warpgroup
     "128x256": TuningConfig(128, 256, "m", 4, grid_tile_width=4),  # two 128-column passes
-    "64x256": TuningConfig(64, 256, "n", 4, grid_tile_width=16),
-    "64x128": TuningConfig(64, 128, "n", 8, grid_tile_width=16),
+    "64x256": TuningConfig(64, 256, "n", 4, grid_tile_width=16, epilogue="tile"),
+    "64x128": TuningConfig(64, 128, "n", 8, grid_tile_width=16, epilogue="tile"),
 }
 
 def with_scales(config: TuningConfig, scales: Literal["smem", "global"]) -> TuningConfig:
     """``config`` with the scales read as ``scales`` says and the most stages that then fit
     with either output dtype and either B scale layout (the scale rings of "smem" cost a
-    stage in all shipped tiles but 64x256)."""
+    stage in all shipped tiles; 64x256 only beside its "tile" epilogue's f32 staging)."""
     c = dataclasses.replace(config, scales=scales)
     return dataclasses.replace(c, max_concurrent_steps=min(
         max_stages(c, dt, b_rows=br) for dt in (jnp.bfloat16, jnp.float32)

@@ -49,7 +49,6 @@ from pallas_kernels import _backend
 from pallas_kernels._backend import Impl, pl, plgpu
 from pallas_kernels.blockwise_fp8_matmul import (
     blockwise_fp8_matmul_reference,
-    chunks_per_tile,
     pipeline_allocations,
     run_tiles_persistent,
     store_passes,
@@ -61,7 +60,9 @@ from pallas_kernels.config import (
     SHIPPED_CONFIGS,
     TuningConfig,
     choose_config,
+    chunks_per_tile,
     epilogue_n,
+    output_slots,
     pipeline_stages,
 )
 from pallas_kernels.quantize import quantize_1x128
@@ -183,24 +184,32 @@ def _store_rows(sums, out_ref, my_smem, *, config: TuningConfig, row0, col0, lo,
                 chunk):
     """Stores rows ``[lo, hi)`` (absolute) of a warpgroup's sums (zeros if ``zero``):
     each 64-row pass's valid rows as a ladder of TMA stores of 64, 32, ..., 1 rows, one
-    bulk group per staging chunk (see ``store_passes`` for the slots' protocol)."""
+    bulk group per staging chunk (see ``store_passes`` for the slots' protocol: with
+    ``config.epilogue == "tile"`` one wait for all earlier stores, then chunk i in slot
+    i)."""
     out_dtype = out_ref.dtype
     epi_n = epilogue_n(config, out_dtype)
+    tile = config.epilogue == "tile"
+    if tile:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    i = 0
     for (pr, pc), acc in zip(config.passes, sums):
         prow = row0 + pr
         start = jnp.clip(lo - prow, 0, 64)
         size = jnp.maximum(jnp.clip(hi - prow, 0, 64) - start, 0)
         for e in range(0, config.pass_n, epi_n):
-            _store_chunk(acc[:, e:e + epi_n], my_smem.at[lax.rem(chunk, 2)],
-                         out_ref.at[:, pl.ds(col0 + pc + e, epi_n)], prow, start, size, zero)
-            chunk = chunk + 1
+            _store_chunk(acc[:, e:e + epi_n], my_smem.at[i if tile else lax.rem(chunk, 2)],
+                         out_ref.at[:, pl.ds(col0 + pc + e, epi_n)], prow, start, size, zero,
+                         wait=not tile)
+            chunk, i = chunk + 1, i + 1
 
 
-def _store_chunk(value, slot_ref, out_cols, prow, start, size, zero):
-    """One staging chunk: waits for the slot, writes ``value`` (or zeros), then stores its
-    rows ``[start, start + size)`` to ``out_cols`` rows from ``prow + start`` by a ladder
-    of TMA stores, committed as one bulk group."""
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+def _store_chunk(value, slot_ref, out_cols, prow, start, size, zero, *, wait: bool = True):
+    """One staging chunk: waits for the slot (``wait``), writes ``value`` (or zeros), then
+    stores its rows ``[start, start + size)`` to ``out_cols`` rows from ``prow + start`` by
+    a ladder of TMA stores, committed as one bulk group."""
+    if wait:
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
 
     @pl.when(zero)
     def _zeros():
@@ -237,7 +246,7 @@ def _grouped_kernel(tasks_ref, nreal_ref, a_ref, as_ref, b_ref, bs_ref, out_ref,
         allocs=pipeline_allocations(a_ref, b_ref.at[0], config=config, k_blocks=k_blocks,
                                     stages=stages),
         # [warpgroup, slot], unswizzled: the ladder slices them at any row.
-        out_smem=plgpu.SMEM((2, 2, 64, epi_n), out_dtype),
+        out_smem=plgpu.SMEM((2, output_slots(config, out_dtype), 64, epi_n), out_dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
@@ -289,7 +298,7 @@ def _wgrad_kernel(blocks_ref, a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: 
         pl.run_scoped,
         allocs=pipeline_allocations(a_ref, b_ref, config=config, k_blocks=max_blocks,
                                     stages=stages),
-        out_smem=plgpu.SMEM((2, 2, 64, epi_n), out_dtype,
+        out_smem=plgpu.SMEM((2, output_slots(config, out_dtype), 64, epi_n), out_dtype,
                             transforms=(plgpu.TilingTransform((8, 1024 // (
                                 jnp.dtype(out_dtype).itemsize * 8))),
                                         plgpu.SwizzleTransform(128))),

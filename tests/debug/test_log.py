@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from child_env import child_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fmtkit.debug import log as dlog
@@ -342,11 +342,9 @@ print(json.dumps(x.astype(np.float64).tolist()))
 def test_per_device_statistics_on_four_simulated_devices(tmp_path):
     """Statistics computed per device by pmap on four simulated CPU devices (a subprocess:
     the suite runs on one device) are written once, reduced by their rules."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
-                        "--xla_allow_excess_precision=false")
     root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    env = child_env("--xla_force_host_platform_device_count=4",
+                    "--xla_allow_excess_precision=false", pythonpath=(root,))
     out = subprocess.run([sys.executable, "-c", _DEVICES, str(tmp_path)], capture_output=True,
                          text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

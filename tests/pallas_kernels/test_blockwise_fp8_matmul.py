@@ -190,6 +190,42 @@ CLUSTER_CASES = [
 ]
 
 
+# Ragged shapes for the "tile" epilogue (one staging slot per chunk of a warpgroup's tile,
+# the stores waited for by the next tile's epilogue): M not a multiple of the tile, N tails of
+# 16 columns (TMA clips the last chunks' stores), K = 128, 3 to 6 tiles a program (interpret
+# mode runs 2 programs), so that a tile's stores are still in flight when the next tile's
+# K loop and epilogue run. Every tile shape, bf16 (1-4 slots a warpgroup) and f32 (2-8),
+# both B scale layouts.
+TILE_EPILOGUE_CASES = [
+    # m, n, k, config name, out dtype, B tiles
+    (192, 272, 128, "128x128", jnp.float32, "128x128"),  # 6 tiles, 4 slots
+    (320, 400, 256, "256x128", jnp.bfloat16, "1x128"),  # 8 tiles, two passes, 4 slots
+    (192, 528, 128, "128x256", jnp.float32, "128x128"),  # 6 tiles, 8 slots
+    (320, 272, 384, "64x256", jnp.float32, "1x128"),  # 10 tiles, split N, 4 slots
+    (192, 400, 128, "64x128", jnp.bfloat16, "128x128"),  # 12 tiles, one slot
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m,n,k,cfg_name,out_dtype,b_tiles", TILE_EPILOGUE_CASES,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{np.dtype(c[4]).name}-b{c[5]}"
+                              for c in TILE_EPILOGUE_CASES])
+def test_tile_epilogue_on_ragged_shapes(m, n, k, cfg_name, out_dtype, b_tiles):
+    """The "tile" epilogue: equal to the reference and within DeepGEMM's bound of the
+    float64 product (``_check_kernel``), and bit-identical to the "chunks" epilogue (the
+    epilogue only moves the same rounded values)."""
+    b_rows = b_tiles == "1x128"
+    forms = {e: dataclasses.replace(SHIPPED_CONFIGS[cfg_name], epilogue=e)
+             for e in ("chunks", "tile")}
+    _check_kernel("interpret", m, n, k, forms["tile"], out_dtype, b_rows)
+    x, w = _data(m, n, k, seed=m + n + k)
+    xq, xs, wq, ws = _quantized(x, w, b_rows=b_rows)
+    tile, chunks = (np.asarray(blockwise_fp8_matmul(xq, xs, wq, ws, out_dtype=out_dtype,
+                                                    impl="interpret", config=forms[e]))
+                    for e in ("tile", "chunks"))
+    np.testing.assert_array_equal(tile, chunks)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("m,n,k,cfg_name,cluster,out_dtype,b_tiles", CLUSTER_CASES,
                          ids=[f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-cluster{c[4][0]}x{c[4][1]}-"
@@ -317,6 +353,22 @@ def test_wgrad_pads_tokens():
     np.testing.assert_array_equal(np.asarray(cut), np.asarray(full))
 
 
+# The race detector's pool of TMA threads for the "tile" epilogue. GPU-interpret mode gives
+# each TMA copy the vector-clock position of one of a few simulated TMA threads (5 by
+# default), round robin, shared with the pipeline's loads: a compute warpgroup that waits on
+# the next tile's loads also learns the positions of its earlier stores, so a dropped or
+# short store wait a whole K loop later is not reported (checked: both injected hazards
+# below pass unreported with 5). With more positions than copies in the run, only the store
+# wait orders a slot's next write after the store's read.
+_TILE_RACE_TMA_THREADS = 256
+
+
+def _race_params(config):
+    return plgpu.InterpretGPUParams(detect_races=True, **(
+        {"num_tma_threads_per_device": _TILE_RACE_TMA_THREADS}
+        if config.epilogue == "tile" else {}))
+
+
 @pytest.mark.parametrize("m,n,k,cfg_name", [
     # persistent pipeline: 3 tiles a program (START, STEADY, STOP), 10 K blocks through 5
     # stages (the ring wraps inside a tile and across tiles)
@@ -324,25 +376,31 @@ def test_wgrad_pads_tokens():
     # drain per tile (7 K blocks, 4 stages: the ring wraps), two 64-row passes, one tile a
     # program plus a program with two
     (768, 128, 896, "256x128"),
-    # one output staging chunk per tile (64x64 warpgroup tiles, bf16): the staging slot
-    # must alternate across tiles, not restart at slot 0 on every tile
-    (192, 256, 256, "64x128"),
-], ids=["persistent-128x128", "drain-256x128", "one-chunk-per-tile-64x128"])
+    # one output staging chunk per tile (64x64 warpgroup tiles, bf16) in the "chunks"
+    # epilogue: the staging slot must alternate across tiles, not restart at slot 0 on
+    # every tile
+    (192, 256, 256, "64x128-chunks"),
+    # the "tile" epilogue (shipped 64x128): one slot a warpgroup, waited for by the next
+    # tile's epilogue
+    pytest.param(192, 256, 256, "64x128", marks=pytest.mark.slow),
+], ids=["persistent-128x128", "drain-256x128", "one-chunk-per-tile-64x128",
+        "tile-epilogue-64x128"])
 def test_no_races_in_interpret_mode(m, n, k, cfg_name):
     """The kernel under the race detector: the slot release after the wgmma wait, the
     plain accesses of the ring, the pipeline handed from tile to tile and the
     double-buffered output staging. What an empty report is worth, hazard by hazard, is
     shown by ``test_injected_hazard_is_caught`` (the detector is blind to the wgmma's own
     shared-memory reads)."""
-    out_dtype = jnp.bfloat16 if cfg_name == "64x128" else jnp.float32
+    out_dtype = jnp.bfloat16 if cfg_name.startswith("64x128") else jnp.float32
+    config = SHIPPED_CONFIGS[cfg_name.removesuffix("-chunks")]
+    if cfg_name.endswith("-chunks"):
+        config = dataclasses.replace(config, epilogue="chunks")
     x, w = _data(m, n, k, seed=7)
     xq, xs, wq, ws = _quantized(x, w)
     out_buf = io.StringIO()
     with contextlib.redirect_stdout(out_buf):
-        out = blockwise_fp8_matmul(
-            xq, xs, wq, ws, out_dtype=out_dtype,
-            impl=plgpu.InterpretGPUParams(detect_races=True),
-            config=SHIPPED_CONFIGS[cfg_name])
+        out = blockwise_fp8_matmul(xq, xs, wq, ws, out_dtype=out_dtype,
+                                   impl=_race_params(config), config=config)
         out.block_until_ready()
     assert "RACE DETECTED" not in out_buf.getvalue()
     ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
@@ -365,22 +423,37 @@ HAZARDS = [
     pytest.param("release_before_wait", "race", id="release-between-issue-and-wait",
                  marks=pytest.mark.xfail(strict=True, reason=_WGMMA_BLIND)),
 ]
+# The same for the "tile" epilogue (128x128, f32: four chunks a warpgroup tile, each in its
+# own slot): its one store wait dropped, waiting with the "chunks" form's count (the
+# previous tile's last store still reading the last slot), two warpgroups on one set of
+# slots. Slow: GPU-interpret mode, about 4 s each.
+TILE_HAZARDS = [
+    pytest.param(h, "race", "tile", id=f"tile-epilogue-{i}", marks=pytest.mark.slow)
+    for h, i in (("no_store_wait", "store-wait-dropped"),
+                 ("tile_wait_leaves_one", "store-wait-leaves-one"),
+                 ("shared_output_slot", "warpgroups-share-output-slots"))]
 
 
-@pytest.mark.parametrize("hazard,caught_by", HAZARDS)
-def test_injected_hazard_is_caught(hazard, caught_by):
+@pytest.mark.parametrize("hazard,caught_by,epilogue", [
+    pytest.param(*p.values, "chunks", id=p.id, marks=p.marks) for p in HAZARDS
+] + TILE_HAZARDS)
+def test_injected_hazard_is_caught(hazard, caught_by, epilogue):
     """Negative controls for ``test_no_races_in_interpret_mode``: the kernel with one step
     of its synchronization protocol broken (a private switch of ``_kernel_call``), at its
-    persistent case (3 tiles a program, 10 K blocks through 5 stages)."""
+    persistent case (3 tiles a program, 10 K blocks through 5 stages), in the "chunks"
+    epilogue or (``TILE_HAZARDS``) the "tile" one."""
     from pallas_kernels.blockwise_fp8_matmul import _kernel_call
 
+    # (5 stages: the "tile" epilogue's most with f32 output; the case uses 5 either way)
+    config = dataclasses.replace(SHIPPED_CONFIGS["128x128"], epilogue=epilogue,
+                                 max_concurrent_steps=5)
     x, w = _data(384, 256, 1280, seed=7)
     xq, xs, wq, ws = _quantized(x, w)
     out_buf = io.StringIO()
     with contextlib.redirect_stdout(out_buf):
-        out = _kernel_call(xq, xs.T, wq, ws.T, config=SHIPPED_CONFIGS["128x128"],
+        out = _kernel_call(xq, xs.T, wq, ws.T, config=config,
                            out_dtype=jnp.float32, b_rows=False, hazard=hazard,
-                           impl=plgpu.InterpretGPUParams(detect_races=True))
+                           impl=_race_params(config))
         out.block_until_ready()
     reported = "RACE DETECTED" in out_buf.getvalue()
     ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
@@ -526,6 +599,8 @@ def test_bad_options(kwargs, exc, match):
     (dict(block_m=256, block_n=256, wg_split="m"), r"more than two 64x128 passes"),
     (dict(block_m=128, block_n=128, wg_split="x"), r"wg_split must be"),
     (dict(block_m=128, block_n=128, wg_split="m", grid_minor_dim="k"), r"grid_minor_dim"),
+    (dict(block_m=128, block_n=128, wg_split="m", epilogue="whole"),
+     r"^epilogue must be 'chunks' or 'tile', got 'whole'"),
     (dict(block_m=128, block_n=128, wg_split="m", cluster=(2, 2)),
      r"^cluster must be one of \(\(1, 1\), \(2, 1\), \(1, 2\)\)"),
     (dict(block_m=128, block_n=128, wg_split="m", cluster=[2, 1]), r"^cluster must be one of"),
@@ -599,6 +674,39 @@ def test_epilogue_slots_divide_the_pass(block_n, out_dtype, want):
 
     config = TuningConfig(128, block_n, "m", 4)
     assert (epilogue_n(config, out_dtype), epilogue_swizzle(config, out_dtype)) == want
+
+
+@pytest.mark.parametrize("name,dtype,want", [
+    # (staging slots a warpgroup, shared memory in bytes); ring + staging + barriers, by hand
+    ("128x128", jnp.bfloat16, (2, 6 * 256 * 128 + 2 * 2 * 8192 + 6 * 3 * 8)),
+    ("128x128", jnp.float32, (4, 6 * 256 * 128 + 2 * 4 * 8192 + 6 * 3 * 8)),
+    ("256x128", jnp.float32, (8, 4 * 384 * 128 + 2 * 8 * 8192 + 4 * 3 * 8)),
+    ("64x128", jnp.bfloat16, (1, 8 * 192 * 128 + 2 * 1 * 8192 + 8 * 3 * 8)),
+    ("64x256", jnp.float32, (4, 4 * 320 * 128 + 2 * 4 * 8192 + 4 * 3 * 8)),
+])
+def test_tile_epilogue_staging_bytes(name, dtype, want):
+    """The "tile" epilogue's staging, worked by hand: a warpgroup's tile in 8 KiB chunks
+    (64 rows x 64 bf16 or 32 f32 columns), one slot each, for both warpgroups."""
+    from pallas_kernels.config import output_slots, smem_bytes
+
+    config = dataclasses.replace(SHIPPED_CONFIGS[name], epilogue="tile")
+    assert (output_slots(config, dtype), smem_bytes(config, dtype)) == want
+    assert output_slots(dataclasses.replace(config, epilogue="chunks"), dtype) == 2
+
+
+@pytest.mark.parametrize("name", list(SHIPPED_CONFIGS))
+def test_shipped_epilogue_is_tile_where_it_costs_no_stage(name):
+    """A shipped config uses the "tile" epilogue exactly where its stages still fit with
+    it for either output dtype and either B scale layout (64x128 and 64x256; 128x128
+    would lose one with f32 output, 256x128 and 128x256 with either)."""
+    from pallas_kernels.config import max_stages
+
+    config = SHIPPED_CONFIGS[name]
+    tile = dataclasses.replace(config, epilogue="tile")
+    fits = all(max_stages(tile, dt, b_rows=br) >= config.max_concurrent_steps
+               for dt in (jnp.bfloat16, jnp.float32) for br in (False, True))
+    assert config.epilogue == ("tile" if fits else "chunks")
+    assert fits == (name in ("64x128", "64x256"))
 
 
 @pytest.mark.parametrize("block_m,block_n,split,b_rows,want", [

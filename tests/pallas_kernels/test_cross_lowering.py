@@ -23,6 +23,7 @@ from pallas_kernels.config import (
     WIDE_PASSES,
     TuningConfig,
     choose_config,
+    chunks_per_tile,
     max_stages,
     pipeline_stages,
     smem_bytes,
@@ -99,10 +100,9 @@ def test_auto_picks_the_kernel_on_an_h200():
 def test_one_more_stage_overflows_as_modelled(name, dtype):
     """Controls for the checks above: one stage more than fits is rejected by Mosaic GPU,
     which reports exactly the bytes ``smem_bytes`` predicts (so the stage counts are the
-    most that fit, and the model is Mosaic's)."""
+    most that fit, and the model is Mosaic's), with the config's own epilogue form."""
     config = SHIPPED_CONFIGS[name]
-    bigger = TuningConfig(config.block_m, config.block_n, config.wg_split,
-                          config.max_concurrent_steps + 1)
+    bigger = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps + 1)
     want = smem_bytes(bigger, dtype)
     assert want > SMEM_BYTES_H200
     k = bigger.max_concurrent_steps * BLOCK_K  # as many K blocks as stages: all are used
@@ -284,13 +284,13 @@ def test_staged_scales_one_more_stage_overflows_as_modelled(name):
     config = with_scales(SHIPPED_CONFIGS[name], "smem")
     for b_rows in (False, True):
         assert smem_bytes(config, jnp.float32, b_rows=b_rows) <= SMEM_BYTES_H200
-    bigger = TuningConfig(config.block_m, config.block_n, config.wg_split,
-                          config.max_concurrent_steps + 1, scales="smem")
-    want = smem_bytes(bigger, jnp.bfloat16)
+    bigger = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps + 1)
+    # f32 output: the dtype that bounds the stages of the "tile" epilogue (64x128, 64x256)
+    want = smem_bytes(bigger, jnp.float32)
     assert want > SMEM_BYTES_H200
     k = bigger.max_concurrent_steps * BLOCK_K
     with pytest.raises(ValueError, match=f"smem_bytes={want} > max_smem_bytes"):
-        _lower_for_h200(functools.partial(blockwise_fp8_matmul, out_dtype=jnp.bfloat16,
+        _lower_for_h200(functools.partial(blockwise_fp8_matmul, out_dtype=jnp.float32,
                                           impl="kernel", config=bigger),
                         *_matmul_args(4096, 2048, k))
 
@@ -314,6 +314,77 @@ def test_wide_tiles_lower_for_h200(width, scales, dtype, b_rows):
         functools.partial(blockwise_fp8_matmul, out_dtype=dtype, impl="kernel",
                           config=config), *_matmul_args(4096, 2112, 7168, b_rows=b_rows))
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name", list(SHIPPED_CONFIGS))
+def test_tile_epilogue_stages_as_modelled(name, dtype):
+    """Every tile with the "tile" epilogue (one staging slot per chunk of a warpgroup's
+    tile: 8 KiB to 64 KiB a warpgroup) at the most stages ``max_stages`` finds for it: Mosaic
+    GPU lowers it, and refuses one stage more with exactly the bytes ``smem_bytes``
+    predicts (the staging model is Mosaic's for 1 to 8 slots)."""
+    config = dataclasses.replace(SHIPPED_CONFIGS[name], epilogue="tile")
+    config = dataclasses.replace(config, max_concurrent_steps=max_stages(config, dtype))
+    bigger = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps + 1)
+    want = smem_bytes(bigger, dtype)
+    assert smem_bytes(config, dtype) <= SMEM_BYTES_H200 < want
+    for cfg in (config, bigger):
+        k = cfg.max_concurrent_steps * BLOCK_K  # as many K blocks as stages: all are used
+        lower = functools.partial(_lower_for_h200, functools.partial(
+            blockwise_fp8_matmul, out_dtype=dtype, impl="kernel", config=cfg),
+            *_matmul_args(4096, 2048, k))
+        if cfg is config:
+            assert "mosaic_gpu" in lower()
+        else:
+            with pytest.raises(ValueError, match=f"smem_bytes={want} > max_smem_bytes"):
+                lower()
+
+
+def _store_events(mod) -> list[str]:
+    """The output stores and their waits of a Mosaic GPU module in program order: "T" for
+    a TMA store (``cp.async.bulk.tensor.global.shared``), "W<n>" for a wait until at most n
+    bulk groups still read shared memory (``cp.async.bulk.wait_group.read``)."""
+    events = []
+    for op in _walk(mod.operation):
+        if op.name == "nvvm.cp.async.bulk.tensor.global.shared.cta":
+            events.append("T")
+        elif op.name == "nvvm.cp.async.bulk.wait_group":
+            assert "read" in op.attributes  # only the stores' reads are waited for
+            events.append(f"W{op.attributes['group'].value}")
+    return events
+
+
+# (config, out dtype, K): a drain-per-tile kernel (one epilogue in the module) and a
+# persistent one (START, STEADY, STOP and single-tile pipelines: four epilogues).
+STORE_ORDER_CASES = [("256x128", jnp.bfloat16, 896), ("64x256", jnp.float32, 1024)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype,k", STORE_ORDER_CASES,
+                         ids=[f"{c[0]}-{np.dtype(c[1]).name}-k{c[2]}"
+                              for c in STORE_ORDER_CASES])
+def test_tile_epilogue_waits_only_before_its_next_writes(name, dtype, k):
+    """In the lowered module of the "tile" epilogue, each epilogue is one wait for *all*
+    earlier stores (``W0``) and then its tile's TMA stores back to back: no wait between
+    or after them, so the only wait on a tile's stores is the next tile's (or the kernel's
+    last). Negative control: the "chunks" epilogue of the same tile (four chunks a
+    warpgroup) waits between its own stores."""
+    found = {}
+    for epilogue in ("tile", "chunks"):
+        config = dataclasses.replace(SHIPPED_CONFIGS[name], epilogue=epilogue)
+        config = dataclasses.replace(config, max_concurrent_steps=max_stages(config, dtype))
+        (mod,) = _mosaic_modules(functools.partial(
+            blockwise_fp8_matmul, out_dtype=dtype, impl="kernel", config=config),
+            *_matmul_args(4096, 2048, k))
+        events = _store_events(mod)
+        epilogues = 4 if pipeline_stages(config, k // BLOCK_K)[1] else 1
+        assert chunks_per_tile(config, dtype) == 4
+        assert events.count("T") == epilogues * 4 and events[-1] == "W0"  # kernel's last
+        found[epilogue] = (events, epilogues)
+    events, epilogues = found["tile"]
+    assert events == ["W0", *"TTTT"] * epilogues + ["W0"]
+    assert found["chunks"][0][:4] == ["W1", "T", "W1", "T"]
 
 
 # Two-CTA clusters: the clustered configs the heuristic asks for (``choose_config(...,

@@ -225,6 +225,30 @@ def test_one_expert_equals_the_dense_kernel(operands):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_both_epilogues_agree_bit_for_bit(operands, out_dtype):
+    """The forward (row ladders from the staging slots, rows past the sum stored as zeros)
+    and the weight gradient (``store_passes``; an empty expert's zero tile) in the
+    "chunks" epilogue equal the shipped 64x128's "tile" epilogue bit for bit: the
+    epilogue only moves the same rounded values."""
+    _, _, (xq, xs, wq, ws) = operands
+    gs = jnp.array(SIZES, jnp.int32)
+    chunks = dataclasses.replace(CFG, epilogue="chunks")
+    assert CFG.epilogue == "tile"
+    fwd = [np.asarray(grouped_fp8_matmul(xq, xs, wq, ws, gs, out_dtype=out_dtype,
+                                         impl="interpret", config=c)) for c in (CFG, chunks)]
+    np.testing.assert_array_equal(*fwd)
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((200, 128)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((200, 256)), jnp.float32)
+    wgrad = [np.asarray(grouped_fp8_wgrad(dy, x, jnp.array((130, 0, 60), jnp.int32),
+                                          out_dtype=out_dtype, impl="interpret", config=c))
+             for c in (CFG, chunks)]
+    np.testing.assert_array_equal(*wgrad)
+    assert not wgrad[0][1].any() and wgrad[0][0].any()
+
+
+@pytest.mark.slow
 def test_masked_layout(operands, mode):
     """A fixed capacity of 48 slots per expert (experts' slots straddle the 64-row tiles),
     counts 0, 5, 48 and 33: each expert's valid rows against the reference and float64,

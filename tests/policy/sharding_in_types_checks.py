@@ -10,8 +10,9 @@ test_sharding_in_types.py for the assertions.
 
 import os
 
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
-                           "--xla_allow_excess_precision=false")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # tests/child_env.py's
+                           + " --xla_force_host_platform_device_count=4"
+                           " --xla_allow_excess_precision=false")
 
 import contextlib
 import functools

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from child_env import child_env
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding
@@ -405,17 +406,13 @@ def test_shard_map_on_two_devices():
     """A real two-device mesh (a subprocess: the suite keeps one device): psum inside the
     body, a nested jit with out_shardings; "fp32" bit for bit, bf16 inside shard_map."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     tests = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=2 "
-                        "--xla_allow_excess_precision=false")
-    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests),
-                                         env.get("PYTHONPATH", "")])
+    env = child_env("--xla_force_host_platform_device_count=2",
+                    "--xla_allow_excess_precision=false", pythonpath=(tests.parent, tests))
     out = subprocess.run([sys.executable, "-c", _TWO_DEVICES], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

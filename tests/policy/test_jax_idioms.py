@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from child_env import child_env
 from jaxpr_utils import iter_eqns, matmul_flops, operand_dtypes
 
 from fmtkit._switches import flipped
@@ -823,7 +824,8 @@ def test_one_hot_embedding_negative_control():
 
 _EXPLICIT_MESH_SCRIPT = r'''
 import json, os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # tests/child_env.py's
+                           + " --xla_force_host_platform_device_count=4")
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from fmtkit.policy import with_policy
@@ -863,11 +865,10 @@ print(json.dumps(out))
 
 def test_explicit_sharding_mesh_under_mixed_presets():
     import json
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     done = subprocess.run([sys.executable, "-c", _EXPLICIT_MESH_SCRIPT], capture_output=True,
                           text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -880,7 +881,8 @@ def test_explicit_sharding_mesh_under_mixed_presets():
 
 _EXPLICIT_MESH_FP8_SCRIPT = r'''
 import json, os
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # tests/child_env.py's
+                           + " --xla_force_host_platform_device_count=4"
                            " --xla_allow_excess_precision=false")  # (as tests/conftest.py)
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -932,11 +934,10 @@ def test_explicit_sharding_mesh_under_fp8_presets():
     sums bf16 partials per shard: within 2^-7 of the unsharded one. Runs FP8 (y differs from
     bf16-mixed's)."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env(fast_compile=False)  # bit-identical sums over shards: tests/child_env.py
     done = subprocess.run([sys.executable, "-c", _EXPLICIT_MESH_FP8_SCRIPT],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

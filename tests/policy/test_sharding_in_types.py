@@ -11,7 +11,6 @@ text where JAX refuses a construct in any trace.
 
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from child_env import child_env
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -85,10 +85,8 @@ def test_auto_axes_negative_control():
 
 @functools.cache
 def results() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"),
-                                         env.get("PYTHONPATH", "")])
+    env = child_env(pythonpath=(root, root / "tests"))
     out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
                          env=env, timeout=900)
     if out.returncode:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from child_env import child_env
 from jaxpr_utils import iter_eqns
 
 from fmtkit import fp8, with_policy
@@ -140,7 +141,8 @@ def test_delayed_history_records_the_weight_in_its_row():
 # result transposed back.
 _EXPLICIT_MESH_SCRIPT = r'''
 import json, os
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # tests/child_env.py's
+                           + " --xla_force_host_platform_device_count=4"
                            " --xla_allow_excess_precision=false")  # (as tests/conftest.py)
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -197,11 +199,10 @@ def test_explicit_sharding_mesh_keeps_the_traced_out_sharding():
     is what its result has after the swapped FP8 GEMM's [16, 256] result is transposed back;
     output, loss and gradients equal the activation-first model's on the same mesh."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     done = subprocess.run([sys.executable, "-c", _EXPLICIT_MESH_SCRIPT], capture_output=True,
                           text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,7 +9,6 @@ fails, and all of them after ``--timeout``) or ``subprocess.run(timeout=...)``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from child_env import child_env
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,18 +26,14 @@ TIMEOUT = 240  # seconds for one launch on a loaded 2-core machine (typically 20
 CFG = {"steps": 3, "batch": 4, "seq_len": 16, "corpus_bytes": 4096, "warmup": 1}
 
 
-def _env(devices: int | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "FMTKIT_NUM_PROCESSES", "FMTKIT_PROCESS_ID",
-                        "JAX_COORDINATOR_ADDRESS")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return env
+def _env(devices: int | None = None, fast_compile: bool = True) -> dict[str, str]:
+    flags = () if devices is None else (f"--xla_force_host_platform_device_count={devices}",)
+    return child_env(*flags, pythonpath=(ROOT,), fast_compile=fast_compile, drop=(
+        "FMTKIT_NUM_PROCESSES", "FMTKIT_PROCESS_ID", "JAX_COORDINATOR_ADDRESS"))
 
 
-def launch(mode: str, out: Path, args: dict, *, processes: int = 2,
-           check: bool = True) -> tuple[int, list[dict], str]:
+def launch(mode: str, out: Path, args: dict, *, processes: int = 2, check: bool = True,
+           fast_compile: bool = True) -> tuple[int, list[dict], str]:
     """Runs the worker as ``processes`` processes; returns the status, each one's JSON and
     the stderr."""
     out.mkdir(parents=True, exist_ok=True)
@@ -46,7 +42,7 @@ def launch(mode: str, out: Path, args: dict, *, processes: int = 2,
     cmd = [sys.executable, "-m", "studies.app.launch", "--num-processes", str(processes),
            "--timeout", str(TIMEOUT), "--", sys.executable, str(WORKER), mode, str(out),
            json.dumps(args)]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True,
+    r = subprocess.run(cmd, env=_env(fast_compile=fast_compile), capture_output=True, text=True,
                        timeout=TIMEOUT + 30, cwd=ROOT)
     if check and r.returncode:
         pytest.fail(f"{processes} processes failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -54,12 +50,13 @@ def launch(mode: str, out: Path, args: dict, *, processes: int = 2,
                           for i in range(processes) if (out / f"p{i}.json").exists()], r.stderr
 
 
-def single(mode: str, out: Path, args: dict, *, devices: int) -> dict:
+def single(mode: str, out: Path, args: dict, *, devices: int,
+           fast_compile: bool = True) -> dict:
     """Runs the worker as one process with ``devices`` simulated CPU devices."""
     out.mkdir(parents=True, exist_ok=True)
     r = subprocess.run([sys.executable, str(WORKER), mode, str(out), json.dumps(args)],
-                       env=_env(devices), capture_output=True, text=True, timeout=TIMEOUT,
-                       cwd=ROOT)
+                       env=_env(devices, fast_compile), capture_output=True, text=True,
+                       timeout=TIMEOUT, cwd=ROOT)
     if r.returncode:
         pytest.fail(f"one process failed ({r.returncode}):\n{r.stderr[-3000:]}")
     return json.loads((out / "p0.json").read_text())
@@ -73,10 +70,11 @@ def _params(path: Path) -> dict[str, np.ndarray]:
 @pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
     args = {"setup": "fp32", "cfg": dict(CFG, data_parallel=2), "dump": True}
-    _, two, _ = launch("train", tmp_path / "two", args)
-    one_2dev = single("train", tmp_path / "one2", args, devices=2)
-    one_1dev = single("train", tmp_path / "one1",
-                      dict(args, cfg=dict(CFG, data_parallel=1)), devices=1)
+    # At the default compile level: the sums over shards below (tests/child_env.py).
+    _, two, _ = launch("train", tmp_path / "two", args, fast_compile=False)
+    one_2dev = single("train", tmp_path / "one2", args, devices=2, fast_compile=False)
+    one_1dev = single("train", tmp_path / "one1", dict(args, cfg=dict(CFG, data_parallel=1)),
+                      devices=1, fast_compile=False)
     # Every process holds the same state, bit for bit.
     assert two[0]["fingerprint"] == two[1]["fingerprint"]
     # Same partitioning (2 shards of 2 rows, partial sums then one 2-way all-reduce) in one

@@ -28,6 +28,7 @@ from tools.gpu_check.tune import (
     TUNE_ROUNDS,
     TUNE_SHAPES,
     compare_forms,
+    form_configs,
     tune_shape,
 )
 
@@ -104,6 +105,8 @@ def phase_items(phase: str, *, rehearsal: bool, work: Path, excluded: set[str]
             base = SHIPPED_CONFIGS["128x128"]
             variants = {"default": base, "smem_scales": with_scales(base, "smem"),
                         "128x144": with_scales(TuningConfig(128, 144, "m", 1), "global"),
+                        "tile_epilogue": form_configs(128, 304, 256, "bfloat16",
+                                                      base=base)["tile_epilogue"],
                         "cluster": dataclasses.replace(base, cluster=(2, 1))}
             items.append(("forms-128x304x256", lambda: compare_forms(
                 128, 304, 256, out_dtype="bfloat16", b_rows=False, impl=impl, base=base,
