@@ -49,6 +49,11 @@ each chunk until at most one store is in flight; with ``"tile"`` (the shipped 64
 64x256) through one slot per chunk of the warpgroup's tile, written at once and stored back
 to back, waited for only at the next tile's epilogue, so the stores run during the next
 tile's K loop.
+
+With ``config.cluster`` (opt-in) the kernel launches clusters of two CTAs that take
+neighbouring tiles (``cluster_tile``) and share one operand's tile, which each loads half of
+and TMA multicasts to both (``make_pipeline``); the persistent loop walks cluster tiles, so
+both CTAs run the same pipeline steps.
 """
 
 from __future__ import annotations
@@ -114,17 +119,26 @@ def make_pipeline(body, compute_context, *, config: TuningConfig, k_blocks, stag
 
     ``k_blocks`` may be traced (the grouped weight gradient: each expert's token blocks);
     ``k_offset`` shifts the K blocks read (the expert's first block). ``scale_specs``: the
-    BlockSpecs of the scale inputs staged with the operands (see ``scale_specs``)."""
+    BlockSpecs of the scale inputs staged with the operands (see ``scale_specs``).
+
+    With ``config.cluster`` (2, 1) the CTAs of a cluster share B's tile, with (1, 2) A's:
+    that operand's BlockSpec is collective over the kernel's "cluster" axis, so each CTA
+    loads half of it and TMA multicasts it to both, and the pipeline's consumed barriers
+    become cluster barriers (a slot is refilled only when the compute warpgroups of both
+    CTAs have released it)."""
     fp8_transforms = _swizzled(_FP8)
+    cm, cn = config.cluster
+    shared_a = ("cluster",) if cn == 2 else None
+    shared_b = ("cluster",) if cm == 2 else None
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_blocks,),
         memory_registers=40,  # the TMA warpgroup needs few (JAX's Hopper matmul uses 40)
         in_specs=[
             plgpu.BlockSpec((config.block_m, BLOCK_K), lambda k: (0, k + k_offset),
-                            transforms=fp8_transforms),
+                            transforms=fp8_transforms, collective_axes=shared_a),
             plgpu.BlockSpec((config.block_n, BLOCK_K), lambda k: (0, k + k_offset),
-                            transforms=fp8_transforms),
+                            transforms=fp8_transforms, collective_axes=shared_b),
             *scale_specs,
         ],
         wg_axis="wg",
@@ -417,6 +431,19 @@ def wg_origin(config: TuningConfig, wg):
     return 0, wg * config.wg_n
 
 
+def cluster_tile(mi, ni, cluster: tuple[int, int], cta):
+    """The output tile of CTA ``cta`` of a cluster at cluster tile (``mi``, ``ni``): along
+    M, tile row ``2 mi + cta`` in tile column ``ni`` (both CTAs share B's tile, which is
+    multicast); along N, tile column ``2 ni + cta`` in tile row ``mi`` (sharing A's);
+    without a cluster, (``mi``, ``ni``)."""
+    cm, cn = cluster
+    if cm == 2:
+        return mi * 2 + cta, ni
+    if cn == 2:
+        return mi, ni * 2 + cta
+    return mi, ni
+
+
 def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfig,
                    m_tiles: int, n_tiles: int, k_blocks: int, b_rows: bool, stages: int,
                    persistent: bool, hazard: str | None = None):
@@ -472,6 +499,18 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
       ``wait_smem_to_gmem(0)`` keeps the CTA alive until its stores have read shared
       memory.
 
+    * Clusters (``config.cluster``): the shared operand's slot in both CTAs is written by
+      the multicast copies of both, so a CTA's TMA warpgroup may refill slot s only when
+      the compute warpgroups of *both* CTAs have released it. The pipeline makes every
+      consumed barrier a cluster barrier for this: each warpgroup's ``barrier_arrive``
+      arrives once (from one thread, after its ``wgmma.wait_group``) on the barrier of
+      each CTA, 2 x 2 arrivals expected. Both CTAs walk the same cluster tiles, so their
+      pipelines run the same steps and the quiescing waits of the last tile see every
+      remote arrival before either CTA exits. A CTA whose tile lies past M or N (odd
+      tile count) runs the same steps on zero-filled operands and its stores are dropped.
+      The staged scales (``scales="smem"``) are read by every thread and would not be
+      ordered before that single-thread arrival: ``TuningConfig`` refuses the combination.
+
     One arrival per warpgroup instead of per thread would need barriers with a single
     arrival: Mosaic GPU (0.11.2) multiplies the expected arrivals of every barrier that
     ``emit_pipeline_warp_specialized`` allocates by 128 in Lane semantics
@@ -524,10 +563,17 @@ def _matmul_kernel(a_ref, as_ref, b_ref, bs_ref, out_ref, *, config: TuningConfi
         minor = 0 if config.grid_minor_dim == "m" else 1
         my_smem = out_smem.at[0 if hazard == "shared_output_slot" else wg]
 
-        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        cm, cn = config.cluster
+        # Clusters walk the grid of cluster tiles (cm x cn output tiles) in the planar
+        # snake; every CTA of a cluster walks the same ones (``nd_loop`` over "sm" only).
+        grid_mn = (pl.cdiv(m_tiles, cm), pl.cdiv(n_tiles, cn))
+
+        @plgpu.nd_loop((grid_mn[0] * grid_mn[1],), collective_axes="sm")
         def _tile(info):
             (lin,) = info.index
-            mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), minor, config.grid_tile_width)
+            mi, ni = plgpu.planar_snake(lin, grid_mn, minor, config.grid_tile_width)
+            if cm * cn > 1:
+                mi, ni = cluster_tile(mi, ni, config.cluster, lax.axis_index("cluster"))
             r0, c0 = wg_origin(config, wg)
             # This warpgroup's tile in absolute coordinates.
             row0, col0 = mi * bm + r0, ni * bn + c0
@@ -586,8 +632,19 @@ def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Imp
             bs_t = _pad_columns(bs_t.T, kb_pad)
             bs_t = jnp.pad(bs_t, ((0, blocks - 1), (0, 0)), constant_values=1.0)
     m_tiles, n_tiles, k_blocks = m // config.block_m, pl.cdiv(n, config.block_n), k // BLOCK_K
+    cm, cn = config.cluster
+    if cm == 2 and m_tiles % 2:
+        # The last cluster's second CTA computes a tile of rows past M (TMA zero-fills its
+        # A and drops its stores); its scale loads stay in bounds on padding.
+        as_t = _pad_columns(as_t, as_t.shape[1] + config.block_m)
+    if cn == 2 and n_tiles % 2:
+        bs_t = _pad_columns(bs_t, bs_t.shape[1] + (config.block_n if b_rows
+                                                   else pl.cdiv(config.block_n, BLOCK_K)))
     stages, persistent = pipeline_stages(config, k_blocks)
-    grid = min(_backend.num_sms(impl), m_tiles * n_tiles)
+    clusters = pl.cdiv(m_tiles, cm) * pl.cdiv(n_tiles, cn)
+    grid = min(_backend.num_sms(impl) // (cm * cn), clusters)
+    cluster_args = (dict(cluster=(cm * cn,), cluster_names=("cluster",)) if cm * cn > 1
+                    else {})
     kernel = plgpu.kernel(
         functools.partial(_matmul_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles,
                           k_blocks=k_blocks, b_rows=b_rows, stages=stages,
@@ -599,6 +656,7 @@ def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Imp
         thread_name="wg",
         interpret=_backend.interpret_params(impl),
         kernel_name=kernel_name(config, out_dtype, b_rows),
+        **cluster_args,
     )
     return kernel(a, as_t, b, bs_t)
 

@@ -1,8 +1,9 @@
 """Frozen tuning configs of the blockwise FP8 matmul kernel and the per-shape heuristic.
 
 A config fixes the CTA output tile (``block_m x block_n``), how the two compute warpgroups
-split it, the pipeline depth and the order in which the persistent programs visit output
-tiles. K is always walked in 128-wide blocks: the scale granularity of DeepSeek-V3's recipe
+split it, the pipeline depth, the order in which the persistent programs visit output
+tiles and whether two CTAs form a cluster sharing one operand by TMA multicast. K is
+always walked in 128-wide blocks: the scale granularity of DeepSeek-V3's recipe
 and the K of one 128-byte-swizzled FP8 ``wgmma`` group.
 
 Each compute warpgroup owns a ``wg_m x wg_n`` tile that it covers in one or two *passes*
@@ -68,6 +69,10 @@ TILE_SCALE_MAX_K_BLOCKS = 256
 # Fewest stages worth keeping a pipeline running across output tiles with: enough K blocks
 # in flight to cover a TMA load's latency (~1 µs) at ~0.3 µs of wgmma per K block.
 _MIN_PERSISTENT_STAGES = 4
+# Clusters of the dense kernel (CTAs along M, along N): none, or two CTAs along one dimension
+# sharing the other operand by TMA multicast (Mosaic GPU's partitioned multicast copies and
+# DeepGEMM's Hopper kernels take clusters of two).
+CLUSTERS = ((1, 1), (2, 1), (1, 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +110,14 @@ class TuningConfig:
         the next tile's K loop. "tile" is what the shipped tiles use where it costs no
         pipeline stage with either output dtype (64x128, 64x256); it has not been timed
         on a GPU. The grouped kernels stage their output the same way.
+      cluster: CTAs per cluster as (along M, along N): (1, 1) (default), (2, 1) (two
+        neighbouring tiles of a tile-column: they share B's tile, which TMA multicasts to
+        both) or (1, 2) (two tiles of a tile-row sharing A's). ``tile_cycles`` models
+        them. Dense kernel only, with ``scales="global"``: a cluster barrier takes one
+        arrival per warpgroup, from one thread, which does not order the other threads'
+        plain reads of staged scales before the slot's release. Not timed on a GPU yet;
+        in GPU-interpret mode on CPU the two-pass tiles (128x256, 256x128) in clusters
+        hang at times (see docs/guides/kernels.md).
     """
 
     block_m: int
@@ -115,6 +128,7 @@ class TuningConfig:
     grid_tile_width: int = 8
     scales: Literal["smem", "global"] = "global"
     epilogue: Literal["chunks", "tile"] = "chunks"
+    cluster: tuple[int, int] = (1, 1)
 
     def __post_init__(self):
         if self.wg_split not in ("m", "n"):
@@ -155,6 +169,12 @@ class TuningConfig:
             raise ValueError(f"epilogue must be 'chunks' or 'tile', got {self.epilogue!r}.")
         if self.grid_tile_width < 1:
             raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}.")
+        if not isinstance(self.cluster, tuple) or self.cluster not in CLUSTERS:
+            raise ValueError(f"cluster must be one of {CLUSTERS} (CTAs along M, along N), "
+                             f"got {self.cluster!r}.")
+        if self.cluster != (1, 1) and self.scales != "global":
+            raise ValueError(f"cluster={self.cluster} needs scales='global', got "
+                             f"{self.scales!r}.")
 
     @property
     def wg_m(self) -> int:
@@ -177,9 +197,11 @@ class TuningConfig:
                      for c in range(0, self.wg_n, self.pass_n))
 
     def __str__(self) -> str:
+        cm, cn = self.cluster
         return (f"bm{self.block_m}_bn{self.block_n}_split{self.wg_split}"
                 f"_s{self.max_concurrent_steps}{'_smem_scales' if self.scales == 'smem' else ''}"
-                f"{'_tile_epilogue' if self.epilogue == 'tile' else ''}")
+                f"{'_tile_epilogue' if self.epilogue == 'tile' else ''}"
+                f"{f'_cluster{cm}x{cn}' if cm * cn > 1 else ''}")
 
 
 def _align(nbytes: int) -> int:
@@ -365,7 +387,8 @@ def tile_cycles(m: int, n: int, k: int, block_m: int, block_n: int, *, out_bytes
     The model of DeepGEMM's Hopper heuristic (deepseek-ai/DeepGEMM,
     ``csrc/jit_kernels/heuristics/sm90.hpp``): tensor-core work and HBM bytes are the same for
     every tile, so only the L1 (shared memory) and L2 traffic and the wave quantization
-    differ. Per tile, L2 serves the A and B panels (``k * (block_m / cluster_n + block_n /
+    differ (the tiles of a cluster's dimension are rounded up to whole clusters). Per tile,
+    L2 serves the A and B panels (``k * (block_m / cluster_n + block_n /
     cluster_m)`` FP8 bytes: multicast halves one) and the output; L1 holds them once as TMA
     writes them and once as wgmma reads them (at least 64 rows of A) plus the output staged
     and stored. Cycles = max(L1 bytes / L1 bandwidth, L2 bytes / L2 bandwidth) over all
@@ -373,7 +396,9 @@ def tile_cycles(m: int, n: int, k: int, block_m: int, block_n: int, *, out_bytes
     single wave is not worth its synchronization: infinite cost.
     """
     cm, cn = cluster
-    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
+    # A cluster's CTAs take neighbouring tiles: an odd count along its dimension leaves the
+    # last cluster's second CTA a tile past the edge, which it computes and does not store.
+    tiles = math.ceil(m / (block_m * cm)) * cm * math.ceil(n / (block_n * cn)) * cn
     waves = math.ceil(tiles / num_sms)
     if cm * cn > 1 and waves <= 1:
         return math.inf
@@ -397,17 +422,23 @@ def _residual(name: str) -> float:
 
 
 def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int = 132,
-                  b_rows: bool = False) -> TuningConfig:
+                  b_rows: bool = False, *, clusters: bool = False) -> TuningConfig:
     """Picks a shipped config for an ``[m, k] x [n, k]`` product.
 
     Cost model: ``tile_cycles`` (waves of the persistent grid and L1 / L2 traffic, padding
     included: M and N are padded up to the tile) times the tile's measured residual
     (``_residual``: what the model does not see of this kernel); ties go to the earlier
-    config in ``SHIPPED_CONFIGS``. Only the shipped tiles are candidates: widths of 128 or
-    256 columns, one CTA per cluster (the 144-192 wide tiles have no measured residual yet
-    and the kernel has no TMA multicast). With ``b_rows`` (B scaled per row: the weight
-    gradient's form) only the tiles that do not spill in that form are
-    (``_WGRAD_SPILL_BYTES``, measured): 128x128, 64x256 and 64x128.
+    config in ``SHIPPED_CONFIGS``, then to no cluster. Only the shipped tiles are
+    candidates: widths of 128 or 256 columns (the 144-192 wide tiles have no measured
+    residual yet). With ``b_rows`` (B scaled per row: the weight gradient's form) only the
+    tiles that do not spill in that form are (``_WGRAD_SPILL_BYTES``, measured): 128x128,
+    64x256 and 64x128.
+
+    With ``clusters``, each tile is also a candidate in two-CTA clusters sharing one operand
+    by TMA multicast (``TuningConfig.cluster`` (2, 1) or (1, 2)), at the tile's residual;
+    the model prices a cluster only with at least two waves. Off by default: clusters have
+    not been timed on a GPU yet, so their residual (synchronization across the cluster, the
+    computed tile past an odd edge) is unmeasured.
 
     Raises:
       ValueError: ``out_dtype`` is not bfloat16 or float32.
@@ -420,9 +451,10 @@ def choose_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int =
     for name, cfg in SHIPPED_CONFIGS.items():
         if b_rows and _WGRAD_SPILL_BYTES[name] > _WGRAD_MAX_SPILL_BYTES:
             continue
-        cost = tile_cycles(m, n, k, cfg.block_m, cfg.block_n, out_bytes=out_bytes,
-                           num_sms=num_sms) * _residual(name)
-        if cost < best_cost:
-            best, best_cost = cfg, cost
+        for cluster in CLUSTERS if clusters else ((1, 1),):
+            cost = tile_cycles(m, n, k, cfg.block_m, cfg.block_n, out_bytes=out_bytes,
+                               num_sms=num_sms, cluster=cluster) * _residual(name)
+            if cost < best_cost:
+                best, best_cost = dataclasses.replace(cfg, cluster=cluster), cost
     assert best is not None
     return best

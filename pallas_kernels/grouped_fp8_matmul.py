@@ -434,6 +434,9 @@ def _config(config, m, n, k, out_dtype, groups=None):
         return choose_grouped_config(m, n, k, groups, out_dtype, _backend.num_sms("kernel"))
     if not isinstance(config, TuningConfig):
         raise TypeError(f"config must be a TuningConfig or None, got {type(config).__name__}.")
+    if config.cluster != (1, 1):
+        raise ValueError(f"config.cluster must be (1, 1) in the grouped kernels (clusters are "
+                         f"the dense kernel's), got {config.cluster}.")
     return config
 
 

@@ -4,6 +4,7 @@ gradient GEMMs, race detection, the dispatch guard and input validation."""
 import contextlib
 import dataclasses
 import functools
+import importlib
 import io
 import re
 
@@ -22,7 +23,7 @@ from pallas_kernels import (
     blockwise_fp8_wgrad,
 )
 from pallas_kernels._backend import is_hopper, plgpu
-from pallas_kernels.blockwise_fp8_matmul import KERNEL_NAME, kernel_name
+from pallas_kernels.blockwise_fp8_matmul import KERNEL_NAME, cluster_tile, kernel_name
 from pallas_kernels.config import SHIPPED_CONFIGS, TuningConfig, choose_config, with_scales
 
 # Kernel vs reference, f32 output: both sum exact FP8 products in f32 in the same K-block
@@ -172,6 +173,32 @@ def test_ragged_shapes_wide_tiles_and_staged_scales(m, n, k, cfg, out_dtype, b_t
                       b_tiles == "1x128")
 
 
+# Two-CTA clusters (``TuningConfig.cluster``) in GPU-interpret mode. jax 0.11.2's interpreter
+# runs a cluster's two CTAs concurrently with real cluster barriers (each CTA's compute
+# warpgroups arrive on both CTAs' consumed barriers), but performs a multicast copy as the
+# issuing CTA's own copy of the whole block: it checks the tile mapping, the tile past an odd
+# edge and the progress of the barrier protocol, not the multicast's partition (that both
+# CTAs ask for the same block: ``test_cluster_partners_share_the_multicast_tile``; that the
+# copy is a multicast: test_cross_lowering.py). Interpret mode launches one cluster, so it
+# walks every cluster tile: several tiles a CTA. Odd tile counts along the cluster's
+# dimension put the last cluster's second CTA past the edge.
+#
+# Only the one-pass tiles run here. The two-pass tiles in clusters (128x256, the heuristic's
+# choice, and 256x128) hang in GPU-interpret mode on a 2-core CPU, often but not always
+# (jax 0.11.2): the stacks then show four of the six warpgroups in barrier waits, two of
+# them on XLA's own callback threads, and the other warpgroups' executions stopped outside
+# any simulated barrier, so the interpreter's host threads, not a barrier of the kernel,
+# look starved; unclustered, the same tiles never hung. Cross-lowering covers them; run
+# them on a GPU before relying on them (docs/guides/kernels.md).
+CLUSTER_CASES = [
+    # m, n, k, config, cluster, out dtype, B tiles
+    (320, 272, 128, "128x128", (2, 1), jnp.float32, "128x128"),  # 3 tile rows; K = 128
+    (320, 272, 384, "128x128", (1, 2), jnp.bfloat16, "128x128"),  # 3 tile columns
+    (200, 272, 256, "128x128", (1, 2), jnp.float32, "1x128"),  # per-row B scales
+    (192, 400, 640, "64x128", (2, 1), jnp.float32, "128x128"),  # 3 rows of 64, split N
+]
+
+
 # Ragged shapes for the "tile" epilogue (one staging slot per chunk of a warpgroup's tile,
 # the stores waited for by the next tile's epilogue): M not a multiple of the tile, N tails of
 # 16 columns (TMA clips the last chunks' stores), K = 128, 3 to 6 tiles a program (interpret
@@ -206,6 +233,59 @@ def test_tile_epilogue_on_ragged_shapes(m, n, k, cfg_name, out_dtype, b_tiles):
                                                     impl="interpret", config=forms[e]))
                     for e in ("tile", "chunks"))
     np.testing.assert_array_equal(tile, chunks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m,n,k,cfg_name,cluster,out_dtype,b_tiles", CLUSTER_CASES,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-cluster{c[4][0]}x{c[4][1]}-"
+                              f"{np.dtype(c[5]).name}-b{c[6]}" for c in CLUSTER_CASES])
+def test_clusters_match_reference_on_ragged_shapes(m, n, k, cfg_name, cluster, out_dtype,
+                                                   b_tiles):
+    config = dataclasses.replace(SHIPPED_CONFIGS[cfg_name], cluster=cluster)
+    _check_kernel("interpret", m, n, k, config, out_dtype, b_tiles == "1x128")
+
+
+@pytest.mark.slow
+def test_cluster_mapping_fault_is_caught(monkeypatch):
+    """Negative control for the cluster cases above: both CTAs of a cluster computing the
+    first CTA's tile (the second's tiles are never written) fails the comparison."""
+    bfm = importlib.import_module("pallas_kernels.blockwise_fp8_matmul")
+    right = bfm.cluster_tile
+    monkeypatch.setattr(bfm, "cluster_tile", lambda mi, ni, cluster, cta: right(
+        mi, ni, cluster, 0))
+    jax.clear_caches()  # the mapping is read while tracing
+    try:
+        config = dataclasses.replace(SHIPPED_CONFIGS["128x128"], cluster=(1, 2))
+        with pytest.raises(AssertionError):
+            _check_kernel("interpret", 320, 272, 128, config, jnp.float32, False)
+    finally:
+        monkeypatch.setattr(bfm, "cluster_tile", right)
+        jax.clear_caches()
+
+
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("grid", [(3, 5), (4, 3), (1, 1)])
+def test_cluster_partners_share_the_multicast_tile(grid, cluster):
+    """The tile mapping of ``cluster_tile`` over a grid of (tile rows, tile columns): the
+    cluster tiles cover every output tile once, plus one tile past the edge per cluster
+    where the count along the cluster's dimension is odd, and the two CTAs of a cluster
+    always share the multicast operand's tile (B's column along M, A's row along N)."""
+    m_tiles, n_tiles = grid
+    cm, cn = cluster
+    seen = []
+    for mc in range(-(-m_tiles // cm)):
+        for nc in range(-(-n_tiles // cn)):
+            pair = [cluster_tile(mc, nc, cluster, cta) for cta in (0, 1)]
+            if cm == 2:
+                assert pair[0][1] == pair[1][1]  # same B tile
+            else:
+                assert pair[0][0] == pair[1][0]  # same A tile
+            seen += pair
+    inside = [t for t in seen if t[0] < m_tiles and t[1] < n_tiles]
+    assert sorted(inside) == [(i, j) for i in range(m_tiles) for j in range(n_tiles)]
+    odd = m_tiles % 2 if cm == 2 else n_tiles % 2
+    assert len(seen) - len(inside) == odd * (n_tiles if cm == 2 else m_tiles)
+    assert cluster_tile(3, 4, (1, 1), 0) == (3, 4)
 
 
 # Compiled only: on a GPU with 132 SMs, several tiles per CTA needs more than 132 tiles.
@@ -444,6 +524,36 @@ def test_tile_staged_block_scales_under_the_race_detector(hazard):
         assert writers.get(0) and writers.get(1)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("hazard,caught_by", [
+    pytest.param(None, None, id="no-hazard"),
+    pytest.param("read_after_release", "race", id="read-after-release"),
+    pytest.param("release_before_wgmma", "numerics", id="release-before-wgmma-issue"),
+])
+def test_cluster_barriers_under_the_race_detector(hazard, caught_by):
+    """The persistent case in clusters of two along M (consumed barriers are cluster
+    barriers: one arrival per warpgroup and CTA, on both CTAs' barriers): no race and the
+    reference's output; with a step of the protocol broken, caught as without clusters.
+    The interpreter copies a multicast block into the issuing CTA only, so a release that
+    lets the partner's TMA overwrite a slot early is out of its sight."""
+    from pallas_kernels.blockwise_fp8_matmul import _kernel_call
+
+    x, w = _data(384, 256, 1280, seed=7)
+    xq, xs, wq, ws = _quantized(x, w)
+    config = dataclasses.replace(SHIPPED_CONFIGS["128x128"], cluster=(2, 1))
+    out_buf = io.StringIO()
+    with contextlib.redirect_stdout(out_buf):
+        out = _kernel_call(xq, xs.T, wq, ws.T, config=config, out_dtype=jnp.float32,
+                           b_rows=False, hazard=hazard,
+                           impl=plgpu.InterpretGPUParams(detect_races=True))
+        out.block_until_ready()
+    reported = "RACE DETECTED" in out_buf.getvalue()
+    ref = blockwise_fp8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
+    wrong = _rel_fro(out, ref) > F32_RTOL["interpret"]
+    assert (reported, wrong) == {None: (False, False), "race": (True, False),
+                                 "numerics": (False, True)}[caught_by]
+
+
 def test_unknown_hazard_is_refused():
     from pallas_kernels.blockwise_fp8_matmul import _kernel_call
 
@@ -551,6 +661,11 @@ def test_bad_options(kwargs, exc, match):
     (dict(block_m=128, block_n=128, wg_split="m", grid_minor_dim="k"), r"grid_minor_dim"),
     (dict(block_m=128, block_n=128, wg_split="m", epilogue="whole"),
      r"^epilogue must be 'chunks' or 'tile', got 'whole'"),
+    (dict(block_m=128, block_n=128, wg_split="m", cluster=(2, 2)),
+     r"^cluster must be one of \(\(1, 1\), \(2, 1\), \(1, 2\)\)"),
+    (dict(block_m=128, block_n=128, wg_split="m", cluster=[2, 1]), r"^cluster must be one of"),
+    (dict(block_m=128, block_n=128, wg_split="m", cluster=(2, 1), scales="smem"),
+     r"^cluster=\(2, 1\) needs scales='global'"),
 ])
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -703,3 +818,13 @@ def test_staged_block_scales_refuse_k_past_one_tma_box():
         blockwise_fp8_matmul(xq, jnp.ones((64, 257)), wq, jnp.ones((1, 257)),
                              impl="interpret",
                              config=with_scales(SHIPPED_CONFIGS["128x128"], "smem"))
+
+
+def test_cluster_in_kernel_name_only_when_clustered():
+    """Existing kernel names stay (profiles and ptxas reports key on them); a clustered
+    variant says its cluster."""
+    cfg = SHIPPED_CONFIGS["128x256"]
+    assert str(cfg) == "bm128_bn256_splitm_s4"
+    assert str(dataclasses.replace(cfg, cluster=(2, 1))) == "bm128_bn256_splitm_s4_cluster2x1"
+    assert kernel_name(dataclasses.replace(cfg, cluster=(1, 2)), jnp.bfloat16, False) == (
+        f"{KERNEL_NAME}_bm128_bn256_splitm_s4_cluster1x2_bfloat16")

@@ -7,6 +7,7 @@ TMA copies narrower than 16 bytes, register layouts wgmma cannot take. About 0.5
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from pallas_kernels.config import (
     SMEM_BYTES_H200,
     WIDE_PASSES,
     TuningConfig,
+    choose_config,
     chunks_per_tile,
     max_stages,
     pipeline_stages,
@@ -395,3 +397,102 @@ def test_tile_epilogue_waits_only_before_its_next_writes(name, dtype, k):
     events, epilogues = found["tile"]
     assert events == ["W0", *"TTTT"] * epilogues + ["W0"]
     assert found["chunks"][0][:4] == ["W1", "T", "W1", "T"]
+
+
+# Two-CTA clusters: the clustered configs the heuristic asks for (``choose_config(...,
+# clusters=True)``) at the production shapes, in the Mosaic GPU module for the H200.
+_LAUNCH = re.compile(r"gpu\.launch async \[[^]]*\] (?:clusters\([^)]*\) in \(%\w+ = %c(\d+), "
+                     r"%\w+ = %c(\d+), %\w+ = %c(\d+)\) )?blocks\([^)]*\) in \(%\w+ = %c(\d+),")
+_TMA_LOAD = "nvvm.cp.async.bulk.tensor.shared.cluster.global"
+_REMOTE_ARRIVE = "mbarrier.arrive.shared::cluster"
+
+
+def _cluster_facts(config, shape, out_dtype=jnp.bfloat16):
+    """(cluster dims or None, CTAs launched, multicast TMA loads, other TMA loads, remote
+    barrier arrivals) of the lowered kernel."""
+    (mod,) = _mosaic_modules(
+        functools.partial(blockwise_fp8_matmul, out_dtype=out_dtype, impl="kernel",
+                          config=config), *_matmul_args(*shape))
+    text = str(mod)
+    (launch,) = _LAUNCH.findall(text)
+    cluster = None if not launch[0] else tuple(int(d) for d in launch[:3])
+    loads = [line for line in text.splitlines() if _TMA_LOAD in line]
+    multicast = sum("multicast_mask" in line for line in loads)
+    return cluster, int(launch[3]), multicast, len(loads) - multicast, text.count(
+        _REMOTE_ARRIVE)
+
+
+def _multicast_operands(config, shape):
+    """Which kernel operands ("a", "b") the kernel's TMA loads copy collectively over the
+    cluster (from the traced kernel: ``copy_gmem_to_smem`` with ``collective_axes``; the
+    source ref's shape names the operand, M != N here)."""
+    m, n, _ = shape
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(functools.partial(
+            blockwise_fp8_matmul, impl="kernel", config=config)).trace(*_matmul_args(*shape))
+    found = set()
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "copy_gmem_to_smem":
+                rows = e.invars[0].aval.shape[0]
+                name = {m: "a", n: "b"}[rows]
+                found.add((name, tuple(e.params.get("collective_axes") or ())))
+            for sub in _sub_jaxprs(e):
+                walk(sub)
+
+    walk(traced.jaxpr.jaxpr)
+    return {name for name, axes in found if axes == ("cluster",)}
+
+
+CLUSTER_SHAPES = [s for s in DEFAULT_SHAPES
+                  if choose_config(*s, clusters=True).cluster != (1, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_heuristics_clusters_lower_with_multicast(shape):
+    """Where the heuristic asks for a cluster (several waves), the module launches clusters
+    of two CTAs (132 CTAs: 66 clusters), the shared operand's TMA loads carry a multicast
+    mask, and the consumed barriers are arrived on across the cluster; shared memory is
+    within the H200's (Mosaic GPU accepts the stages, as modelled). Negative control: the
+    same tile without the cluster has none of these."""
+    config = choose_config(*shape, clusters=True)
+    assert smem_bytes(config, jnp.bfloat16) <= SMEM_BYTES_H200
+    cluster, ctas, multicast, plain, remote = _cluster_facts(config, shape)
+    assert cluster == (2, 1, 1) and ctas == 132
+    assert multicast > 0 and plain > 0 and remote > 0
+    cluster, ctas, multicast, plain, remote = _cluster_facts(
+        dataclasses.replace(config, cluster=(1, 1)), shape)
+    assert cluster is None and ctas == 132
+    assert multicast == 0 and plain > 0 and remote == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,cluster,want", [
+    ("128x256", (2, 1), {"b"}), ("256x128", (1, 2), {"a"}), ("128x128", (1, 1), set())])
+def test_cluster_multicasts_the_shared_operand(name, cluster, want):
+    """Clusters along M share (multicast) B's tile, along N A's; unclustered, neither."""
+    config = dataclasses.replace(SHIPPED_CONFIGS[name], cluster=cluster)
+    assert _multicast_operands(config, (4096, 7168, 2048)) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,cluster", [("128x256", (2, 1)), ("256x128", (1, 2)),
+                                          ("64x128", (2, 1))])
+def test_clustered_one_more_stage_overflows_as_modelled(name, cluster):
+    """A cluster changes no shared-memory allocation (its consumed barriers are cluster
+    barriers of the same 8 bytes): the shipped stages fit, one more is refused with the
+    bytes ``smem_bytes`` predicts."""
+    config = dataclasses.replace(SHIPPED_CONFIGS[name], cluster=cluster)
+    _lower_for_h200(functools.partial(blockwise_fp8_matmul, out_dtype=jnp.float32,
+                                      impl="kernel", config=config),
+                    *_matmul_args(4096, 2048, config.max_concurrent_steps * BLOCK_K))
+    bigger = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps + 1)
+    want = smem_bytes(bigger, jnp.float32)
+    assert want > SMEM_BYTES_H200
+    with pytest.raises(ValueError, match=f"smem_bytes={want} > max_smem_bytes"):
+        _lower_for_h200(functools.partial(blockwise_fp8_matmul, out_dtype=jnp.float32,
+                                          impl="kernel", config=bigger),
+                        *_matmul_args(4096, 2048, bigger.max_concurrent_steps * BLOCK_K))

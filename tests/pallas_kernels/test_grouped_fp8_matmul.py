@@ -400,3 +400,11 @@ def test_bad_out_dtype_and_impl():
         grouped_fp8_matmul(*_args(), out_dtype=jnp.float16)
     with pytest.raises(ValueError, match="impl must be one of"):
         grouped_fp8_matmul(*_args(), impl="gpu")
+
+
+def test_clusters_are_refused():
+    """Clusters are the dense kernel's (``TuningConfig.cluster``): the grouped kernel says
+    so before tracing a kernel."""
+    cfg = dataclasses.replace(SHIPPED_CONFIGS["128x128"], cluster=(2, 1))
+    with pytest.raises(ValueError, match=r"^config.cluster must be \(1, 1\) in the grouped"):
+        grouped_fp8_matmul(*_args(), impl="interpret", config=cfg)

@@ -13,6 +13,7 @@ M = 256, N = 7168, BLOCK_M = 128 with BLOCK_N = 112 instead of 128, so that
 112.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -93,10 +94,11 @@ def test_choice_among_the_kernels_tiles(shape):
                          ids=lambda s: "x".join(map(str, s)))
 def test_deepgemms_own_choices_are_out_of_the_kernels_reach(shape):
     """What the model picks from DeepGEMM's candidates at the 4096-token shapes needs what
-    this kernel lacks: a 2-CTA cluster with TMA multicast (more than one wave), or a width
-    that is not 128 or 256 columns (144-192 wide single-pass warpgroup tiles), or 256 rows
-    with 128 columns (which spills in this kernel: its measured cost is 1.13x). So the
-    heuristic's choice differs from DeepGEMM's wherever this holds."""
+    the default heuristic does not offer: a 2-CTA cluster with TMA multicast (more than one
+    wave; opt-in with ``clusters=True``, below), or a width that is not 128 or 256 columns
+    (144-192 wide single-pass warpgroup tiles), or 256 rows with 128 columns (which spills
+    in this kernel: its measured cost is 1.13x). So the heuristic's choice differs from
+    DeepGEMM's wherever this holds."""
     bm, bn, cluster = _best(*shape, _deepgemm_candidates())
     shipped = {(c.block_m, c.block_n) for c in SHIPPED_CONFIGS.values()}
     assert cluster != (1, 1) or (bm, bn) not in shipped or (bm, bn) == (256, 128)
@@ -114,3 +116,87 @@ def test_weight_gradient_form_takes_only_tiles_that_do_not_spill():
         SHIPPED_CONFIGS["128x128"])
     for shape in SHAPES:
         assert choose_config(*shape, "float32", b_rows=True) in no_spill
+
+
+# Two-CTA clusters (``choose_config(..., clusters=True)``). DeepGEMM's model, over its own
+# candidates, clusters every 4096-token shape (several waves) and multicasts the operand whose
+# panel is the larger: A of its 256x128 tiles (cluster (1, 2)) or B of its 128 x 160-192
+# tiles (cluster (2, 1); with f32 output 256 rows are not a candidate).
+MULTI_WAVE = [s for s in SHAPES if s[0] > 64]
+
+
+def _shared_panel(bm, bn, cluster):
+    """(rows of the multicast operand's tile, rows of the other's): A's tile has ``bm``
+    rows, B's ``bn``; cluster (2, 1) shares B, (1, 2) shares A."""
+    return (bn, bm) if cluster == (2, 1) else (bm, bn)
+
+
+@pytest.mark.parametrize("shape", MULTI_WAVE, ids=lambda s: "x".join(map(str, s)))
+def test_clusters_multicast_the_larger_panel_as_deepgemm_does(shape):
+    for bf16_out in (True, False):
+        bm, bn, cluster = _best(*shape, _deepgemm_candidates(bf16_out))
+        assert cluster != (1, 1)
+        shared, other = _shared_panel(bm, bn, cluster)
+        assert shared > other
+    # The same model on DeepGEMM's 256x128 tile alone: multicast of A, as DeepGEMM does.
+    costs = {c: tile_cycles(*shape, 256, 128, cluster=c) for c in ((1, 1), (2, 1), (1, 2))}
+    assert min(costs, key=costs.get) == (1, 2)
+    # The heuristic, asked for clusters, takes the kernel's own tile of the unclustered
+    # choice (128x256 or 128x128) in a cluster that multicasts its larger (or equal) panel.
+    for out_dtype in ("bfloat16", "float32"):
+        cfg = choose_config(*shape, out_dtype, clusters=True)
+        assert cfg.cluster != (1, 1)
+        assert (cfg.block_m, cfg.block_n) == (SHIPPED_CONFIGS[SHAPES[shape]].block_m,
+                                              SHIPPED_CONFIGS[SHAPES[shape]].block_n)
+        shared, other = _shared_panel(cfg.block_m, cfg.block_n, cfg.cluster)
+        assert shared >= other
+
+
+@pytest.mark.parametrize("shape", [(4096, 7168, 7168), (8192, 8192, 8192)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_cluster_choice_at_deepgemms_shapes(shape):
+    """128x256 tiles at N = 7168 and 8192^3: B's 256-row panel is multicast along M
+    (cluster (2, 1)); the mirror of DeepGEMM's 256x128 tiles multicasting A."""
+    assert choose_config(*shape, clusters=True) == dataclasses.replace(
+        SHIPPED_CONFIGS["128x256"], cluster=(2, 1))
+
+
+@pytest.mark.parametrize("shape", [(64, 2112, 7168), (64, 7168, 16384), (256, 7168, 7168),
+                                   (128, 4096, 4096), (512, 2048, 4096)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_one_wave_never_gets_a_cluster(shape):
+    """At most one wave on 132 SMs for every candidate tile: no cluster, and the choice
+    is the unclustered heuristic's."""
+    for out_dtype in ("bfloat16", "float32"):
+        for b_rows in (False, True):
+            cfg = choose_config(*shape, out_dtype, b_rows=b_rows, clusters=True)
+            assert cfg.cluster == (1, 1)
+            assert cfg == choose_config(*shape, out_dtype, b_rows=b_rows)
+
+
+def test_clusters_are_off_by_default():
+    """Unmeasured on a GPU: the default choice never clusters; the control is the same
+    shape with ``clusters=True``."""
+    for shape in SHAPES:
+        assert choose_config(*shape).cluster == (1, 1)
+    assert choose_config(8192, 8192, 8192, clusters=True).cluster == (2, 1)
+
+
+def test_cluster_model_counts_the_tile_past_an_odd_edge():
+    """Three tile rows in clusters of two along M make two clusters: four tile rows of
+    work (the last cluster's second CTA computes a tile past M). By hand: 384 x 33792 x
+    1024 on 128x128 tiles is 3 x 264 = 792 tiles, 6 waves of 132; clustered along M it is
+    4 x 264 = 1056 tiles, 8 waves; along N 3 x 264 (264 is even), 6 waves."""
+    plain = tile_cycles(384, 33792, 1024, 128, 128)
+    along_m = tile_cycles(384, 33792, 1024, 128, 128, cluster=(2, 1))
+    along_n = tile_cycles(384, 33792, 1024, 128, 128, cluster=(1, 2))
+    l2 = 1024 * 256 + 128 * 128 * 2  # per tile, without multicast
+    l2_bw = 8e6 / 1.3e3  # the chip's cap, below 64 B x 132 SMs per clock
+    l1 = 2 * 1024 * 256 + 2 * 128 * 128 * 2
+    assert plain == pytest.approx(max(792 * l2 / l2_bw, 792 * l1 / (128 * 132)), rel=1e-9)
+    l2_mc = 1024 * (128 + 64) + 128 * 128 * 2  # one operand's bytes halved
+    assert along_m == pytest.approx(max(1056 * l2_mc / l2_bw, 1056 * l1 / (128 * 132)),
+                                    rel=1e-9)
+    assert along_n == pytest.approx(max(792 * l2_mc / l2_bw, 792 * l1 / (128 * 132)),
+                                    rel=1e-9)
+    assert along_n < plain < along_m

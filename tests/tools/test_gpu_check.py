@@ -252,8 +252,9 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
     # the opt-in kernel forms against the default, interleaved, with their agreement
     [forms] = [r for s, r in report["tune"].items() if s.startswith("forms")]
     assert forms["ok"] and set(forms["variants"]) == {"default", "smem_scales", "128x144",
-                                                      "tile_epilogue"}
+                                                      "tile_epilogue", "cluster"}
     assert forms["variants"]["tile_epilogue"]["config"].endswith("_tile_epilogue")
+    assert forms["variants"]["cluster"]["config"].endswith("_cluster2x1")
     for v in forms["variants"].values():
         assert v["tflops_median"] > 0 and v["rel_fro_vs_default"] < 2.0**-8  # bf16 out
 

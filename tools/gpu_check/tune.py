@@ -1,7 +1,7 @@
 """The ``tune`` phase: every shipped config at one shape, interleaved (data for
 ``pallas_kernels.config.choose_config``); and the kernel's opt-in forms (scales staged in
-shared memory, 128 x 144-192 tiles, the other output epilogue) against the default config
-at the production shapes."""
+shared memory, 128 x 144-192 tiles, the other output epilogue, two-CTA clusters) against
+the default config at the production shapes."""
 
 from __future__ import annotations
 
@@ -47,11 +47,13 @@ def form_configs(m: int, n: int, k: int, out_dtype: str, *, base) -> dict:
     """The variants ``compare_forms`` times: ``base`` (the default form), ``base`` with the
     scales staged in shared memory, ``base`` with the other output epilogue ("tile" or
     "chunks", named ``tile_epilogue`` or ``chunks_epilogue``) at the most stages that fit
-    with it for ``out_dtype`` (no more than ``base``'s), and at N = 2112 or 7168 the
-    128 x 176 and 128 x 192 tiles (default scale form)."""
+    with it for ``out_dtype`` (no more than ``base``'s), at N = 2112 or 7168 the 128 x 176
+    and 128 x 192 tiles (default scale form), and ``base`` in the two-CTA cluster the
+    heuristic asks for at this shape (``choose_config(..., clusters=True)``; none at one
+    wave)."""
     import dataclasses
 
-    from pallas_kernels.config import TuningConfig, max_stages, with_scales
+    from pallas_kernels.config import TuningConfig, choose_config, max_stages, with_scales
 
     variants = {"default": base, "smem_scales": with_scales(base, "smem")}
     other = "chunks" if base.epilogue == "tile" else "tile"
@@ -61,6 +63,9 @@ def form_configs(m: int, n: int, k: int, out_dtype: str, *, base) -> dict:
     if n in (2112, 7168):
         for w in _WIDE_WIDTHS:
             variants[f"128x{w}"] = with_scales(TuningConfig(128, w, "m", 1), "global")
+    cluster = choose_config(m, n, k, out_dtype, clusters=True).cluster
+    if cluster != (1, 1) and base.scales == "global":
+        variants["cluster"] = dataclasses.replace(base, cluster=cluster)
     return variants
 
 

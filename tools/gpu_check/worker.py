@@ -6,6 +6,7 @@ A worker imports JAX and initializes its backend (the watcher never does); under
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import traceback
@@ -105,7 +106,8 @@ def phase_items(phase: str, *, rehearsal: bool, work: Path, excluded: set[str]
             variants = {"default": base, "smem_scales": with_scales(base, "smem"),
                         "128x144": with_scales(TuningConfig(128, 144, "m", 1), "global"),
                         "tile_epilogue": form_configs(128, 304, 256, "bfloat16",
-                                                      base=base)["tile_epilogue"]}
+                                                      base=base)["tile_epilogue"],
+                        "cluster": dataclasses.replace(base, cluster=(2, 1))}
             items.append(("forms-128x304x256", lambda: compare_forms(
                 128, 304, 256, out_dtype="bfloat16", b_rows=False, impl=impl, base=base,
                 rounds=1, rehearsal=True, variants=variants)))
