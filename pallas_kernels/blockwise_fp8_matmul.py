@@ -612,9 +612,9 @@ def _kernel_call(a, as_t, b, bs_t, *, config: TuningConfig, out_dtype, impl: Imp
     if config.scales == "global" and not b_rows and config.block_n % BLOCK_K:
         bs_t = _pad_columns(bs_t, bs_t.shape[1] + 2)  # the three blocks a pass may meet
     if config.scales == "smem":
-        # Every tile's scale slots (``scale_widths``: past the tile for narrow tiles, and
-        # B's window) stay in bounds, and the rows are a multiple of 16 bytes apart (a TMA
-        # source's strides must be).
+        # Every tile's scale slots (``scale_widths``: past the tile for narrow tiles) stay
+        # in bounds, and the rows are a multiple of 16 bytes apart (a TMA source's strides
+        # must be).
         a_width, b_width = scale_widths(config, b_rows)
         as_t = _pad_columns(as_t, as_t.shape[1] + a_width - config.block_m)
         if b_rows:

@@ -56,9 +56,6 @@ _EPILOGUE_BYTES = 16384
 # 96 of fresh accumulator). FP8 wgmma needs N a multiple of 8 and at most 256
 # (jax/experimental/mosaic/gpu/wgmma.py).
 WIDE_PASSES = (144, 160, 176, 192)
-# B's block scales staged per K block: 4 f32 (a TMA copy moves at least 16 bytes) from the
-# 128-column block of the tile's first column, enough for a tile 256 columns wide.
-B_SCALE_WINDOW = 4
 # B's block scales staged once per output tile (``scales="smem"``, B scaled per 128x128
 # block): each compute warpgroup's buffer holds, per 128-column block its passes meet, the
 # scales of every K block, padded to a multiple of 32 (a warpgroup's TMA copy with a barrier
@@ -279,18 +276,17 @@ def tile_scale_shape(config: TuningConfig, k_blocks: int) -> tuple[int, int, int
     return 2, blocks, -(-k_blocks // TILE_SCALE_K_ALIGN) * TILE_SCALE_K_ALIGN
 
 
-def scale_widths(config: TuningConfig, b_rows: bool) -> tuple[int, int]:
+def scale_widths(config: TuningConfig, b_rows: bool) -> tuple[int, int | None]:
     """f32 scales per pipeline slot, (A's, B's), with ``scales="smem"``: A's ``block_m``
     row scales and B's ``block_n`` column scales (``b_rows``) each rounded up to a multiple
-    of 64 and at least 128 (the entries past the tile are never read), or
-    ``B_SCALE_WINDOW`` block scales (the window a per-K-block ring would take; B's block
-    scales are staged once per tile instead, ``tile_scale_shape``). The rounding keeps
-    every slot of a ring 256-byte aligned, above the 128 bytes a Hopper TMA destination
-    needs."""
+    of 64 and at least 128 (the entries past the tile are never read); B's is None when B
+    is scaled per block (its scales are staged once per tile, ``tile_scale_shape``, not in
+    the ring). The rounding keeps every slot of a ring 256-byte aligned, above the 128
+    bytes a Hopper TMA destination needs."""
     def rounded(n):
         return max(-(-n // 64) * 64, 128)
 
-    return rounded(config.block_m), rounded(config.block_n) if b_rows else B_SCALE_WINDOW
+    return rounded(config.block_m), rounded(config.block_n) if b_rows else None
 
 
 def max_stages(config: TuningConfig, out_dtype, limit: int = SMEM_BYTES_H200,

@@ -770,7 +770,7 @@ def test_shipped_epilogue_is_tile_where_it_costs_no_stage(name):
 
 
 @pytest.mark.parametrize("block_m,block_n,split,b_rows,want", [
-    (128, 128, "m", False, (128, 4)), (64, 128, "n", False, (128, 4)),
+    (128, 128, "m", False, (128, None)), (64, 128, "n", False, (128, None)),
     (128, 144, "m", True, (128, 192)), (256, 128, "m", True, (256, 128)),
 ])
 def test_scale_slot_widths(block_m, block_n, split, b_rows, want):
